@@ -1,0 +1,102 @@
+#include "dlpack_view.h"
+
+#include <cstdint>
+#include <string>
+
+#include "pyspec/check.h"
+
+namespace py = pybind11;
+
+namespace pyspec {
+namespace bindings {
+namespace {
+
+// The stable (unversioned) DLPack ABI, v0.8: the layout every producer's "dltensor" capsule uses.
+struct DLDevice {
+  int32_t device_type;  // 1 = CPU, 2 = CUDA, 3 = CUDA host (pinned)
+  int32_t device_id;
+};
+struct DLDataType {
+  uint8_t code;  // 0 int, 1 uint, 2 float, 4 bfloat, 6 bool
+  uint8_t bits;
+  uint16_t lanes;
+};
+struct DLTensor {
+  void* data;
+  DLDevice device;
+  int32_t ndim;
+  DLDataType dtype;
+  int64_t* shape;
+  int64_t* strides;
+  uint64_t byte_offset;
+};
+struct DLManagedTensor {
+  DLTensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(DLManagedTensor*);
+};
+
+DType ToDType(const DLDataType& t, const char* name) {
+  if (t.lanes == 1) {
+    if (t.code == 2 && t.bits == 32) return DType::kFloat32;
+    if (t.code == 2 && t.bits == 16) return DType::kFloat16;
+    if (t.code == 2 && t.bits == 64) return DType::kFloat64;
+    if (t.code == 4 && t.bits == 16) return DType::kBFloat16;
+    if (t.code == 0 && t.bits == 32) return DType::kInt32;
+    if (t.code == 0 && t.bits == 64) return DType::kInt64;
+    if (t.code == 0 && t.bits == 8) return DType::kInt8;
+    if (t.code == 1 && t.bits == 8) return DType::kUInt8;
+    if (t.code == 6 && t.bits == 8) return DType::kBool;
+  }
+  throw ValueError(detail::StrCat("'", name, "' has an unsupported dtype (DLPack code ",
+                                  int(t.code), ", ", int(t.bits), " bits, ", t.lanes, " lanes)"));
+}
+
+}  // namespace
+
+TensorView ToView(py::handle obj, const char* name) {
+  if (obj.is_none()) throw ValueError(detail::StrCat("'", name, "' is None; expected a tensor"));
+  if (!py::hasattr(obj, "__dlpack__")) {
+    throw ValueError(detail::StrCat("'", name, "' must be a tensor (torch.Tensor or numpy array); got ",
+                                    std::string(py::str(py::type::of(obj).attr("__name__")))));
+  }
+  py::object capsule;
+  try {
+    capsule = obj.attr("__dlpack__")();
+  } catch (py::error_already_set& e) {
+    throw ValueError(detail::StrCat("'", name, "' cannot be shared zero-copy: ", e.what()));
+  }
+  // Reading the capsule does not consume it: its own destructor releases the producer's reference.
+  auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor"));
+  if (managed == nullptr) {
+    PyErr_Clear();
+    throw ValueError(detail::StrCat("'", name, "' returned an unexpected DLPack capsule"));
+  }
+  const DLTensor& dl = managed->dl_tensor;
+  TensorView v;
+  v.dtype = ToDType(dl.dtype, name);
+  if (dl.device.device_type == 1 || dl.device.device_type == 3) {
+    v.device = Device{DeviceType::kCPU, 0};
+  } else if (dl.device.device_type == 2) {
+    v.device = Device{DeviceType::kCUDA, dl.device.device_id};
+  } else {
+    throw ValueError(detail::StrCat("'", name, "' is on an unsupported device (DLPack type ",
+                                    dl.device.device_type, "); use cpu or cuda"));
+  }
+  if (dl.ndim > TensorView::kMaxDims) {
+    throw ValueError(detail::StrCat("'", name, "' has ", dl.ndim, " dims; at most ",
+                                    TensorView::kMaxDims, " are supported"));
+  }
+  v.ndim = dl.ndim;
+  v.data = static_cast<char*>(dl.data) + dl.byte_offset;
+  int64_t stride = 1;
+  for (int d = v.ndim - 1; d >= 0; --d) {
+    v.shape[d] = dl.shape[d];
+    v.strides[d] = dl.strides ? dl.strides[d] : stride;
+    stride *= dl.shape[d];
+  }
+  return v;
+}
+
+}  // namespace bindings
+}  // namespace pyspec

@@ -1,0 +1,58 @@
+#include <vector>
+
+#include "common.cuh"
+#include "materialize.cuh"
+#include "pyspec/cuda_ops.h"
+#include "pyspec/kv_ops.h"
+
+namespace pyspec {
+namespace cuda {
+
+namespace {
+std::vector<int64_t> CopyIndicesToHost(const TensorView& t, cudaStream_t stream) {
+  std::vector<int64_t> out(t.shape[0]);
+  if (out.empty()) return out;
+  if (t.dtype == DType::kInt64) {
+    PYSPEC_CUDA_CALL(cudaMemcpyAsync(out.data(), t.data, out.size() * 8, cudaMemcpyDeviceToHost, stream));
+    PYSPEC_CUDA_CALL(cudaStreamSynchronize(stream));
+  } else {
+    std::vector<int32_t> tmp(out.size());
+    PYSPEC_CUDA_CALL(cudaMemcpyAsync(tmp.data(), t.data, tmp.size() * 4, cudaMemcpyDeviceToHost, stream));
+    PYSPEC_CUDA_CALL(cudaStreamSynchronize(stream));
+    for (size_t i = 0; i < tmp.size(); ++i) out[i] = tmp[i];
+  }
+  return out;
+}
+}  // namespace
+
+void MaterializeKV(const TensorView& scratch, const TensorView& pages, const TensorView& src_rows,
+                   const TensorView& dst_slots, void* stream_ptr) {
+  CheckDevice(scratch, "scratch", DeviceType::kCUDA);
+  const auto s = detail::CheckMaterializeArgs(scratch, pages, src_rows, dst_slots);
+  PYSPEC_CHECK(src_rows.dtype == dst_slots.dtype, "'src_rows' and 'dst_slots' must share a dtype");
+  RequireDevice("materialize_kv");
+  PYSPEC_CUDA_CALL(cudaSetDevice(scratch.device.index));
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  const auto src = CopyIndicesToHost(src_rows, stream);
+  const auto dst = CopyIndicesToHost(dst_slots, stream);
+  for (int64_t i = 0; i < s.n; ++i) {
+    PYSPEC_CHECK(src[i] >= 0 && src[i] < s.scratch_rows, "src_rows[", i, "] = ", src[i],
+                 " is out of range [0, ", s.scratch_rows, ")");
+    PYSPEC_CHECK(dst[i] >= 0 && dst[i] < s.slots, "dst_slots[", i, "] = ", dst[i],
+                 " is out of range [0, ", s.slots, ") (num_blocks * block_size)");
+  }
+  cudaError_t err;
+  if (src_rows.dtype == DType::kInt64) {
+    err = kernels::LaunchMaterialize<int64_t>(scratch.data, pages.data, src_rows.ptr<int64_t>(),
+                                              dst_slots.ptr<int64_t>(), s.n, s.layers, s.scratch_rows,
+                                              s.slots, s.row_bytes, stream);
+  } else {
+    err = kernels::LaunchMaterialize<int32_t>(scratch.data, pages.data, src_rows.ptr<int32_t>(),
+                                              dst_slots.ptr<int32_t>(), s.n, s.layers, s.scratch_rows,
+                                              s.slots, s.row_bytes, stream);
+  }
+  PYSPEC_CUDA_CALL(err);
+}
+
+}  // namespace cuda
+}  // namespace pyspec

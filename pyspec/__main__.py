@@ -1,0 +1,5 @@
+import sys
+
+from pyspec.cli import main
+
+sys.exit(main())

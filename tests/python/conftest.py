@@ -1,0 +1,31 @@
+import pytest
+
+
+def pytest_configure(config):
+    try:
+        import pyspec._C  # noqa: F401
+    except ImportError as e:
+        raise pytest.UsageError(
+            f"pyspec's extension is not importable ({e}). Install the package first "
+            "(pip install --no-build-isolation .) and run `pytest` rather than `python -m pytest` "
+            "from the repository root, so the installed package is imported, not the source tree."
+        )
+
+
+def _cuda_ok() -> bool:
+    try:
+        import pyspec
+
+        return pyspec.cuda_available()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_ok():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU and a CUDA build of pyspec")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
