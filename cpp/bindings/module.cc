@@ -7,4 +7,7 @@ PYBIND11_MODULE(_C, m) {
   pyspec::bindings::RegisterCore(m);
   pyspec::bindings::RegisterTree(m);
   pyspec::bindings::RegisterCuda(m);
+  pyspec::bindings::RegisterBlockManager(m);
+  pyspec::bindings::RegisterAttention(m);
+  pyspec::bindings::RegisterAcceptance(m);
 }

@@ -9,6 +9,9 @@ namespace bindings {
 void RegisterCore(pybind11::module_& m);
 void RegisterTree(pybind11::module_& m);
 void RegisterCuda(pybind11::module_& m);
+void RegisterBlockManager(pybind11::module_& m);
+void RegisterAttention(pybind11::module_& m);
+void RegisterAcceptance(pybind11::module_& m);
 
 }  // namespace bindings
 }  // namespace pyspec

@@ -1,0 +1,103 @@
+// Bindings of the acceptance-sampling ops (pyspec/acceptance.h). Tensors are read zero-copy through
+// DLPack; the GIL is released while an op runs. pyspec/sampling.py is the documented Python API.
+#include <pybind11/pybind11.h>
+
+#include <optional>
+
+#include "dispatch.h"
+#include "dlpack_view.h"
+#include "pyspec/acceptance.h"
+#include "pyspec/check.h"
+#include "registry.h"
+
+namespace py = pybind11;
+
+namespace pyspec {
+namespace bindings {
+namespace {
+
+// The acceptance ops have no CUDA version yet: CUDA tensors get a RuntimeError, not a ValueError.
+void RequireCpu(const TensorView& v, const char* op) {
+  if (!IsCuda(v)) return;
+#ifdef PYSPEC_WITH_CUDA
+  throw RuntimeError(detail::StrCat("pyspec: '", op, "' is not implemented on CUDA yet; pass CPU ",
+                                    "tensors (e.g. probs.cpu())"));
+#else
+  CudaNotBuilt(op);
+#endif
+}
+
+}  // namespace
+
+void RegisterAcceptance(py::module_& m) {
+  m.def(
+      "apply_sampling_filters",
+      [](py::handle logits, py::handle temperature, py::handle top_k, py::handle top_p,
+         py::handle min_p, py::handle probs) {
+        TensorView l = ToView(logits, "logits");
+        RequireCpu(l, "apply_sampling_filters");
+        TensorView t = ToView(temperature, "temperature"), k = ToView(top_k, "top_k");
+        TensorView p = ToView(top_p, "top_p"), mp = ToView(min_p, "min_p");
+        TensorView out = ToView(probs, "probs");
+        py::gil_scoped_release release;
+        ApplySamplingFilters(l, t, k, p, mp, out);
+      },
+      py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
+      py::arg("min_p"), py::arg("probs"),
+      "Write the filtered distribution of every row of logits [N, V] (fp32/fp16/bf16) into probs "
+      "[N, V] float32. Per-row params: temperature float32 [N] (0 = greedy one-hot), top_k int32 [N] "
+      "(0 = off), top_p float32 [N] (1 = off), min_p float32 [N] (0 = off). Order: temperature, "
+      "top-k, top-p, min-p, renormalise. CPU tensors, contiguous.");
+
+  m.def(
+      "accept_trees",
+      [](py::handle target_probs, py::object draft_probs, py::handle tokens, py::handle parents,
+         py::handle tree_indptr, py::handle greedy, py::handle sampled_children, py::handle seeds,
+         py::handle offsets, py::handle accepted_nodes, py::handle emitted_tokens,
+         py::handle num_accepted, double row_sum_tolerance, bool debug_skip_residual) {
+        TensorView tp = ToView(target_probs, "target_probs");
+        RequireCpu(tp, "accept_trees");
+        std::optional<TensorView> dp;
+        if (!draft_probs.is_none()) dp = ToView(draft_probs, "draft_probs");
+        TensorView tok = ToView(tokens, "tokens"), par = ToView(parents, "parents");
+        TensorView ind = ToView(tree_indptr, "tree_indptr"), gr = ToView(greedy, "greedy");
+        TensorView sc = ToView(sampled_children, "sampled_children");
+        TensorView sd = ToView(seeds, "seeds"), of = ToView(offsets, "offsets");
+        TensorView an = ToView(accepted_nodes, "accepted_nodes");
+        TensorView et = ToView(emitted_tokens, "emitted_tokens");
+        TensorView na = ToView(num_accepted, "num_accepted");
+        AcceptOptions opt;
+        opt.row_sum_tolerance = row_sum_tolerance;
+        opt.debug_skip_residual = debug_skip_residual;
+        py::gil_scoped_release release;
+        AcceptTrees(tp, dp ? &*dp : nullptr, tok, par, ind, gr, sc, sd, of, an, et, na, opt);
+      },
+      py::arg("target_probs"), py::arg("draft_probs"), py::arg("tokens"), py::arg("parents"),
+      py::arg("tree_indptr"), py::arg("greedy"), py::arg("sampled_children"), py::arg("seeds"),
+      py::arg("offsets"), py::arg("accepted_nodes"), py::arg("emitted_tokens"),
+      py::arg("num_accepted"), py::arg("row_sum_tolerance") = 1e-3,
+      py::arg("debug_skip_residual") = false,
+      "Batched tree acceptance (greedy walk, recursive rejection sampling with draft_probs, or the "
+      "target-only walk for deterministic children). Inputs: target_probs float32 [N, V], "
+      "draft_probs float32 [N, V] or None, tokens int32 [N], parents int32 [N] (tree-local), "
+      "tree_indptr int64 [B+1], greedy and sampled_children bool/uint8 [B], seeds and offsets int64 "
+      "[B]. Outputs written in place: accepted_nodes and emitted_tokens int32 [B, W] (W >= max depth "
+      "+ 1, -1 padded), num_accepted int32 [B]. debug_skip_residual breaks losslessness on purpose "
+      "(tests only).");
+
+  m.def(
+      "tree_batch_max_depth",
+      [](py::handle parents, py::handle tree_indptr) {
+        TensorView par = ToView(parents, "parents");
+        RequireCpu(par, "tree_batch_max_depth");
+        TensorView ind = ToView(tree_indptr, "tree_indptr");
+        py::gil_scoped_release release;
+        return TreeBatchMaxDepth(par, ind);
+      },
+      py::arg("parents"), py::arg("tree_indptr"),
+      "Largest depth of a flattened tree batch (parents int32 [N], tree_indptr int64 [B+1]); "
+      "validates the trees.");
+}
+
+}  // namespace bindings
+}  // namespace pyspec

@@ -1,0 +1,740 @@
+// Sampling filters and batched tree acceptance on the CPU. See acceptance.h for the contracts and
+// the papers; this file states the numerical choices.
+//
+// Numerics: probabilities are read as float32 and every sum, residual and CDF is accumulated in
+// double, always sequentially over the vocabulary in token order, so a result does not depend on the
+// thread count. Rows are normalised by their computed sum (not assumed to sum to exactly 1).
+#include "pyspec/acceptance.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "pyspec/check.h"
+#include "pyspec/philox.h"
+#include "pyspec/thread_pool.h"
+#include "pyspec/tree.h"
+
+namespace pyspec {
+namespace {
+
+// ---- scalar conversions ---------------------------------------------------------------------------
+
+inline float BF16ToFloat(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1Fu;
+  uint32_t mant = h & 0x3FFu;
+  uint32_t bits;
+  if (exp == 0x1Fu) {
+    bits = sign | 0x7F800000u | (mant << 13);  // inf / nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (mant << 13);  // 127 - 15 = 112
+  } else if (mant == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    int e = -1;
+    do {
+      ++e;
+      mant <<= 1;
+    } while ((mant & 0x400u) == 0);
+    bits = sign | (static_cast<uint32_t>(112 - e) << 23) | ((mant & 0x3FFu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+void LoadRow(const TensorView& logits, int64_t row, int64_t vocab, float* out) {
+  const int64_t base = row * vocab;
+  switch (logits.dtype) {
+    case DType::kFloat32:
+      std::memcpy(out, logits.ptr<const float>() + base, sizeof(float) * vocab);
+      break;
+    case DType::kBFloat16: {
+      const uint16_t* src = logits.ptr<const uint16_t>() + base;
+      for (int64_t v = 0; v < vocab; ++v) out[v] = BF16ToFloat(src[v]);
+      break;
+    }
+    case DType::kFloat16: {
+      const uint16_t* src = logits.ptr<const uint16_t>() + base;
+      for (int64_t v = 0; v < vocab; ++v) out[v] = HalfToFloat(src[v]);
+      break;
+    }
+    default:
+      PYSPEC_ICHECK(false, "unexpected logits dtype");
+  }
+}
+
+// ---- sampling filters -----------------------------------------------------------------------------
+
+struct Candidate {
+  float w;  // unnormalised probability exp((z - zmax) / T), in (0, 1]
+  int32_t id;
+};
+// The strict total order of the filters: larger probability first, then lower token id.
+inline bool Before(const Candidate& a, const Candidate& b) {
+  return a.w > b.w || (a.w == b.w && a.id < b.id);
+}
+
+// Reorders cand so that cand[0..n_keep) is the smallest prefix (in `Before` order) whose mass is
+// >= target, and returns n_keep. A mass-weighted quickselect: each round partitions the live range
+// around its middle position with nth_element and continues on the side that holds the crossing
+// point, so the expected cost is linear in the candidate count (no full sort).
+int64_t TopPPrefix(std::vector<Candidate>& cand, double target) {
+  int64_t lo = 0, hi = static_cast<int64_t>(cand.size());
+  double before = 0.0;  // mass of cand[0..lo), all of which come first in order
+  while (hi - lo > 32) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    std::nth_element(cand.begin() + lo, cand.begin() + mid, cand.begin() + hi, Before);
+    double left = 0.0;
+    for (int64_t i = lo; i < mid; ++i) left += cand[i].w;
+    if (before + left >= target) {
+      hi = mid;
+    } else if (before + left + cand[mid].w >= target) {
+      return mid + 1;
+    } else {
+      before += left + cand[mid].w;
+      lo = mid + 1;
+    }
+  }
+  std::sort(cand.begin() + lo, cand.begin() + hi, Before);
+  for (int64_t i = lo; i < hi; ++i) {
+    before += cand[i].w;
+    if (before >= target) return i + 1;
+  }
+  // Rounding kept the running mass just under target: keep everything.
+  return static_cast<int64_t>(cand.size());
+}
+
+// exp(x) for x <= 0 (inputs below -87 are clamped), branch-free so that loops over it vectorise.
+// Cody-Waite reduction x = n ln2 + r, |r| <= ln2 / 2, and a degree-6 Taylor polynomial: relative
+// error about 2e-7, below float32 probability resolution that matters here.
+inline float ExpNonPositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float nf = static_cast<float>(static_cast<int32_t>(x * 1.44269504f - 0.5f));  // round
+  float r = x - nf * 0.693145751953125f;
+  r = r - nf * 1.428606765330187e-06f;
+  float poly = 1.0f / 720.0f;
+  poly = poly * r + 1.0f / 120.0f;
+  poly = poly * r + 1.0f / 24.0f;
+  poly = poly * r + 1.0f / 6.0f;
+  poly = poly * r + 0.5f;
+  poly = poly * r + 1.0f;
+  poly = poly * r + 1.0f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(nf) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return poly * scale;
+}
+
+inline int ExponentBucket(float w) {  // w in [0, 1]: the biased float exponent, 0..127
+  uint32_t bits;
+  std::memcpy(&bits, &w, sizeof(bits));
+  return static_cast<int>(bits >> 23);
+}
+
+struct FilterScratch {
+  std::vector<float> z, w;
+  std::vector<Candidate> cand;
+};
+
+// Writes out[id] = w / sum(kept) for the kept candidates cand[0..n) with w >= min_w.
+void WriteCandidates(const std::vector<Candidate>& cand, int64_t n, float min_w, float* out) {
+  double kept = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (cand[i].w >= min_w) kept += cand[i].w;
+  }
+  const double inv = 1.0 / kept;
+  for (int64_t i = 0; i < n; ++i) {
+    if (cand[i].w >= min_w) out[cand[i].id] = static_cast<float>(cand[i].w * inv);
+  }
+}
+
+void FilterRow(const TensorView& logits, int64_t row, int64_t vocab, float temperature, int32_t top_k,
+               float top_p, float min_p, float* out, FilterScratch& s) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  float* z = s.z.data();
+  LoadRow(logits, row, vocab, z);
+  float zmax = kNegInf;
+  int64_t argmax = -1;
+  int64_t num_finite = 0;
+  bool bad = false;
+  for (int64_t v = 0; v < vocab; ++v) {
+    const float x = z[v];
+    bad |= std::isnan(x) | (x == -kNegInf);
+    if (x > zmax) {
+      zmax = x;
+      argmax = v;
+    }
+    num_finite += (x != kNegInf);
+  }
+  if (bad) {
+    for (int64_t v = 0; v < vocab; ++v) {
+      PYSPEC_CHECK(!std::isnan(z[v]) && z[v] != -kNegInf, "'logits' row ", row,
+                   " has a NaN or +inf entry at token ", v);
+    }
+  }
+  PYSPEC_CHECK(argmax >= 0, "'logits' row ", row, " has no finite entry (all -inf)");
+  std::fill(out, out + vocab, 0.0f);
+  const float inv_t = 1.0f / temperature;
+  if (temperature == 0.0f || !std::isfinite(inv_t)) {  // a subnormal T is greedy too
+    out[argmax] = 1.0f;
+    return;
+  }
+  const float min_w = min_p;  // min-p: the largest weight is exp(0) = 1 and is always kept
+
+  if (top_k > 0 && top_k < num_finite) {
+    // Top-k on the logits (temperature keeps the order). Exactly k survive: every value above the
+    // k-th largest, then the lowest ids among the values equal to it. Only k exps are computed.
+    float* sel = s.w.data();
+    std::copy(z, z + vocab, sel);
+    std::nth_element(sel, sel + (top_k - 1), sel + vocab, std::greater<float>());
+    const float kth = sel[top_k - 1];
+    int64_t above = 0;
+    for (int64_t i = 0; i < top_k - 1; ++i) above += (sel[i] > kth);
+    int64_t ties_left = top_k - above;
+    s.cand.clear();
+    for (int64_t v = 0; v < vocab; ++v) {
+      if (z[v] > kth || (z[v] == kth && ties_left-- > 0)) {
+        s.cand.push_back({ExpNonPositive((z[v] - zmax) * inv_t), static_cast<int32_t>(v)});
+      }
+    }
+    int64_t n = static_cast<int64_t>(s.cand.size());
+    if (top_p < 1.0f) {
+      double total = 0.0;
+      for (const Candidate& c : s.cand) total += c.w;
+      n = TopPPrefix(s.cand, static_cast<double>(top_p) * total);
+    }
+    WriteCandidates(s.cand, n, min_w, out);
+    return;
+  }
+
+  // Dense path: weights for the whole vocabulary (-inf logits get weight 0).
+  float* w = s.w.data();
+  for (int64_t v = 0; v < vocab; ++v) {
+    const float e = ExpNonPositive((z[v] - zmax) * inv_t);
+    w[v] = z[v] == kNegInf ? 0.0f : e;
+  }
+  // Top-p boundary: the last kept token (w_b, id_b) in (w desc, id asc) order. Masses per float
+  // exponent bucket locate the bucket that crosses top_p; only that bucket (values within a factor
+  // of 2) goes through the quickselect.
+  float w_b = 0.0f;
+  int32_t id_b = std::numeric_limits<int32_t>::max();
+  if (top_p < 1.0f) {
+    // Four interleaved histograms: neighbouring tokens often share a bucket, and one histogram
+    // would serialise on its read-modify-write.
+    double hist[4][128] = {};
+    int64_t v = 0;
+    for (; v + 4 <= vocab; v += 4) {
+      for (int i = 0; i < 4; ++i) hist[i][ExponentBucket(w[v + i])] += w[v + i];
+    }
+    for (; v < vocab; ++v) hist[0][ExponentBucket(w[v])] += w[v];
+    double bucket[128];
+    double total = 0.0;
+    for (int e = 127; e >= 0; --e) {
+      bucket[e] = (hist[0][e] + hist[1][e]) + (hist[2][e] + hist[3][e]);
+      total += bucket[e];
+    }
+    const double target = static_cast<double>(top_p) * total;
+    double above = 0.0;
+    int cross = -1;
+    for (int e = 127; e >= 1; --e) {
+      if (above + bucket[e] >= target) {
+        cross = e;
+        break;
+      }
+      above += bucket[e];
+    }
+    if (cross >= 0) {
+      s.cand.clear();
+      for (int64_t v = 0; v < vocab; ++v) {
+        if (ExponentBucket(w[v]) == cross) s.cand.push_back({w[v], static_cast<int32_t>(v)});
+      }
+      const int64_t n = TopPPrefix(s.cand, target - above);
+      // The boundary is the latest of the kept prefix in (w desc, id asc) order.
+      Candidate last = s.cand[0];
+      for (int64_t i = 1; i < n; ++i) {
+        if (Before(last, s.cand[i])) last = s.cand[i];
+      }
+      w_b = last.w;
+      id_b = last.id;
+    }
+  }
+  const float floor_w = std::max(min_w, w_b);
+  double kept = 0.0;
+  for (int64_t v = 0; v < vocab; ++v) {
+    const bool keep = w[v] > 0.0f && w[v] >= floor_w &&
+                      (w[v] > w_b || static_cast<int32_t>(v) <= id_b);
+    kept += keep ? w[v] : 0.0f;
+  }
+  const float inv = static_cast<float>(1.0 / kept);
+  for (int64_t v = 0; v < vocab; ++v) {
+    const bool keep = w[v] > 0.0f && w[v] >= floor_w &&
+                      (w[v] > w_b || static_cast<int32_t>(v) <= id_b);
+    out[v] = keep ? w[v] * inv : 0.0f;
+  }
+}
+
+// ---- acceptance -----------------------------------------------------------------------------------
+
+inline bool ReadFlag(const TensorView& t, int64_t i) { return t.ptr<const uint8_t>()[i] != 0; }
+
+// Per-request inputs shared by the walks.
+struct Batch {
+  const float* target;       // [N, V]
+  const float* draft;        // [N, V] or nullptr
+  const int32_t* tokens;     // [N]
+  const int32_t* parents;    // [N]
+  const int64_t* indptr;     // [B + 1]
+  int64_t vocab;
+  double tol;
+};
+
+// Per-thread working memory, reused across the requests of a chunk.
+struct WalkScratch {
+  std::vector<double> resid;     // [V] current p (unnormalised) after a sampled-mode rejection
+  std::vector<double> qcur;      // [V] current q (unnormalised, rejected siblings zeroed)
+  std::vector<double> tmp;       // [V] staging for the next residual
+  std::vector<int32_t> removed;  // target-only walk: rejected tokens of the current node, sorted
+  std::vector<int32_t> child_ptr, child_list, fill;
+  std::vector<int32_t> path, emitted;
+};
+
+// One pass over a probability row: its sum (four accumulators in a fixed order: deterministic and
+// about four times faster than one dependent chain) and whether any entry is outside [0, hi] or
+// NaN. With `argmax` it also finds the first maximum.
+template <bool kArgmax>
+double ScanRow(const float* row, int64_t vocab, float hi, bool* bad, int64_t* argmax) {
+  double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
+  bool out_of_range = false;
+  int64_t best = 0;
+  float best_val = row[0];
+  int64_t v = 0;
+  for (; v + 4 <= vocab; v += 4) {
+    const float x0 = row[v], x1 = row[v + 1], x2 = row[v + 2], x3 = row[v + 3];
+    out_of_range |= !(x0 >= 0.0f) | !(x0 <= hi) | !(x1 >= 0.0f) | !(x1 <= hi) |
+                    !(x2 >= 0.0f) | !(x2 <= hi) | !(x3 >= 0.0f) | !(x3 <= hi);
+    a0 += x0;
+    a1 += x1;
+    a2 += x2;
+    a3 += x3;
+    if (kArgmax) {
+      // Strict '>' in index order keeps the first maximum.
+      const float m01 = std::max(x0, x1), m23 = std::max(x2, x3);
+      if (std::max(m01, m23) > best_val) {
+        for (int i = 0; i < 4; ++i) {
+          if (row[v + i] > best_val) {
+            best_val = row[v + i];
+            best = v + i;
+          }
+        }
+      }
+    }
+  }
+  for (; v < vocab; ++v) {
+    out_of_range |= !(row[v] >= 0.0f) | !(row[v] <= hi);
+    a0 += row[v];
+    if (kArgmax && row[v] > best_val) {
+      best_val = row[v];
+      best = v;
+    }
+  }
+  if (kArgmax) *argmax = best;
+  *bad = out_of_range;
+  return (a0 + a1) + (a2 + a3);
+}
+
+// Validates a probability row the walk reads and returns its sum.
+template <bool kArgmax = false>
+double CheckedRow(const float* row, int64_t vocab, double tol, const char* name, int64_t global_row,
+                  int64_t request, int64_t node, int64_t* argmax = nullptr) {
+  bool bad = false;
+  const double sum = ScanRow<kArgmax>(row, vocab, 1.0f + static_cast<float>(tol), &bad, argmax);
+  if (bad) {
+    for (int64_t v = 0; v < vocab; ++v) {
+      PYSPEC_CHECK(std::isfinite(row[v]) && row[v] >= 0.0f, "'", name, "' row ", global_row,
+                   " (request ", request, ", node ", node, ") has a NaN, infinite or negative entry ",
+                   row[v], " at token ", v);
+    }
+  }
+  PYSPEC_CHECK(std::abs(sum - 1.0) <= tol, "'", name, "' row ", global_row, " (request ", request,
+               ", node ", node, ") sums to ", sum, "; probability rows must sum to 1 within ", tol);
+  return sum;
+}
+
+// Inverse-CDF sample from unnormalised weights w (total mass `total`), treating the tokens listed
+// in `skip` (sorted) as 0. If rounding leaves u * total beyond the running sum, the last token
+// with positive weight is returned (its mass absorbs the rounding).
+template <typename T>
+int32_t SampleIndex(const T* w, int64_t vocab, double total, double u,
+                    const std::vector<int32_t>* skip = nullptr) {
+  const double target = u * total;
+  double cum = 0.0;
+  int64_t last_positive = -1;
+  size_t k = 0;
+  for (int64_t v = 0; v < vocab; ++v) {
+    if (skip != nullptr && k < skip->size() && (*skip)[k] == v) {
+      ++k;
+      continue;
+    }
+    if (w[v] > 0) {
+      cum += w[v];
+      last_positive = v;
+      if (cum > target) return static_cast<int32_t>(v);
+    }
+  }
+  PYSPEC_ICHECK(last_positive >= 0, "sampling from an empty distribution");
+  return static_cast<int32_t>(last_positive);
+}
+
+// The rejection update of recursive rejection sampling, fused into one pass:
+//   tmp  <- max(p / p_mass - q / q_mass, 0)      (the next target, unnormalised)
+//   qout <- q with token x zeroed                  (the next draft: without replacement)
+// Returns the masses of both. qout may alias q.
+template <typename P, typename Q>
+void RejectPass(const P* p, double p_mass, const Q* q, double q_mass, int32_t x, int64_t vocab,
+                double* tmp, double* qout, double* r_mass, double* q_mass_out) {
+  const double inv_p = 1.0 / p_mass, inv_q = 1.0 / q_mass;
+  double r0 = 0.0, r1 = 0.0, s0 = 0.0, s1 = 0.0;
+  int64_t v = 0;
+  for (; v + 2 <= vocab; v += 2) {
+    const double q0 = q[v], q1 = q[v + 1];
+    const double d0 = std::max(p[v] * inv_p - q0 * inv_q, 0.0);
+    const double d1 = std::max(p[v + 1] * inv_p - q1 * inv_q, 0.0);
+    tmp[v] = d0;
+    tmp[v + 1] = d1;
+    qout[v] = q0;
+    qout[v + 1] = q1;
+    r0 += d0;
+    r1 += d1;
+    s0 += q0;
+    s1 += q1;
+  }
+  for (; v < vocab; ++v) {
+    const double q0 = q[v];
+    const double d0 = std::max(p[v] * inv_p - q0 * inv_q, 0.0);
+    tmp[v] = d0;
+    qout[v] = q0;
+    r0 += d0;
+    s0 += q0;
+  }
+  // Drop x from the draft; subtracting keeps the pass single (the mass is only a normaliser).
+  *q_mass_out = (s0 + s1) - qout[x];
+  qout[x] = 0.0;
+  *r_mass = r0 + r1;
+}
+
+// Below this mass a residual is treated as empty (the rejection that led to it had probability of
+// the same order) and the walk keeps its current target instead.
+constexpr double kEmptyMass = 1e-9;
+
+void WalkRequest(const Batch& in, int64_t b, bool greedy, bool sampled, uint64_t seed,
+                 uint64_t offset, const AcceptOptions& opt, WalkScratch& s) {
+  const int64_t base = in.indptr[b];
+  const int32_t n = static_cast<int32_t>(in.indptr[b + 1] - base);
+  const int64_t V = in.vocab;
+  // Children lists (CSR) of this tree, in index order.
+  s.child_ptr.assign(n + 1, 0);
+  for (int32_t i = 1; i < n; ++i) ++s.child_ptr[in.parents[base + i] + 1];
+  for (int32_t i = 0; i < n; ++i) s.child_ptr[i + 1] += s.child_ptr[i];
+  s.child_list.resize(n > 0 ? n - 1 : 0);
+  s.fill.assign(s.child_ptr.begin(), s.child_ptr.end() - 1);
+  for (int32_t i = 1; i < n; ++i) s.child_list[s.fill[in.parents[base + i]]++] = i;
+
+  s.path.assign(1, 0);
+  s.emitted.clear();
+  int32_t node = 0;
+  while (true) {
+    const int64_t row = base + node;
+    const float* p = in.target + row * V;
+    const int32_t* kid_begin = s.child_list.data() + s.child_ptr[node];
+    const int32_t num_kids = s.child_ptr[node + 1] - s.child_ptr[node];
+    if (greedy) {
+      int64_t best = 0;
+      CheckedRow<true>(p, V, in.tol, "target_probs", row, b, node, &best);
+      s.emitted.push_back(static_cast<int32_t>(best));
+      int32_t next = -1;
+      for (int32_t j = 0; j < num_kids && next < 0; ++j) {
+        if (in.tokens[base + kid_begin[j]] == best) next = kid_begin[j];
+      }
+      if (next < 0) break;  // recovered (a miss) or bonus (a leaf)
+      s.path.push_back(next);
+      node = next;
+      continue;
+    }
+
+    // Stochastic: recursive rejection sampling over the children in index order.
+    double p_mass = CheckedRow(p, V, in.tol, "target_probs", row, b, node);
+    const float* q = nullptr;
+    double q_mass = 1.0;
+    if (sampled && num_kids > 0) {
+      q = in.draft + row * V;
+      q_mass = CheckedRow(q, V, in.tol, "draft_probs", row, b, node);
+    }
+    bool have_resid = false;  // sampled mode: the current p lives in s.resid
+    bool have_q = false;      // sampled mode: the current q lives in s.qcur
+    s.removed.clear();        // target-only walk: the current p is p minus these tokens
+    int32_t accepted = -1;
+    for (int32_t j = 0; j < num_kids; ++j) {
+      const int32_t child = kid_begin[j];
+      const int32_t x = in.tokens[base + child];
+      const double u = PhiloxUniform(seed, offset, static_cast<uint32_t>(node),
+                                     static_cast<uint32_t>(j));
+      if (q == nullptr) {
+        // Target-only walk: q = one-hot(x), so accept with probability p(x); on rejection
+        // max(p - onehot(x), 0) is p with x zeroed.
+        const bool gone = std::binary_search(s.removed.begin(), s.removed.end(), x);
+        const double px = gone ? 0.0 : p[x] / p_mass;
+        if (u < px) {
+          accepted = child;
+          break;
+        }
+        if (!gone && !opt.debug_skip_residual && p_mass - p[x] > kEmptyMass) {
+          p_mass -= p[x];
+          s.removed.insert(std::upper_bound(s.removed.begin(), s.removed.end(), x), x);
+        }
+        continue;
+      }
+      const double px = (have_resid ? s.resid[x] : static_cast<double>(p[x])) / p_mass;
+      const double qx = (have_q ? s.qcur[x] : static_cast<double>(q[x])) / q_mass;
+      PYSPEC_CHECK(qx > 0.0, "request ", b, ": child node ", child, " has token ", x,
+                   " but 'draft_probs' row ", row, " gives it probability 0 (after removing the "
+                   "earlier siblings); sampled children must be distinct draws from that row");
+      if (u * qx < px) {  // probability min(1, px / qx)
+        accepted = child;
+        break;
+      }
+      double r_mass = 0.0, next_q_mass = 0.0;
+      if (have_resid) {
+        if (have_q) {
+          RejectPass(s.resid.data(), p_mass, s.qcur.data(), q_mass, x, V, s.tmp.data(),
+                     s.qcur.data(), &r_mass, &next_q_mass);
+        } else {
+          RejectPass(s.resid.data(), p_mass, q, q_mass, x, V, s.tmp.data(), s.qcur.data(),
+                     &r_mass, &next_q_mass);
+        }
+      } else if (have_q) {
+        RejectPass(p, p_mass, s.qcur.data(), q_mass, x, V, s.tmp.data(), s.qcur.data(), &r_mass,
+                   &next_q_mass);
+      } else {
+        RejectPass(p, p_mass, q, q_mass, x, V, s.tmp.data(), s.qcur.data(), &r_mass, &next_q_mass);
+      }
+      have_q = true;
+      q_mass = next_q_mass;
+      if (!opt.debug_skip_residual && r_mass > kEmptyMass) {
+        std::swap(s.resid, s.tmp);
+        have_resid = true;
+        p_mass = r_mass;
+      }
+      // else: an empty residual (p <= q up to rounding) keeps the current p.
+    }
+    if (accepted >= 0) {
+      s.emitted.push_back(in.tokens[base + accepted]);
+      s.path.push_back(accepted);
+      node = accepted;
+      continue;
+    }
+    // Every child rejected (recovered token) or a leaf (bonus token): sample the current p.
+    const double u = PhiloxUniform(seed, offset, static_cast<uint32_t>(node),
+                                   static_cast<uint32_t>(num_kids));
+    const int32_t t = have_resid ? SampleIndex(s.resid.data(), V, p_mass, u)
+                                 : SampleIndex(p, V, p_mass, u, &s.removed);
+    s.emitted.push_back(t);
+    break;
+  }
+}
+
+int32_t MaxDepthChecked(const TensorView& parents, const TensorView& tree_indptr,
+                        std::vector<int32_t>* depth_out) {
+  CheckDevice(parents, "parents", DeviceType::kCPU);
+  CheckSameDevice(parents, "parents", tree_indptr, "tree_indptr");
+  CheckDType(parents, "parents", {DType::kInt32});
+  CheckDType(tree_indptr, "tree_indptr", {DType::kInt64});
+  CheckShape(parents, "parents", {-1});
+  CheckShape(tree_indptr, "tree_indptr", {-1});
+  CheckContiguous(parents, "parents");
+  CheckContiguous(tree_indptr, "tree_indptr");
+  PYSPEC_CHECK(tree_indptr.shape[0] >= 1, "'tree_indptr' must have batch + 1 >= 1 entries");
+  const int64_t batch = tree_indptr.shape[0] - 1;
+  const int64_t total = parents.shape[0];
+  const int32_t* par = parents.ptr<const int32_t>();
+  const int64_t* indptr = tree_indptr.ptr<const int64_t>();
+  ValidateTreeBatch(par, indptr, batch, total, "parents");
+  std::vector<int32_t> local;
+  std::vector<int32_t>& depth = depth_out ? *depth_out : local;
+  depth.assign(total, 0);
+  int32_t max_depth = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t base = indptr[b];
+    for (int64_t i = 1; i < indptr[b + 1] - base; ++i) {
+      depth[base + i] = depth[base + par[base + i]] + 1;
+      max_depth = std::max(max_depth, depth[base + i]);
+    }
+  }
+  return max_depth;
+}
+
+}  // namespace
+
+void ApplySamplingFilters(const TensorView& logits, const TensorView& temperature,
+                          const TensorView& top_k, const TensorView& top_p, const TensorView& min_p,
+                          const TensorView& probs, ThreadPool* pool) {
+  const std::pair<const TensorView*, const char*> all[] = {
+      {&temperature, "temperature"}, {&top_k, "top_k"}, {&top_p, "top_p"}, {&min_p, "min_p"},
+      {&probs, "probs"}};
+  CheckDevice(logits, "logits", DeviceType::kCPU);
+  for (const auto& t : all) CheckSameDevice(logits, "logits", *t.first, t.second);
+  CheckDType(logits, "logits", {DType::kFloat32, DType::kFloat16, DType::kBFloat16});
+  CheckDType(temperature, "temperature", {DType::kFloat32});
+  CheckDType(top_k, "top_k", {DType::kInt32});
+  CheckDType(top_p, "top_p", {DType::kFloat32});
+  CheckDType(min_p, "min_p", {DType::kFloat32});
+  CheckDType(probs, "probs", {DType::kFloat32});
+  CheckShape(logits, "logits", {-1, -1});
+  const int64_t rows = logits.shape[0], vocab = logits.shape[1];
+  PYSPEC_CHECK(vocab >= 1, "'logits' needs a vocabulary of at least 1; got ", logits.ShapeString());
+  PYSPEC_CHECK(vocab <= std::numeric_limits<int32_t>::max(), "'logits' vocabulary is too large");
+  CheckShape(probs, "probs", {rows, vocab});
+  CheckContiguous(logits, "logits");
+  CheckContiguous(probs, "probs");
+  for (const auto& t : all) {
+    if (t.first == &probs) continue;
+    CheckShape(*t.first, t.second, {rows});
+    CheckContiguous(*t.first, t.second);
+  }
+  const float* temp = temperature.ptr<const float>();
+  const int32_t* k = top_k.ptr<const int32_t>();
+  const float* tp = top_p.ptr<const float>();
+  const float* mp = min_p.ptr<const float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    PYSPEC_CHECK(std::isfinite(temp[r]) && temp[r] >= 0.0f, "'temperature'[", r, "] = ", temp[r],
+                 " must be finite and >= 0 (0 = greedy)");
+    PYSPEC_CHECK(k[r] >= 0, "'top_k'[", r, "] = ", k[r], " must be >= 0 (0 = off)");
+    PYSPEC_CHECK(tp[r] > 0.0f && tp[r] <= 1.0f, "'top_p'[", r, "] = ", tp[r],
+                 " must be in (0, 1] (1 = off)");
+    PYSPEC_CHECK(mp[r] >= 0.0f && mp[r] <= 1.0f, "'min_p'[", r, "] = ", mp[r],
+                 " must be in [0, 1] (0 = off)");
+  }
+  float* out = probs.ptr<float>();
+  ThreadPool& tp_pool = pool ? *pool : ThreadPool::Default();
+  tp_pool.ParallelFor(rows, 1, [&](int64_t begin, int64_t end) {
+    FilterScratch s;
+    s.z.resize(vocab);
+    s.w.resize(vocab);
+    for (int64_t r = begin; r < end; ++r) {
+      FilterRow(logits, r, vocab, temp[r], k[r], tp[r], mp[r], out + r * vocab, s);
+    }
+  });
+}
+
+void AcceptTrees(const TensorView& target_probs, const TensorView* draft_probs,
+                 const TensorView& tokens, const TensorView& parents,
+                 const TensorView& tree_indptr, const TensorView& greedy,
+                 const TensorView& sampled_children, const TensorView& seeds,
+                 const TensorView& offsets, const TensorView& accepted_nodes,
+                 const TensorView& emitted_tokens, const TensorView& num_accepted,
+                 const AcceptOptions& options, ThreadPool* pool) {
+  const std::pair<const TensorView*, const char*> all[] = {
+      {&tokens, "tokens"}, {&parents, "parents"}, {&tree_indptr, "tree_indptr"},
+      {&greedy, "greedy"}, {&sampled_children, "sampled_children"}, {&seeds, "seeds"},
+      {&offsets, "offsets"}, {&accepted_nodes, "accepted_nodes"},
+      {&emitted_tokens, "emitted_tokens"}, {&num_accepted, "num_accepted"}};
+  CheckDevice(target_probs, "target_probs", DeviceType::kCPU);
+  for (const auto& t : all) {
+    CheckSameDevice(target_probs, "target_probs", *t.first, t.second);
+    CheckContiguous(*t.first, t.second);
+  }
+  CheckDType(target_probs, "target_probs", {DType::kFloat32});
+  CheckShape(target_probs, "target_probs", {-1, -1});
+  CheckContiguous(target_probs, "target_probs");
+  const int64_t total = target_probs.shape[0], vocab = target_probs.shape[1];
+  PYSPEC_CHECK(vocab >= 1, "'target_probs' needs a vocabulary of at least 1");
+  PYSPEC_CHECK(vocab <= std::numeric_limits<int32_t>::max(), "'target_probs' vocabulary is too large");
+  if (draft_probs != nullptr) {
+    CheckSameDevice(target_probs, "target_probs", *draft_probs, "draft_probs");
+    CheckDType(*draft_probs, "draft_probs", {DType::kFloat32});
+    CheckShape(*draft_probs, "draft_probs", {total, vocab});
+    CheckContiguous(*draft_probs, "draft_probs");
+  }
+  CheckDType(tokens, "tokens", {DType::kInt32});
+  CheckShape(tokens, "tokens", {total});
+  CheckShape(parents, "parents", {total});
+  std::vector<int32_t> depth;
+  MaxDepthChecked(parents, tree_indptr, &depth);
+  const int64_t batch = tree_indptr.shape[0] - 1;
+  CheckDType(greedy, "greedy", {DType::kBool, DType::kUInt8});
+  CheckDType(sampled_children, "sampled_children", {DType::kBool, DType::kUInt8});
+  CheckDType(seeds, "seeds", {DType::kInt64});
+  CheckDType(offsets, "offsets", {DType::kInt64});
+  for (const auto* t : {&greedy, &sampled_children, &seeds, &offsets}) {
+    const char* name = t == &greedy ? "greedy" : t == &sampled_children ? "sampled_children"
+                       : t == &seeds ? "seeds" : "offsets";
+    CheckShape(*t, name, {batch});
+  }
+  CheckDType(accepted_nodes, "accepted_nodes", {DType::kInt32});
+  CheckDType(emitted_tokens, "emitted_tokens", {DType::kInt32});
+  CheckDType(num_accepted, "num_accepted", {DType::kInt32});
+  CheckShape(accepted_nodes, "accepted_nodes", {batch, -1});
+  const int64_t width = accepted_nodes.shape[1];
+  CheckShape(emitted_tokens, "emitted_tokens", {batch, width});
+  CheckShape(num_accepted, "num_accepted", {batch});
+
+  const int32_t* tok = tokens.ptr<const int32_t>();
+  const int64_t* indptr = tree_indptr.ptr<const int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    int32_t tree_depth = 0;
+    for (int64_t i = indptr[b] + 1; i < indptr[b + 1]; ++i) {
+      PYSPEC_CHECK(tok[i] >= 0 && tok[i] < vocab, "'tokens'[", i, "] (request ", b, ", node ",
+                   i - indptr[b], ") = ", tok[i], " is out of range [0, ", vocab, ")");
+      tree_depth = std::max(tree_depth, depth[i]);
+    }
+    PYSPEC_CHECK(tree_depth + 1 <= width, "'accepted_nodes' / 'emitted_tokens' have width ", width,
+                 " but tree ", b, " has depth ", tree_depth, "; need width >= max depth + 1");
+    PYSPEC_CHECK(!ReadFlag(sampled_children, b) || ReadFlag(greedy, b) || draft_probs != nullptr,
+                 "'sampled_children'[", b, "] is set but 'draft_probs' was not given; pass the "
+                 "draft distributions or mark the children deterministic");
+  }
+
+  Batch in{target_probs.ptr<const float>(),
+           draft_probs ? draft_probs->ptr<const float>() : nullptr,
+           tok, parents.ptr<const int32_t>(), indptr, vocab, options.row_sum_tolerance};
+  const int64_t* seed = seeds.ptr<const int64_t>();
+  const int64_t* off = offsets.ptr<const int64_t>();
+  int32_t* out_nodes = accepted_nodes.ptr<int32_t>();
+  int32_t* out_tokens = emitted_tokens.ptr<int32_t>();
+  int32_t* out_count = num_accepted.ptr<int32_t>();
+  ThreadPool& tp = pool ? *pool : ThreadPool::Default();
+  tp.ParallelFor(batch, 1, [&](int64_t begin, int64_t end) {
+    WalkScratch s;
+    s.resid.resize(vocab);
+    s.qcur.resize(vocab);
+    s.tmp.resize(vocab);
+    for (int64_t b = begin; b < end; ++b) {
+      WalkRequest(in, b, ReadFlag(greedy, b), ReadFlag(sampled_children, b),
+                  static_cast<uint64_t>(seed[b]), static_cast<uint64_t>(off[b]), options, s);
+      int32_t* nodes_row = out_nodes + b * width;
+      int32_t* tokens_row = out_tokens + b * width;
+      std::fill(nodes_row, nodes_row + width, -1);
+      std::fill(tokens_row, tokens_row + width, -1);
+      std::copy(s.path.begin(), s.path.end(), nodes_row);
+      std::copy(s.emitted.begin(), s.emitted.end(), tokens_row);
+      out_count[b] = static_cast<int32_t>(s.path.size()) - 1;
+    }
+  });
+}
+
+int32_t TreeBatchMaxDepth(const TensorView& parents, const TensorView& tree_indptr) {
+  return MaxDepthChecked(parents, tree_indptr, nullptr);
+}
+
+}  // namespace pyspec
