@@ -1,0 +1,384 @@
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../../cpp/src/half.h"
+#include "pyspec/attention.h"
+#include "pyspec/check.h"
+#include "pyspec/thread_pool.h"
+
+namespace pyspec {
+namespace {
+
+// One request of a step: `prefix` committed tokens, then either a causal chunk of `q_len` tokens
+// (parents empty) or a tree (parents, one per node).
+struct Req {
+  int64_t prefix;
+  int64_t q_len;
+  std::vector<int32_t> parents;
+};
+
+// A random step in fp32 master copies, stored in `dtype` for the kernel.
+struct Problem {
+  int64_t hq, hkv, d, bs, num_blocks, max_blocks;
+  DType dtype;
+  std::vector<Req> reqs;
+  std::vector<int64_t> q_indptr, prefix, tree_indptr;
+  std::vector<int32_t> tables, parents;
+  std::vector<float> q, kp, vp, kn, vn;  // exact values representable in dtype
+
+  int64_t T() const { return q_indptr.back(); }
+};
+
+float RoundTo(float x, DType dt) {
+  if (dt == DType::kBFloat16) return half::BF16ToFloat(half::FloatToBF16(x));
+  if (dt == DType::kFloat16) return half::HalfToFloat(half::FloatToHalf(x));
+  return x;
+}
+
+Problem MakeProblem(std::vector<Req> reqs, int64_t hq, int64_t hkv, int64_t d, int64_t bs,
+                    DType dtype, uint32_t seed) {
+  Problem p{hq, hkv, d, bs, 0, 1, dtype, std::move(reqs), {0}, {}, {0}, {}, {}, {}, {}, {}, {}, {}};
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  int64_t total_blocks = 0;
+  for (const Req& r : p.reqs) {
+    const int64_t used = (r.prefix + bs - 1) / bs;
+    p.max_blocks = std::max(p.max_blocks, used + 1);
+    total_blocks += used;
+  }
+  p.num_blocks = total_blocks + 3;  // a few unused pages
+  std::vector<int32_t> perm(p.num_blocks);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  p.tables.assign(p.reqs.size() * p.max_blocks, -1);
+  int64_t next = 0;
+  for (size_t b = 0; b < p.reqs.size(); ++b) {
+    const Req& r = p.reqs[b];
+    for (int64_t j = 0; j < (r.prefix + bs - 1) / bs; ++j) {
+      p.tables[b * p.max_blocks + j] = perm[next++];
+    }
+    p.q_indptr.push_back(p.q_indptr.back() + r.q_len);
+    p.prefix.push_back(r.prefix);
+    p.parents.insert(p.parents.end(), r.parents.begin(), r.parents.end());
+    p.tree_indptr.push_back(static_cast<int64_t>(p.parents.size()));
+  }
+  auto fill = [&](std::vector<float>& v, int64_t n) {
+    v.resize(n);
+    for (float& x : v) x = RoundTo(normal(rng), dtype);
+  };
+  fill(p.q, p.T() * hq * d);
+  fill(p.kp, p.num_blocks * bs * hkv * d);
+  fill(p.vp, p.num_blocks * bs * hkv * d);
+  fill(p.kn, p.T() * hkv * d);
+  fill(p.vn, p.T() * hkv * d);
+  return p;
+}
+
+// Storage of a float vector in a dtype.
+struct Stored {
+  std::vector<float> f32;
+  std::vector<uint16_t> h16;
+  Stored(const std::vector<float>& v, DType dt) {
+    if (dt == DType::kFloat32) {
+      f32 = v;
+    } else {
+      for (float x : v) {
+        h16.push_back(dt == DType::kBFloat16 ? half::FloatToBF16(x) : half::FloatToHalf(x));
+      }
+    }
+  }
+  void* data() { return f32.empty() ? static_cast<void*>(h16.data()) : f32.data(); }
+  float at(size_t i, DType dt) const {
+    if (dt == DType::kFloat32) return f32[i];
+    return dt == DType::kBFloat16 ? half::BF16ToFloat(h16[i]) : half::HalfToFloat(h16[i]);
+  }
+};
+
+AttentionPlan Plan(const Problem& p, const AttentionPlanOptions& opt = {}) {
+  const int64_t B = static_cast<int64_t>(p.reqs.size());
+  auto v = [](const void* d, DType dt, std::initializer_list<int64_t> s) {
+    return TensorView::Contiguous(const_cast<void*>(d), dt, s);
+  };
+  return PlanAttention(v(p.q_indptr.data(), DType::kInt64, {B + 1}),
+                       v(p.prefix.data(), DType::kInt64, {B}),
+                       v(p.tables.data(), DType::kInt32, {B, p.max_blocks}), p.bs,
+                       v(p.parents.data(), DType::kInt32, {int64_t(p.parents.size())}),
+                       v(p.tree_indptr.data(), DType::kInt64, {B + 1}), p.num_blocks, opt);
+}
+
+// Runs the kernel; returns out (as floats) and lse.
+void RunKernel(const Problem& p, const AttentionPlan& plan, std::vector<float>* out,
+         std::vector<float>* lse, ThreadPool* pool = nullptr) {
+  const int64_t T = p.T();
+  Stored q(p.q, p.dtype), kp(p.kp, p.dtype), vp(p.vp, p.dtype), kn(p.kn, p.dtype),
+      vn(p.vn, p.dtype), o(std::vector<float>(T * p.hq * p.d, 0.f), p.dtype);
+  lse->assign(T * p.hq, 0.f);
+  auto v = [&](Stored& s, std::initializer_list<int64_t> shape) {
+    return TensorView::Contiguous(s.data(), p.dtype, shape);
+  };
+  TensorView lv = TensorView::Contiguous(lse->data(), DType::kFloat32, {T, p.hq});
+  RunAttention(plan, v(q, {T, p.hq, p.d}), v(kp, {p.num_blocks, p.bs, p.hkv, p.d}),
+               v(vp, {p.num_blocks, p.bs, p.hkv, p.d}), v(kn, {T, p.hkv, p.d}),
+               v(vn, {T, p.hkv, p.d}), v(o, {T, p.hq, p.d}), &lv,
+               static_cast<float>(1.0 / std::sqrt(double(p.d))), pool);
+  out->resize(T * p.hq * p.d);
+  for (size_t i = 0; i < out->size(); ++i) (*out)[i] = o.at(i, p.dtype);
+}
+
+// Dense reference in double: every query row against the prefix + its visible new tokens.
+void Reference(const Problem& p, std::vector<double>* out, std::vector<double>* lse) {
+  const int64_t T = p.T(), G = p.hq / p.hkv, D = p.d;
+  out->assign(T * p.hq * D, 0.0);
+  lse->assign(T * p.hq, 0.0);
+  const double scale = 1.0 / std::sqrt(double(D));
+  for (size_t b = 0; b < p.reqs.size(); ++b) {
+    const Req& r = p.reqs[b];
+    for (int64_t i = 0; i < r.q_len; ++i) {
+      const int64_t row = p.q_indptr[b] + i;
+      std::vector<const float*> keys_rows;  // (k, v) pointers per head 0
+      std::vector<int64_t> slots, news;
+      for (int64_t t = 0; t < r.prefix; ++t) {
+        slots.push_back(int64_t(p.tables[b * p.max_blocks + t / p.bs]) * p.bs + t % p.bs);
+      }
+      for (int64_t j = 0; j <= i; ++j) {
+        bool vis = r.parents.empty() ? true : false;
+        if (!r.parents.empty()) {
+          for (int64_t a = i; a >= 0; a = r.parents[a]) vis |= a == j;
+        }
+        if (vis) news.push_back(p.q_indptr[b] + j);
+      }
+      for (int64_t h = 0; h < p.hq; ++h) {
+        const float* qv = &p.q[(row * p.hq + h) * D];
+        const int64_t kh = h / G;
+        std::vector<double> s;
+        std::vector<const float*> vs;
+        auto add = [&](const float* k, const float* v) {
+          double acc = 0;
+          for (int64_t x = 0; x < D; ++x) acc += double(qv[x]) * k[x];
+          s.push_back(acc * scale);
+          vs.push_back(v);
+        };
+        for (int64_t sl : slots) add(&p.kp[(sl * p.hkv + kh) * D], &p.vp[(sl * p.hkv + kh) * D]);
+        for (int64_t n : news) add(&p.kn[(n * p.hkv + kh) * D], &p.vn[(n * p.hkv + kh) * D]);
+        const double mx = *std::max_element(s.begin(), s.end());
+        double sum = 0;
+        for (double& x : s) sum += (x = std::exp(x - mx));
+        for (size_t k = 0; k < s.size(); ++k) {
+          for (int64_t x = 0; x < D; ++x) (*out)[(row * p.hq + h) * D + x] += s[k] / sum * vs[k][x];
+        }
+        (*lse)[row * p.hq + h] = mx + std::log(sum);
+      }
+    }
+  }
+}
+
+void ExpectMatchesReference(const Problem& p, const AttentionPlanOptions& opt = {}) {
+  std::vector<float> out, lse;
+  RunKernel(p, Plan(p, opt), &out, &lse);
+  std::vector<double> ref, ref_lse;
+  Reference(p, &ref, &ref_lse);
+  const double tol = p.dtype == DType::kFloat32 ? 1e-5 : 2e-2;
+  for (size_t i = 0; i < out.size(); ++i) {
+    ASSERT_NEAR(out[i], ref[i], tol) << "out element " << i;
+  }
+  for (size_t i = 0; i < lse.size(); ++i) ASSERT_NEAR(lse[i], ref_lse[i], 1e-4) << "lse " << i;
+}
+
+std::vector<int32_t> RandomTree(int n, std::mt19937& rng) {
+  std::vector<int32_t> parents(n, -1);
+  for (int i = 1; i < n; ++i) parents[i] = std::uniform_int_distribution<int>(0, i - 1)(rng);
+  return parents;
+}
+
+TEST(Attention, DecodeTokensOverPermutedPages) {
+  std::vector<Req> reqs = {{0, 1, {}}, {1, 1, {}}, {17, 1, {}}, {300, 1, {}}};
+  ExpectMatchesReference(MakeProblem(reqs, 9, 3, 64, 16, DType::kFloat32, 1));
+}
+
+TEST(Attention, TreeWithBlockSizeOne) {
+  std::mt19937 rng(2);
+  std::vector<Req> reqs = {{45, 13, RandomTree(13, rng)}, {0, 70, RandomTree(70, rng)}};
+  ExpectMatchesReference(MakeProblem(reqs, 8, 2, 80, 1, DType::kFloat32, 3));
+}
+
+TEST(Attention, CausalPrefillChunkAndMixedBatch) {
+  std::mt19937 rng(4);
+  std::vector<Req> reqs = {{0, 130, {}}, {33, 1, {}}, {70, 9, RandomTree(9, rng)}, {5, 0, {}}};
+  ExpectMatchesReference(MakeProblem(reqs, 3, 3, 96, 16, DType::kFloat32, 5));
+}
+
+TEST(Attention, ChainTreeEqualsCausalChunk) {
+  Problem chain = MakeProblem({{50, 6, {-1, 0, 1, 2, 3, 4}}}, 4, 1, 64, 16, DType::kFloat32, 6);
+  Problem causal = chain;
+  causal.reqs[0].parents.clear();
+  causal.parents.clear();
+  causal.tree_indptr = {0, 0};
+  std::vector<float> o1, l1, o2, l2;
+  RunKernel(chain, Plan(chain), &o1, &l1);
+  RunKernel(causal, Plan(causal), &o2, &l2);
+  for (size_t i = 0; i < o1.size(); ++i) ASSERT_NEAR(o1[i], o2[i], 1e-6);
+}
+
+TEST(Attention, SplitKVMatchesReferenceAndUnsplit) {
+  std::mt19937 rng(7);
+  std::vector<Req> reqs = {{3000, 16, RandomTree(16, rng)}, {1999, 1, {}}};
+  Problem p = MakeProblem(reqs, 12, 4, 128, 16, DType::kFloat32, 8);
+  AttentionPlanOptions split;
+  split.min_kv_chunk = 64;
+  split.num_threads = 16;
+  AttentionPlan plan = Plan(p, split);
+  EXPECT_GT(plan.merges().size(), 0u);
+  ExpectMatchesReference(p, split);
+  AttentionPlanOptions whole;
+  whole.min_kv_chunk = 1 << 20;
+  EXPECT_EQ(Plan(p, whole).merges().size(), 0u);
+  ExpectMatchesReference(p, whole);
+}
+
+TEST(Attention, HalfStorage) {
+  std::mt19937 rng(9);
+  std::vector<Req> reqs = {{100, 20, RandomTree(20, rng)}, {37, 1, {}}};
+  for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
+    ExpectMatchesReference(MakeProblem(reqs, 4, 4, 256, 16, dt, 10));
+    ExpectMatchesReference(MakeProblem(reqs, 6, 2, 128, 1, dt, 11));
+  }
+}
+
+TEST(Attention, GenericAndAvx2KernelsAgree) {
+  std::mt19937 rng(12);
+  std::vector<Req> reqs = {{700, 30, RandomTree(30, rng)}, {20, 3, {}}};
+  Problem p = MakeProblem(reqs, 9, 3, 64, 16, DType::kFloat32, 13);
+  const std::string best = detail::SetAttentionIsa("auto");
+  detail::SetAttentionIsa("generic");
+  EXPECT_EQ(detail::AttentionIsa(), "generic");
+  ExpectMatchesReference(p);
+  if (best == "avx2") {
+    detail::SetAttentionIsa("avx2");
+    ExpectMatchesReference(p);
+  }
+  detail::SetAttentionIsa("auto");
+  EXPECT_THROW(detail::SetAttentionIsa("sse9"), ValueError);
+}
+
+TEST(Attention, ResultIndependentOfPool) {
+  std::mt19937 rng(14);
+  Problem p = MakeProblem({{500, 40, RandomTree(40, rng)}}, 4, 2, 64, 16, DType::kFloat32, 15);
+  AttentionPlan plan = Plan(p);
+  std::vector<float> o1, l1, o2, l2;
+  ThreadPool one(1);
+  RunKernel(p, plan, &o1, &l1, &one);
+  RunKernel(p, plan, &o2, &l2);
+  EXPECT_EQ(o1, o2);
+  EXPECT_EQ(l1, l2);
+}
+
+TEST(Attention, PlanRejectsBadInput) {
+  std::mt19937 rng(16);
+  Problem good = MakeProblem({{20, 3, {-1, 0, 0}}, {5, 2, {}}}, 2, 1, 64, 4, DType::kFloat32, 17);
+  EXPECT_NO_THROW(Plan(good));
+  auto expect_error = [&](Problem p, const std::string& what) {
+    try {
+      Plan(p);
+      ADD_FAILURE() << "no error for " << what;
+    } catch (const ValueError& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  Problem p = good;
+  p.tables[0] = static_cast<int32_t>(p.num_blocks);
+  expect_error(p, "block_tables[0, 0]");
+  p = good;
+  p.tables[1] = -1;
+  expect_error(p, "block_tables[0, 1]");
+  p = good;
+  p.parents[2] = 2;
+  expect_error(p, "tree_parents");
+  p = good;
+  p.parents[0] = 0;
+  expect_error(p, "tree_parents");
+  p = good;
+  p.tree_indptr = {0, 2, 3};
+  p.parents = {-1, 0, -1};
+  expect_error(p, "tree_indptr");
+  p = good;
+  p.prefix[1] = -1;
+  expect_error(p, "prefix_lens[1]");
+  p = good;
+  p.prefix[1] = 1000;
+  expect_error(p, "block_tables");
+  p = good;
+  p.q_indptr = {0, 3, 2};
+  expect_error(p, "q_indptr");
+  p = good;
+  p.q_indptr[0] = 1;
+  expect_error(p, "q_indptr");
+  AttentionPlanOptions bad_heads;
+  bad_heads.num_q_heads = 3;
+  bad_heads.num_kv_heads = 2;
+  EXPECT_THROW(Plan(good, bad_heads), ValueError);
+}
+
+TEST(Attention, RunRejectsBadInput) {
+  Problem p = MakeProblem({{20, 3, {}}}, 4, 2, 64, 4, DType::kFloat32, 18);
+  AttentionPlan plan = Plan(p);
+  const int64_t T = p.T();
+  std::vector<float> q(p.q), kp(p.kp), vp(p.vp), kn(p.kn), vn(p.vn), out(T * 4 * 64), lse(T * 4);
+  auto f = [](std::vector<float>& v, std::initializer_list<int64_t> s) {
+    return TensorView::Contiguous(v.data(), DType::kFloat32, s);
+  };
+  TensorView qv = f(q, {T, 4, 64}), kpv = f(kp, {p.num_blocks, 4, 2, 64});
+  TensorView vpv = f(vp, {p.num_blocks, 4, 2, 64});
+  TensorView knv = f(kn, {T, 2, 64}), vnv = f(vn, {T, 2, 64});
+  TensorView ov = f(out, {T, 4, 64}), lv = f(lse, {T, 4});
+  EXPECT_NO_THROW(RunAttention(plan, qv, kpv, vpv, knv, vnv, ov, &lv, 0.125f));
+  auto expect_error = [&](const std::string& what, TensorView a, TensorView b, TensorView c,
+                          TensorView d, TensorView e, TensorView o, const TensorView* l) {
+    try {
+      RunAttention(plan, a, b, c, d, e, o, l, 0.125f);
+      ADD_FAILURE() << "no error for " << what;
+    } catch (const ValueError& err) {
+      EXPECT_NE(std::string(err.what()).find(what), std::string::npos) << err.what();
+    }
+  };
+  expect_error("'q'", f(q, {T, 3, 64}), kpv, vpv, knv, vnv, ov, &lv);
+  expect_error("'k_pages'", qv, f(kp, {p.num_blocks - 1, 4, 2, 64}), vpv, knv, vnv, ov, &lv);
+  expect_error("'v_new'", qv, kpv, vpv, knv, f(vn, {T, 1, 128}), ov, &lv);
+  expect_error("'lse'", qv, kpv, vpv, knv, vnv, ov, &qv);
+  TensorView half_k = kpv;
+  half_k.dtype = DType::kBFloat16;
+  expect_error("'v_pages'", qv, half_k, vpv, knv, vnv, ov, &lv);
+  TensorView strided = qv;
+  strided.strides[0] = 1;
+  expect_error("'q'", strided, kpv, vpv, knv, vnv, ov, &lv);
+  TensorView cuda = qv;
+  cuda.device.type = DeviceType::kCUDA;
+  expect_error("'q'", cuda, kpv, vpv, knv, vnv, ov, &lv);
+}
+
+TEST(Half, ConversionsRoundTripAndRound) {
+  for (uint32_t h = 0; h < 65536; ++h) {
+    const float f = half::HalfToFloat(static_cast<uint16_t>(h));
+    if (std::isnan(f)) {
+      EXPECT_TRUE(std::isnan(half::HalfToFloat(half::FloatToHalf(f))));
+      continue;
+    }
+    ASSERT_EQ(half::FloatToHalf(f), h) << h;
+    ASSERT_EQ(half::FloatToBF16(half::BF16ToFloat(static_cast<uint16_t>(h))), h) << h;
+  }
+  EXPECT_EQ(half::HalfToFloat(0x3c00), 1.0f);
+  EXPECT_EQ(half::HalfToFloat(0x0001), std::ldexp(1.0f, -24));
+  EXPECT_EQ(half::FloatToHalf(65520.0f), 0x7c00);                       // rounds to inf
+  EXPECT_EQ(half::FloatToHalf(1.0f + std::ldexp(1.0f, -11)), 0x3c00);   // tie to even
+  EXPECT_EQ(half::FloatToBF16(1.0f + std::ldexp(1.0f, -8)), 0x3f80);    // tie to even
+  EXPECT_EQ(half::FloatToBF16(1.0f + std::ldexp(3.0f, -8)), 0x3f82);    // tie to even (up)
+}
+
+}  // namespace
+}  // namespace pyspec
