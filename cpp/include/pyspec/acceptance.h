@@ -1,0 +1,111 @@
+// Acceptance sampling on the CPU (DESIGN section 2): sampling filters and the batched tree walk that
+// decides which draft tokens a request keeps.
+//
+// Terms: *accepted* = draft tokens kept; *recovered* = the token sampled at the first rejection (from
+// the residual); *bonus* = the token sampled after a fully accepted path (from the leaf's target
+// row). Every request emits num_accepted + 1 tokens.
+//
+// Every stochastic mode is exactly lossless: the emitted tokens are distributed as if each had been
+// sampled from the target alone.
+#pragma once
+
+#include <cstdint>
+
+#include "pyspec/tensor_view.h"
+
+namespace pyspec {
+
+class ThreadPool;
+
+// ---- sampling filters ---------------------------------------------------------------------------
+
+// probs[r] = the filtered target distribution of row r of `logits`, in this order:
+//   1. temperature: z = logits / T. T == 0 means greedy: a one-hot row at the argmax (the lowest
+//      index among equal maxima), and the other filters are ignored for that row.
+//   2. top-k (k > 0 and k < V): keep exactly k tokens, the largest z; among equal values at the
+//      boundary the lower token ids are kept.
+//   3. top-p (p < 1): on the distribution renormalised over the top-k survivors, keep the smallest
+//      set of most likely tokens whose mass is >= p (order: probability desc, then token id asc), so
+//      the token that crosses p is kept.
+//   4. min-p (m > 0): keep tokens with prob >= m * max prob (scale-free, so renormalising earlier
+//      does not change it).
+//   5. renormalise the survivors.
+// No filter fully sorts the vocabulary: top-k uses nth_element, top-p a mass-weighted quickselect.
+// Shapes / dtypes:
+//   logits      [N, V] float32, float16 or bfloat16, contiguous; -inf entries are allowed (masked)
+//   temperature [N] float32, finite, >= 0
+//   top_k       [N] int32, >= 0 (0 = off; k >= V is off)
+//   top_p       [N] float32, in (0, 1] (1 = off)
+//   min_p       [N] float32, in [0, 1] (0 = off)
+//   probs       [N, V] float32, contiguous, written (output)
+// Throws ValueError naming the argument on a bad shape/dtype/device, a NaN or +inf logit, a row with
+// no finite logit, or a parameter out of range. `pool` = nullptr uses ThreadPool::Default().
+void ApplySamplingFilters(const TensorView& logits, const TensorView& temperature,
+                          const TensorView& top_k, const TensorView& top_p, const TensorView& min_p,
+                          const TensorView& probs, ThreadPool* pool = nullptr);
+
+// ---- tree acceptance ----------------------------------------------------------------------------
+
+struct AcceptOptions {
+  // Tolerance of |sum(row) - 1| for the probability rows that are read.
+  double row_sum_tolerance = 1e-3;
+  // FOR TESTS ONLY: on a rejection keep sampling from the unmodified target row instead of the
+  // residual. This makes the sampler wrong (not lossless); the statistical tests use it to show
+  // that they can detect a broken sampler.
+  bool debug_skip_residual = false;
+};
+
+// Walks each request's draft tree from the root and decides the accepted path.
+//
+// Per request b (trees flattened: node j of tree b is row tree_indptr[b] + j):
+//   greedy[b] != 0: at node i take t = argmax target_probs[i] (lowest id on ties); if a child has
+//     token t move to it (the first such child), else emit t and stop; at a leaf emit t (bonus).
+//   sampled_children[b] != 0 (the children of node i were drawn WITHOUT replacement from q =
+//     draft_probs[i], in index order): recursive rejection sampling (Jeon et al. 2024, "Recursive
+//     Speculative Decoding"); with one child per node this is exactly Leviathan et al. 2023 / Chen et
+//     al. 2023. For child x_j: accept with prob min(1, p(x_j) / q(x_j)); on rejection
+//     p <- normalize(max(p - q, 0)) and q <- q without x_j, renormalised. If every child is rejected
+//     the recovered token is sampled from the current p; at a leaf the bonus from target_probs[leaf].
+//   otherwise (deterministic children, e.g. top-k of the drafter): the target-only walk, which is the
+//     same recursion with q = one-hot(x_j): accept x_j with prob p(x_j); on rejection zero p(x_j) and
+//     renormalise.
+// Degenerate cases:
+//   - a sampled child with q(x_j) == 0 (after removing earlier siblings, so also a repeated sibling
+//     token) cannot have been drawn from q: ValueError naming draft_probs / tokens.
+//   - a residual with no mass (p <= q everywhere up to rounding, total < 1e-9) falls back to the
+//     current p (the rejection had probability ~0, so this does not bias the output measurably).
+//   - a node whose p has no mass left in the target-only walk cannot happen (p(x) = 1 is always
+//     accepted).
+// Randomness: uniform draw d at tree-local node i of request b is PhiloxUniform(seeds[b],
+// offsets[b], i, d) (philox.h); the test of child j uses d = j, the final (recovered or bonus) sample
+// uses d = number of children. Sampling uses the inverse CDF. So a request's result depends only on
+// its own inputs, never on the rest of the batch or the thread count.
+// Validation: shapes, dtypes, devices, trees (ValidateTreeBatch), token ids of non-root nodes in
+// [0, V). Probability rows are checked where they are read, i.e. along the walk (non-finite or
+// negative entries, |sum - 1| > row_sum_tolerance); rows the walk never reaches are not read.
+// Shapes / dtypes (all CPU, contiguous):
+//   target_probs     [N, V] float32: row i = target distribution of the token after node i
+//   draft_probs      [N, V] float32 or nullptr: row i = distribution node i's children were drawn from
+//   tokens           [N] int32 (root token ignored)
+//   parents          [N] int32, tree-local (-1 at each root)
+//   tree_indptr      [B + 1] int64
+//   greedy           [B] bool/uint8
+//   sampled_children [B] bool/uint8 (must be 0 where draft_probs is nullptr, unless greedy)
+//   seeds, offsets   [B] int64
+//   accepted_nodes   [B, W] int32 out, W >= max tree depth + 1: accepted path from the root (0), -1 pad
+//   emitted_tokens   [B, W] int32 out: accepted draft tokens then the recovered/bonus token, -1 pad
+//   num_accepted     [B] int32 out: accepted draft tokens (emitted = num_accepted + 1)
+void AcceptTrees(const TensorView& target_probs, const TensorView* draft_probs,
+                 const TensorView& tokens, const TensorView& parents,
+                 const TensorView& tree_indptr, const TensorView& greedy,
+                 const TensorView& sampled_children, const TensorView& seeds,
+                 const TensorView& offsets, const TensorView& accepted_nodes,
+                 const TensorView& emitted_tokens, const TensorView& num_accepted,
+                 const AcceptOptions& options = AcceptOptions(), ThreadPool* pool = nullptr);
+
+// The largest tree depth in a flattened tree batch (validates it first); the output width of
+// AcceptTrees must be at least this + 1.
+//   parents [N] int32, tree_indptr [B + 1] int64
+int32_t TreeBatchMaxDepth(const TensorView& parents, const TensorView& tree_indptr);
+
+}  // namespace pyspec

@@ -1,0 +1,439 @@
+"""Tests of pyspec.sampling: the filter op against a sorted torch reference, the greedy walk against
+a Python reference, determinism, validation, and statistical losslessness of the stochastic modes.
+
+Statistical design (fixed seeds; Pearson chi-square; cells with expected count < 5 pooled).
+
+* The target is a first-order Markov chain over a small vocabulary V: the target's next-token
+  distribution after token x is the row T[x], whatever came before. So every tree node has a
+  defined target row, T[token(node)] (the root uses a fixed root token r0), and so does every
+  off-tree token: after a recovered token y the next target distribution is T[y].
+* The drafter is a Markov chain Q. In the "sampled" mode the children of a node with token x are
+  drawn from Q[x] without replacement, in order (Gumbel top-k, i.e. Plackett-Luce sequential
+  sampling), and draft_probs[node] = Q[x]. In the "deterministic" mode the children are the top-k
+  tokens of Q[x] and no draft_probs are passed (target-only walk).
+* One acceptance round per request, R = 2e5 requests per configuration, each with its own seed.
+  First emitted token t1: under the target alone t1 ~ T[r0]. Joint of the first two tokens: if the
+  round emitted at least two tokens, t2 is its second one; otherwise (t1 was recovered, nothing
+  after it in this round) t2 is drawn by the test from T[t1], exactly what plain decoding would do
+  next. Under a lossless sampler P(t1, t2) = T[r0, t1] * T[t1, t2].
+* Both the t1 histogram (V cells) and the (t1, t2) histogram (V^2 cells) must pass at p > 1e-3.
+  The same harness with the op's deliberately wrong mode (debug_skip_residual: the recovered token
+  is sampled from the unmodified target row instead of the residual) must fail at p < 1e-6, which
+  shows the test has the power to see a broken sampler.
+"""
+
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+
+from pyspec import _C, sampling
+from helpers import devices
+
+ROUNDS = 200_000
+
+# ---- tree shapes (parent lists, parents before children) -----------------------------------------
+
+
+def chain(gamma):
+    return [-1] + list(range(gamma))
+
+
+def kary(width, depth):
+    parents, level = [-1], [0]
+    for _ in range(depth):
+        nxt = []
+        for p in level:
+            for _ in range(width):
+                nxt.append(len(parents))
+                parents.append(p)
+        level = nxt
+    return parents
+
+
+# Medusa/EAGLE-style ragged tree: paths {0},{1},{2},{0,0},{0,1},{1,0},{0,0,0},{0,0,1},{0,1,0}.
+RAGGED = [-1, 0, 0, 0, 1, 1, 2, 4, 4, 5]
+
+
+def children_of(parents):
+    kids = [[] for _ in parents]
+    for c, p in enumerate(parents):
+        if p >= 0:
+            kids[p].append(c)
+    return kids
+
+
+# ---- Markov target / drafter ----------------------------------------------------------------------
+
+
+def markov_rows(rng, vocab, zero_frac, min_support):
+    """Random stochastic matrix with some exact zeros; returns (float32 rows, float64 rows that
+    are the float32 rows renormalised, i.e. exactly what the op uses)."""
+    m = rng.dirichlet(np.full(vocab, 0.7), size=vocab)
+    mask = rng.random((vocab, vocab)) < zero_frac
+    for r in range(vocab):
+        mask[r, rng.permutation(vocab)[:min_support]] = False
+    m = np.where(mask, 0.0, m)
+    m /= m.sum(1, keepdims=True)
+    m32 = m.astype(np.float32)
+    m64 = m32.astype(np.float64)
+    return m32, m64 / m64.sum(1, keepdims=True)
+
+
+def make_chains(seed, vocab, width):
+    rng = np.random.default_rng(seed)
+    t32, t64 = markov_rows(rng, vocab, 0.25, 2)
+    qr = rng.dirichlet(np.full(vocab, 0.7), size=vocab)
+    q = 0.4 * qr + 0.6 * t64  # a drafter that resembles the target, so deep paths get accepted
+    mask = rng.random((vocab, vocab)) < 0.15
+    for r in range(vocab):
+        mask[r, rng.permutation(vocab)[: max(width + 1, 3)]] = False
+    q = np.where(mask, 0.0, q)
+    q /= q.sum(1, keepdims=True)
+    q32 = q.astype(np.float32)
+    q64 = q32.astype(np.float64)
+    return t32, t64, q32, q64 / q64.sum(1, keepdims=True)
+
+
+def draw_tokens(parents, rounds, q64, root, mode, rng):
+    """Tokens [rounds, n] of each request's tree; the root gets `root`."""
+    n = len(parents)
+    tok = np.empty((rounds, n), dtype=np.int64)
+    tok[:, 0] = root
+    for v, kids in enumerate(children_of(parents)):
+        if not kids:
+            continue
+        rows = q64[tok[:, v]]
+        if mode == "sampled":
+            with np.errstate(divide="ignore"):
+                keys = np.log(rows) + rng.gumbel(size=rows.shape)
+        else:
+            keys = rows
+        tok[:, kids] = np.argsort(-keys, axis=1, kind="stable")[:, : len(kids)]
+    return tok
+
+
+def run_rounds(parents, tok, t32, q32, mode, seed_base, wrong=False):
+    """Runs one acceptance round per request (in chunks to bound memory); returns emitted tokens
+    [R, W] and num_accepted [R] as numpy arrays."""
+    rounds, n = tok.shape
+    vocab = t32.shape[1]
+    chunk = max(1, 3_000_000 // (n * vocab))
+    emitted, accepted = [], []
+    par = torch.tensor(parents, dtype=torch.int32)
+    for s in range(0, rounds, chunk):
+        e = min(rounds, s + chunk)
+        flat = tok[s:e].reshape(-1)
+        target = torch.from_numpy(t32[flat])
+        draft = torch.from_numpy(q32[flat]) if mode == "sampled" else None
+        tokens = torch.from_numpy(flat.astype(np.int32))
+        parents_t = par.repeat(e - s)
+        indptr = torch.arange(0, (e - s) * n + 1, n, dtype=torch.int64)
+        seeds = torch.arange(s, e, dtype=torch.int64) + seed_base
+        if not wrong:
+            res = sampling.accept(target, tokens, parents_t, indptr, draft_probs=draft,
+                                  seeds=seeds, offsets=3)
+            emitted.append(res.emitted_tokens.numpy())
+            accepted.append(res.num_accepted.numpy())
+        else:
+            width = _C.tree_batch_max_depth(parents_t, indptr) + 1
+            b = e - s
+            out_n = torch.empty((b, width), dtype=torch.int32)
+            out_t = torch.empty((b, width), dtype=torch.int32)
+            out_c = torch.empty((b,), dtype=torch.int32)
+            flag = torch.full((b,), mode == "sampled", dtype=torch.bool)
+            _C.accept_trees(target, draft, tokens, parents_t, indptr,
+                            torch.zeros(b, dtype=torch.bool), flag, seeds,
+                            torch.full((b,), 3, dtype=torch.int64), out_n, out_t, out_c,
+                            debug_skip_residual=True)
+            emitted.append(out_t.numpy())
+            accepted.append(out_c.numpy())
+    return np.concatenate(emitted), np.concatenate(accepted)
+
+
+def chi2_pvalue(observed, expected):
+    """Pearson chi-square p-value; cells with expected < 5 are pooled (the pool is merged into the
+    smallest kept cell if it is itself < 5). Any count in a cell of probability 0 gives 0."""
+    o = np.asarray(observed, dtype=np.float64).ravel()
+    e = np.asarray(expected, dtype=np.float64).ravel()
+    if np.any((e == 0) & (o > 0)):
+        return 0.0
+    small = e < 5
+    ko, ke = list(o[~small]), list(e[~small])
+    po, pe = o[small].sum(), e[small].sum()
+    if pe > 0:
+        if pe >= 5 or not ke:
+            ko.append(po)
+            ke.append(pe)
+        else:
+            i = int(np.argmin(ke))
+            ko[i] += po
+            ke[i] += pe
+    ko, ke = np.array(ko), np.array(ke)
+    if len(ko) < 2:
+        return 1.0
+    return float(scipy.stats.chisquare(ko, ke * ko.sum() / ke.sum()).pvalue)
+
+
+def lossless_pvalues(parents, vocab, mode, seed, wrong=False):
+    width = max(len(k) for k in children_of(parents))
+    t32, t64, q32, q64 = make_chains(seed, vocab, width)
+    rng = np.random.default_rng(seed + 1)
+    root = int(rng.integers(vocab))
+    tok = draw_tokens(parents, ROUNDS, q64, root, mode, rng)
+    emitted, num_acc = run_rounds(parents, tok, t32, q32, mode, seed_base=seed * 1_000_003,
+                                  wrong=wrong)
+    t1 = emitted[:, 0].astype(np.int64)
+    # t2: from the round when it emitted two tokens, else the plain-decoding next token.
+    cdf = np.cumsum(t64, axis=1)
+    u = rng.random(ROUNDS)
+    fresh = np.minimum((cdf[t1] < u[:, None]).sum(1), vocab - 1)
+    t2 = np.where(num_acc >= 1, emitted[:, 1], fresh).astype(np.int64)
+    p_first = chi2_pvalue(np.bincount(t1, minlength=vocab), ROUNDS * t64[root])
+    joint = np.bincount(t1 * vocab + t2, minlength=vocab * vocab)
+    p_joint = chi2_pvalue(joint, ROUNDS * (t64[root][:, None] * t64))
+    return p_first, p_joint, float(num_acc.mean())
+
+
+LOSSLESS_CASES = [
+    # (id, parents, vocab, mode)
+    ("chain1-v50-sampled", chain(1), 50, "sampled"),
+    ("chain2-v24-sampled", chain(2), 24, "sampled"),
+    ("chain3-v16-sampled", chain(3), 16, "sampled"),
+    ("chain5-v8-sampled", chain(5), 8, "sampled"),
+    ("w4d3-v8-sampled", kary(4, 3), 8, "sampled"),
+    ("w2d2-v9-sampled", kary(2, 2), 9, "sampled"),
+    ("ragged-v12-sampled", RAGGED, 12, "sampled"),
+    ("w4d3-v10-deterministic", kary(4, 3), 10, "deterministic"),
+    ("chain4-v16-deterministic", chain(4), 16, "deterministic"),
+    ("ragged-v12-deterministic", RAGGED, 12, "deterministic"),
+]
+
+
+@pytest.mark.parametrize("case", LOSSLESS_CASES, ids=[c[0] for c in LOSSLESS_CASES])
+def test_stochastic_acceptance_is_lossless(case):
+    name, parents, vocab, mode = case
+    seed = 17 + LOSSLESS_CASES.index(case)
+    p_first, p_joint, mean_acc = lossless_pvalues(parents, vocab, mode, seed)
+    assert p_first > 1e-3, (name, p_first)
+    assert p_joint > 1e-3, (name, p_joint)
+    if len(parents) > 1:
+        assert mean_acc > 0.2, (name, mean_acc)  # the trees are actually exercised
+
+
+WRONG_CASES = [c for c in LOSSLESS_CASES if c[0] in (
+    "chain1-v50-sampled", "w4d3-v8-sampled", "w4d3-v10-deterministic", "chain4-v16-deterministic")]
+
+
+@pytest.mark.parametrize("case", WRONG_CASES, ids=[c[0] for c in WRONG_CASES])
+def test_statistical_test_detects_a_wrong_sampler(case):
+    name, parents, vocab, mode = case
+    seed = 17 + LOSSLESS_CASES.index(case)
+    p_first, p_joint, _ = lossless_pvalues(parents, vocab, mode, seed, wrong=True)
+    assert p_joint < 1e-6, (name, p_first, p_joint)
+
+
+# ---- greedy -------------------------------------------------------------------------------------
+
+
+def random_batch(rng, batch, vocab, max_nodes=12):
+    parents, tokens, indptr = [], [], [0]
+    for _ in range(batch):
+        n = int(rng.integers(1, max_nodes + 1))
+        parents += [-1] + [int(rng.integers(i)) for i in range(1, n)]
+        tokens += [0] + [int(rng.integers(vocab)) for _ in range(1, n)]
+        indptr.append(len(parents))
+    probs = rng.dirichlet(np.full(vocab, 0.3), size=len(parents)).astype(np.float32)
+    return (torch.from_numpy(probs), torch.tensor(tokens, dtype=torch.int32),
+            torch.tensor(parents, dtype=torch.int32), torch.tensor(indptr, dtype=torch.int64))
+
+
+def greedy_reference(probs, tokens, parents, indptr):
+    out = []
+    for b in range(len(indptr) - 1):
+        base, n = int(indptr[b]), int(indptr[b + 1] - indptr[b])
+        node, emitted = 0, []
+        while True:
+            t = int(torch.argmax(probs[base + node]))  # first maximum
+            emitted.append(t)
+            nxt = [c for c in range(1, n) if parents[base + c] == node and tokens[base + c] == t]
+            if not nxt:
+                break
+            node = nxt[0]
+        out.append(emitted)
+    return out
+
+
+def test_greedy_matches_reference_walk():
+    rng = np.random.default_rng(0)
+    probs, tokens, parents, indptr = random_batch(rng, 99, 7)
+    # Make matches likely: copy each child's token from its parent's argmax half of the time.
+    am = probs.argmax(1)
+    for b in range(99):
+        base = int(indptr[b])
+        for i in range(1, int(indptr[b + 1]) - base):
+            if rng.random() < 0.5:
+                tokens[base + i] = am[base + int(parents[base + i])]
+    res = sampling.accept(probs, tokens, parents, indptr, greedy=True, seeds=0)
+    assert res.emitted_lists() == greedy_reference(probs, tokens, parents, indptr)
+    assert int(res.num_accepted.max()) >= 2
+    # Paths: root first, each node's parent is the previous node, tokens match.
+    for b in range(99):
+        k = int(res.num_accepted[b])
+        path = res.accepted_nodes[b, : k + 1].tolist()
+        assert path[0] == 0 and (res.accepted_nodes[b, k + 1:] == -1).all()
+        for j in range(1, k + 1):
+            assert int(parents[int(indptr[b]) + path[j]]) == path[j - 1]
+            assert int(tokens[int(indptr[b]) + path[j]]) == int(res.emitted_tokens[b, j - 1])
+
+
+# ---- determinism --------------------------------------------------------------------------------
+
+
+def test_same_seeds_same_output_and_batch_independence():
+    rng = np.random.default_rng(1)
+    probs, tokens, parents, indptr = random_batch(rng, 60, 11)
+    seeds = torch.arange(60, dtype=torch.int64) * 7919
+    kw = dict(draft_probs=probs, seeds=seeds, offsets=torch.arange(60), sampled_children=False)
+    a = sampling.accept(probs, tokens, parents, indptr, **kw).emitted_lists()
+    b = sampling.accept(probs, tokens, parents, indptr, **kw).emitted_lists()
+    assert a == b
+    # Requests 10..29 alone, in a different batch: same outputs.
+    lo, hi = int(indptr[10]), int(indptr[30])
+    sub = sampling.accept(probs[lo:hi], tokens[lo:hi], parents[lo:hi], indptr[10:31] - lo,
+                          draft_probs=probs[lo:hi], seeds=seeds[10:30],
+                          offsets=torch.arange(10, 30), sampled_children=False).emitted_lists()
+    assert sub == a[10:30]
+    # A new step offset draws fresh numbers.
+    c = sampling.accept(probs, tokens, parents, indptr, draft_probs=probs, seeds=seeds,
+                        offsets=torch.arange(60) + 1, sampled_children=False).emitted_lists()
+    assert c != a
+
+
+# ---- filters ------------------------------------------------------------------------------------
+
+
+def filter_reference(logits, t, k, p, m):
+    logits = logits.double()
+    out = torch.zeros_like(logits)
+    for r in range(logits.shape[0]):
+        z = logits[r]
+        if t[r] == 0:
+            out[r, int(torch.argmax(z))] = 1.0
+            continue
+        order = sorted(range(len(z)), key=lambda i: (-float(z[i]), i))
+        order = [i for i in order if z[i] != float("-inf")]
+        if 0 < k[r] < len(order):
+            order = order[: int(k[r])]
+        w = torch.exp((z[order] - z[order[0]]) / float(t[r]))
+        if p[r] < 1:
+            cum, keep = 0.0, 0
+            target = float(p[r]) * float(w.sum())
+            while keep < len(order) and cum < target:
+                cum += float(w[keep])
+                keep += 1
+            order, w = order[:keep], w[:keep]
+        sel = w >= float(m[r])
+        out[r, torch.tensor(order)[sel]] = w[sel] / w[sel].sum()
+    return out.float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_filters_match_sorted_reference(dtype):
+    g = torch.Generator().manual_seed(5)
+    n, v = 99, 111
+    logits = (torch.randn(n, v, generator=g) * 3).to(dtype)
+    logits[3, :50] = float("-inf")
+    t = torch.rand(n, generator=g) * 1.5 + 0.2
+    t[::7] = 0.0
+    k = torch.randint(0, 40, (n,), generator=g, dtype=torch.int32)
+    p = torch.where(torch.rand(n, generator=g) < 0.3, torch.ones(n), torch.rand(n, generator=g))
+    p = p.clamp(min=0.05)
+    m = torch.where(torch.rand(n, generator=g) < 0.5, torch.zeros(n), torch.rand(n, generator=g) * 0.3)
+    out = sampling.apply_sampling_filters(logits, t, k, p, m)
+    ref = filter_reference(logits.float(), t, k, p, m)
+    assert ((out > 0) == (ref > 0)).all()
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(out.sum(1), torch.ones(n), rtol=0, atol=1e-5)
+
+
+def test_filters_scalars_and_1d():
+    logits = torch.tensor([1.0, 3.0, 3.0, 0.5])
+    assert sampling.apply_sampling_filters(logits, 0.0).tolist() == [0.0, 1.0, 0.0, 0.0]
+    out = sampling.apply_sampling_filters(logits.expand(3, 4), temperature=1.0, top_k=1)
+    assert (out.argmax(1) == 1).all() and (out.count_nonzero(1) == 1).all()
+    out = sampling.apply_sampling_filters(logits, top_p=0.9)
+    assert out.count_nonzero() == 2
+    buf = torch.empty(4)
+    assert sampling.apply_sampling_filters(logits, out=buf) is buf
+
+
+# ---- validation ---------------------------------------------------------------------------------
+
+
+def _args():
+    probs = torch.full((3, 4), 0.25)
+    return dict(target_probs=probs, tokens=torch.tensor([0, 1, 2], dtype=torch.int32),
+                parents=torch.tensor([-1, 0, 1], dtype=torch.int32),
+                tree_indptr=torch.tensor([0, 3]), seeds=1)
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda a: a.update(target_probs=a["target_probs"].double()), "target_probs"),
+        (lambda a: a.update(target_probs=a["target_probs"] * 0.5), "target_probs.*sums to"),
+        (lambda a: a.update(target_probs=torch.tensor([[1.5, -0.5, 0, 0]] * 3)), "negative"),
+        (lambda a: a.update(tokens=torch.tensor([0, 1, 4])), "tokens"),
+        (lambda a: a.update(tokens=torch.tensor([0.0, 1.0, 2.0])), "tokens"),
+        (lambda a: a.update(parents=torch.tensor([-1, 2, 0])), "parent"),
+        (lambda a: a.update(tree_indptr=torch.tensor([0, 2])), "indptr"),
+        (lambda a: a.update(draft_probs=torch.full((2, 4), 0.25)), "draft_probs"),
+        (lambda a: a.update(sampled_children=True), "draft_probs"),
+        (lambda a: a.update(seeds=torch.tensor([1, 2])), "seeds"),
+        (lambda a: a.update(seeds=1.5), "seeds"),
+        (lambda a: a.update(greedy=torch.tensor([True, False])), "greedy"),
+        (lambda a: a.update(target_probs=[0.25] * 4), "target_probs"),
+    ],
+)
+def test_accept_bad_input(mutate, match):
+    args = _args()
+    mutate(args)
+    with pytest.raises(ValueError, match=match):
+        sampling.accept(**args)
+
+
+def test_sampled_child_with_zero_draft_probability_is_an_error():
+    args = _args()
+    draft = torch.tensor([[0.5, 0.0, 0.5, 0.0]] * 3)  # token 1 (node 1) cannot be drawn
+    with pytest.raises(ValueError, match="probability 0"):
+        sampling.accept(**args, draft_probs=draft)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_k=-2), "top_k"),
+        (dict(top_k=1.5), "top_k"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(min_p=2.0), "min_p"),
+        (dict(temperature=torch.ones(5)), "temperature"),
+    ],
+)
+def test_filters_bad_input(kw, match):
+    with pytest.raises(ValueError, match=match):
+        sampling.apply_sampling_filters(torch.zeros(2, 8), **kw)
+    with pytest.raises(ValueError, match="logits"):
+        sampling.apply_sampling_filters(torch.tensor([[0.0, float("nan")]]))
+
+
+@pytest.mark.parametrize("device", [d for d in devices() if not isinstance(d, str)])
+def test_cuda_tensors_raise_runtime_error(device):
+    probs = torch.full((1, 4), 0.25, device="cuda")
+    with pytest.raises(RuntimeError, match="CUDA"):
+        sampling.accept(probs, torch.zeros(1, dtype=torch.int32, device="cuda"),
+                        torch.tensor([-1], dtype=torch.int32, device="cuda"),
+                        torch.tensor([0, 1], device="cuda"), seeds=0)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        sampling.apply_sampling_filters(torch.zeros(2, 8, device="cuda"))
