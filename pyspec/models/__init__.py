@@ -1,0 +1,1 @@
+"""Model layer: checkpoint conversion, loading and the default embedded model."""

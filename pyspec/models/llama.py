@@ -1,0 +1,171 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) running on pyspec's paged KV and tree attention.
+
+The forward takes one step's flattened batch — prefill chunks, plain decode tokens and draft-tree
+nodes of many requests, all as rows of one ``[T]`` token array — and one attention plan shared by
+every layer. Each layer's new K/V go to a scratch area (``k_new``/``v_new``); attention reads the
+committed prefix from the pages and the new part from scratch. The caller later materializes only the
+rows it keeps (accepted draft paths, prefill chunks) into the pages.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Dict, Optional
+
+import torch
+import torch.nn.functional as F
+
+from pyspec.attention import tree_attention
+from pyspec.models.config import ModelConfig
+from pyspec.models.loader import load_weights, resolve_dtype
+
+
+def rope_inv_freq(cfg: ModelConfig, seq_len: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] (float32) for the config's RoPE variant."""
+    d = cfg.head_dim
+    base = cfg.rope_theta
+    rs = cfg.rope_scaling
+    if rs.rope_type == "dynamic" and seq_len > cfg.max_position_embeddings:
+        # NTK-aware scaling: grow the base with the sequence past the trained length.
+        base = base * ((rs.factor * seq_len / cfg.max_position_embeddings) - (rs.factor - 1)) ** (
+            d / (d - 2))
+    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if rs.rope_type == "linear":
+        inv = inv / rs.factor
+    elif rs.rope_type == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+        old = rs.original_max_position_embeddings
+        low_wavelen = old / rs.low_freq_factor
+        high_wavelen = old / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / rs.factor, inv)
+        smooth = (old / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+        blended = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = torch.where(medium, blended, scaled)
+    return inv
+
+
+class LlamaForCausalLM:
+    """Inference-only Llama/Mistral/Qwen2 with fused QKV and gate/up projections."""
+
+    def __init__(self, cfg: ModelConfig, weights: Dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: str = "cpu"):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.embed = weights.pop("model.embed_tokens.weight")
+        lm = weights.pop("lm_head.weight", None)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else lm
+        self.norm = weights.pop("model.norm.weight")
+        self.layers = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            g = lambda n: weights.pop(p + n)  # noqa: E731
+            wqkv = torch.cat([g("self_attn.q_proj.weight"), g("self_attn.k_proj.weight"),
+                              g("self_attn.v_proj.weight")], 0)
+            bqkv = None
+            if cfg.attention_bias:
+                bqkv = torch.cat([g("self_attn.q_proj.bias"), g("self_attn.k_proj.bias"),
+                                  g("self_attn.v_proj.bias")], 0)
+            self.layers.append(dict(
+                ln1=g("input_layernorm.weight"), ln2=g("post_attention_layernorm.weight"),
+                wqkv=wqkv, bqkv=bqkv, wo=g("self_attn.o_proj.weight"),
+                bo=weights.pop(p + "self_attn.o_proj.bias", None),
+                wgu=torch.cat([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")], 0),
+                wd=g("mlp.down_proj.weight")))
+        if weights:
+            raise ValueError(f"unused weights: {sorted(weights)[:5]}")
+        self._inv_freq = rope_inv_freq(cfg, 0).to(self.device)
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype="float32", device: str = "cpu") -> "LlamaForCausalLM":
+        if not os.path.isdir(path):
+            raise ValueError(f"model path {path!r} is not a directory")
+        cfg = ModelConfig.from_file(path)
+        dt = resolve_dtype(dtype)
+        return cls(cfg, load_weights(path, cfg, dt, device), dt, device)
+
+    @classmethod
+    def random(cls, cfg: ModelConfig, seed: int = 0, dtype=torch.float32) -> "LlamaForCausalLM":
+        """Random weights (tests, smoke runs): N(0, 1/fan_in) matrices, unit norms."""
+        from pyspec.models.loader import expected_shapes
+
+        g = torch.Generator().manual_seed(seed)
+        w = {}
+        for name, shape in expected_shapes(cfg).items():
+            if name.endswith("norm.weight"):
+                w[name] = 1.0 + 0.1 * torch.randn(shape, generator=g)
+            elif name.endswith(".bias"):
+                w[name] = 0.1 * torch.randn(shape, generator=g)
+            elif name == "model.embed_tokens.weight":
+                w[name] = torch.randn(shape, generator=g)
+            else:
+                w[name] = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
+        w = {k: v.to(dtype) for k, v in w.items()}
+        return cls(cfg, w, dtype)
+
+    # ---- forward ----------------------------------------------------------------------------------
+
+    def rope_tables(self, positions: torch.Tensor):
+        """cos/sin [T, head_dim] in rotate-half layout (first and second halves share a frequency)."""
+        inv = self._inv_freq
+        if self.cfg.rope_scaling.rope_type == "dynamic":
+            inv = rope_inv_freq(self.cfg, int(positions.max()) + 1).to(self.device)
+        ang = positions.to(torch.float32)[:, None] * inv[None, :]
+        ang = torch.cat([ang, ang], dim=-1)
+        return ang.cos(), ang.sin()
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x [T, H, D] (float32); cos/sin [T, 1, D]
+        half = x.shape[-1] // 2
+        rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rot * sin
+
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
+        return w * xf.to(self.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan, k_pages: torch.Tensor,
+                v_pages: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                logits_rows: Optional[torch.Tensor] = None, return_hidden: bool = False):
+        """One step over ``T`` flattened new tokens.
+
+        Args:
+            input_ids, positions: int64 ``[T]``.
+            plan: the step's attention plan (``pyspec.attention.plan_attention``).
+            k_pages, v_pages: ``[L, num_blocks, block_size, Hkv, D]`` KV pool (model dtype).
+            k_new, v_new: ``[L, T, Hkv, D]`` scratch, filled with this step's K/V.
+            logits_rows: int64 rows whose logits are wanted (``None``: all rows).
+            return_hidden: also return the final hidden states ``[T, hidden]`` (before the norm).
+
+        Returns:
+            float32 logits ``[R, vocab]`` (and the hidden states when asked).
+        """
+        cfg = self.cfg
+        t = input_ids.shape[0]
+        cos, sin = self.rope_tables(positions)
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        x = F.embedding(input_ids, self.embed)
+        qs, ks = cfg.q_size, cfg.kv_size
+        for li, layer in enumerate(self.layers):
+            h = self._rms(x, layer["ln1"])
+            qkv = F.linear(h, layer["wqkv"], layer["bqkv"])
+            q = qkv[:, :qs].view(t, cfg.num_attention_heads, cfg.head_dim)
+            k = qkv[:, qs:qs + ks].view(t, cfg.num_key_value_heads, cfg.head_dim)
+            q = self._rotate(q.float(), cos, sin).to(self.dtype)
+            k_new[li] = self._rotate(k.float(), cos, sin)
+            v_new[li] = qkv[:, qs + ks:].view(t, cfg.num_key_value_heads, cfg.head_dim)
+            a = tree_attention(plan, q, k_pages[li], v_pages[li], k_new[li], v_new[li])
+            x = x + F.linear(a.view(t, qs), layer["wo"], layer["bo"])
+            h = self._rms(x, layer["ln2"])
+            gu = F.linear(h, layer["wgu"])
+            inter = cfg.intermediate_size
+            x = x + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], layer["wd"])
+        hidden = x
+        xs = x if logits_rows is None else x.index_select(0, logits_rows)
+        logits = F.linear(self._rms(xs, self.norm), self.lm_head).float()
+        return (logits, hidden) if return_hidden else logits

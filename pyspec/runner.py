@@ -1,0 +1,154 @@
+"""The model runner: owns the KV pool tensors and runs one step's flattened forward.
+
+A step is a list of :class:`SeqStep` records (one per request: its new tokens, where they start, its
+block table, and a draft tree or ``None`` for a causal chunk). The runner flattens them, plans tree
+attention once, runs the model once, and returns the logits rows each request asked for plus the
+scratch K/V. :meth:`ModelRunner.commit_kv` then materializes the rows a request keeps into its
+pages. The runner knows nothing of scheduling; the scheduler knows nothing of torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import torch
+
+from pyspec import TokenTree, ops
+from pyspec.attention import plan_attention
+
+
+@dataclass
+class SeqStep:
+    """One request's share of a step.
+
+    Attributes:
+        token_ids: the new tokens (a prefill chunk, one decode token, or the tree's node tokens with
+            the root first).
+        start_pos: committed tokens of the request (their K/V are in its pages); the first new
+            token sits at this position.
+        block_table: the request's page ids (covering at least ``start_pos`` tokens).
+        tree: a :class:`TokenTree` over ``token_ids`` (positions ``start_pos + depth``), or
+            ``None`` for a causal chunk.
+        logits: which rows need logits: ``"last"`` (prefill / decode), ``"all"`` (trees) or
+            ``"none"`` (a non-final prefill chunk).
+    """
+
+    token_ids: Sequence[int]
+    start_pos: int
+    block_table: Sequence[int]
+    tree: Optional[TokenTree] = None
+    logits: str = "last"
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor  # float32 [R, vocab], rows of all requests in order
+    logits_indptr: List[int]  # [B + 1] offsets of each request's rows in `logits`
+    row_indptr: List[int]  # [B + 1] offsets of each request's new tokens in the scratch K/V
+    k_new: torch.Tensor  # [L, T, Hkv, D]
+    v_new: torch.Tensor
+    hidden: Optional[torch.Tensor] = None  # [T, hidden] when asked
+
+    def logits_of(self, i: int) -> torch.Tensor:
+        return self.logits[self.logits_indptr[i]:self.logits_indptr[i + 1]]
+
+
+@dataclass
+class KVPool:
+    """K and V pages of every layer: ``[L, num_blocks, block_size, Hkv, D]``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[2]
+
+    def copy_blocks(self, pairs) -> None:
+        """Copy-on-write copies requested by the block manager: (src, dst) block ids, in order."""
+        for src, dst in pairs:
+            self.k[:, dst].copy_(self.k[:, src])
+            self.v[:, dst].copy_(self.v[:, src])
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int, block_size: int = 16):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1; got {num_blocks}, {block_size}")
+        cfg = model.cfg
+        self.model = model
+        shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv = KVPool(torch.zeros(shape, dtype=model.dtype, device=model.device),
+                         torch.zeros(shape, dtype=model.dtype, device=model.device))
+
+    @property
+    def block_size(self) -> int:
+        return self.kv.block_size
+
+    @torch.inference_mode()
+    def step(self, seqs: Sequence[SeqStep], return_hidden: bool = False) -> StepOutput:
+        if not seqs:
+            raise ValueError("a step needs at least one sequence")
+        cfg = self.model.cfg
+        ids: List[int] = []
+        pos: List[torch.Tensor] = []
+        q_indptr, row_indptr, logit_rows, logits_indptr = [0], [0], [], [0]
+        prefix, tables, tree_parents, tree_indptr = [], [], [], [0]
+        for s in seqs:
+            n = len(s.token_ids)
+            if n == 0:
+                raise ValueError("every sequence of a step needs at least one new token")
+            base = q_indptr[-1]
+            ids.extend(int(t) for t in s.token_ids)
+            if s.tree is None:
+                pos.append(torch.arange(s.start_pos, s.start_pos + n))
+            else:
+                if s.tree.num_nodes != n:
+                    raise ValueError(f"tree has {s.tree.num_nodes} nodes but {n} tokens were given")
+                pos.append(s.start_pos + torch.tensor(s.tree.depths, dtype=torch.int64))
+                tree_parents.extend(s.tree.parents)
+            tree_indptr.append(len(tree_parents))
+            q_indptr.append(base + n)
+            row_indptr.append(base + n)
+            prefix.append(s.start_pos)
+            tables.append(list(s.block_table))
+            if s.logits == "last":
+                logit_rows.append(base + n - 1)
+            elif s.logits == "all":
+                logit_rows.extend(range(base, base + n))
+            elif s.logits != "none":
+                raise ValueError(f"logits must be 'last', 'all' or 'none'; got {s.logits!r}")
+            logits_indptr.append(len(logit_rows))
+        width = max(1, max(len(t) for t in tables))
+        table = torch.full((len(seqs), width), -1, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            if t:
+                table[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        plan = plan_attention(q_indptr, prefix, table, self.block_size,
+                              torch.tensor(tree_parents, dtype=torch.int32), tree_indptr,
+                              self.kv.num_blocks, num_q_heads=cfg.num_attention_heads,
+                              num_kv_heads=cfg.num_key_value_heads)
+        t = len(ids)
+        shape = (cfg.num_hidden_layers, t, cfg.num_key_value_heads, cfg.head_dim)
+        k_new = torch.empty(shape, dtype=self.model.dtype, device=self.model.device)
+        v_new = torch.empty_like(k_new)
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.model.device)
+        positions = torch.cat(pos).to(self.model.device)
+        rows = torch.tensor(logit_rows, dtype=torch.int64, device=self.model.device)
+        out = self.model.forward(input_ids, positions, plan, self.kv.k, self.kv.v, k_new, v_new,
+                                 logits_rows=rows, return_hidden=return_hidden)
+        logits, hidden = out if return_hidden else (out, None)
+        return StepOutput(logits, logits_indptr, row_indptr, k_new, v_new, hidden)
+
+    def commit_kv(self, out: StepOutput, seq_index: int, local_rows, slots) -> None:
+        """Materialize request ``seq_index``'s new-token rows ``local_rows`` into flat ``slots``."""
+        base = out.row_indptr[seq_index]
+        rows = torch.as_tensor(local_rows, dtype=torch.int64) + base
+        slots = torch.as_tensor(slots, dtype=torch.int64)
+        ops.materialize_kv(out.k_new, self.kv.k, rows, slots)
+        ops.materialize_kv(out.v_new, self.kv.v, rows, slots)

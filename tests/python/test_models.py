@@ -1,0 +1,218 @@
+"""Model layer: HF checkpoints load and match transformers' logits (fp32, 1e-4) for prefill and for
+token-by-token decode on pyspec's paged KV; tree nodes match their paths; loading errors are clear.
+transformers is a test-only dependency."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from pyspec import TokenTree
+from pyspec.models.config import ModelConfig
+from pyspec.models.llama import LlamaForCausalLM
+from pyspec.runner import ModelRunner, SeqStep
+
+transformers = pytest.importorskip("transformers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+BASE = dict(vocab_size=111, hidden_size=128, intermediate_size=200, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
+
+
+def _hf_model(kind, tmp_path, shard=False, **overrides):
+    torch.manual_seed(0)
+    kw = dict(BASE, **overrides)
+    if kind == "qwen2":
+        cfg = transformers.Qwen2Config(**kw)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    elif kind == "mistral":
+        cfg = transformers.MistralConfig(sliding_window=None, **kw)
+        model = transformers.MistralForCausalLM(cfg)
+    else:
+        cfg = transformers.LlamaConfig(**kw)
+        model = transformers.LlamaForCausalLM(cfg)
+    # Non-trivial norms and biases so a wrong mapping cannot hide behind ones/zeros.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model = model.float().eval()
+    path = tmp_path / kind
+    model.save_pretrained(path, max_shard_size="200KB" if shard else "5GB")
+    model.config._attn_implementation = "eager"
+    return model, str(path)
+
+
+def _ours(path, num_blocks=64, block_size=4):
+    model = LlamaForCausalLM.from_pretrained(path, dtype="float32")
+    return model, ModelRunner(model, num_blocks=num_blocks, block_size=block_size)
+
+
+def _prefill_logits(runner, toks, table):
+    out = runner.step([SeqStep(toks, 0, table, None, "all")])
+    return out
+
+
+CASES = [
+    ("llama", {}),
+    ("qwen2", {}),
+    ("mistral", {}),
+    ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "max_position_embeddings": 16}),
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}),
+    ("llama", {"tie_word_embeddings": True, "hidden_size": 192, "head_dim": 64,
+               "num_attention_heads": 3, "num_key_value_heads": 1}),
+]
+
+
+@pytest.mark.parametrize("kind, overrides", CASES)
+def test_prefill_and_decode_match_transformers(kind, overrides, tmp_path):
+    hf, path = _hf_model(kind, tmp_path, shard=(kind == "qwen2"), **overrides)
+    model, runner = _ours(path)
+    g = torch.Generator().manual_seed(1)
+    toks = torch.randint(0, BASE["vocab_size"], (23,), generator=g).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([toks])).logits[0].float()
+    # Prefill of the whole sequence at once.
+    table = list(range(0, 8))
+    got = runner.step([SeqStep(toks, 0, table, None, "all")]).logits
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    # Token by token on the paged KV: each step commits its K/V, the next reads them from pages.
+    # The reference is transformers' own cached decode (for dynamic RoPE it differs from prefill).
+    table2 = list(range(8, 16))[::-1]  # a permuted block table
+    bs = runner.block_size
+    past = None
+    for i, tok in enumerate(toks):
+        with torch.no_grad():
+            r = hf(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+        past = r.past_key_values
+        out = runner.step([SeqStep([tok], i, table2, None, "last")])
+        runner.commit_kv(out, 0, [0], [table2[i // bs] * bs + i % bs])
+        torch.testing.assert_close(out.logits[0], r.logits[0, -1].float(), atol=1e-4, rtol=1e-4)
+
+
+def test_tree_nodes_match_their_paths(tmp_path):
+    _, path = _hf_model("llama", tmp_path)
+    model, runner = _ours(path)
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, 111, (13,), generator=g).tolist()
+    table = [5, 2, 9, 7, 1, 3, 0, 4]
+    bs = runner.block_size
+    out = runner.step([SeqStep(prompt, 0, table, None, "none")])
+    runner.commit_kv(out, 0, range(len(prompt)), [table[i // bs] * bs + i % bs for i in range(13)])
+    tree = TokenTree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]])
+    toks = torch.randint(0, 111, (tree.num_nodes,), generator=g).tolist()
+    got = runner.step([SeqStep(toks, 13, table, tree, "all")]).logits
+    for node in range(tree.num_nodes):
+        path_tokens = [toks[j] for j in tree.path_to(node)]
+        alone = runner.step([SeqStep(path_tokens, 13, table, None, "last")]).logits[0]
+        torch.testing.assert_close(got[node], alone, atol=1e-4, rtol=1e-4)
+
+
+def test_mixed_batch_matches_single_requests(tmp_path):
+    """A step mixing a prefill chunk, a decode token and a tree gives each request its own logits."""
+    _, path = _hf_model("qwen2", tmp_path)
+    model, runner = _ours(path, num_blocks=40)
+    g = torch.Generator().manual_seed(3)
+    a = torch.randint(0, 111, (9,), generator=g).tolist()
+    b = torch.randint(0, 111, (6,), generator=g).tolist()
+    bs = runner.block_size
+    ta, tb = [0, 1, 2], [10, 11, 12]
+    out = runner.step([SeqStep(b[:5], 0, tb, None, "none")])
+    runner.commit_kv(out, 0, range(5), [tb[i // bs] * bs + i % bs for i in range(5)])
+    tree = TokenTree.kary(2, 2)
+    tt = torch.randint(0, 111, (tree.num_nodes,), generator=g).tolist()
+    seqs = [SeqStep(a, 0, ta, None, "last"), SeqStep([b[5]], 5, tb, None, "last"),
+            SeqStep(tt, 5, tb, tree, "all")]
+    mixed = runner.step(seqs)
+    for i, s in enumerate(seqs):
+        alone = runner.step([s]).logits
+        torch.testing.assert_close(mixed.logits_of(i), alone, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_runs_close_to_fp32(tmp_path):
+    _, path = _hf_model("llama", tmp_path)
+    m32 = LlamaForCausalLM.from_pretrained(path, dtype="float32")
+    m16 = LlamaForCausalLM.from_pretrained(path, dtype="bfloat16")
+    toks = list(range(1, 20))
+    l32 = ModelRunner(m32, 16, 4).step([SeqStep(toks, 0, list(range(5)), None, "all")]).logits
+    l16 = ModelRunner(m16, 16, 4).step([SeqStep(toks, 0, list(range(5)), None, "all")]).logits
+    assert l16.dtype == torch.float32
+    assert (l16.argmax(-1) == l32.argmax(-1)).float().mean() > 0.8
+    assert (l16 - l32).abs().max() < 0.25
+
+
+def _write_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_loading_errors_are_clear(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, path = _hf_model("llama", tmp_path)
+    p = tmp_path / "llama"
+    weights = load_file(str(p / "model.safetensors"))
+
+    with pytest.raises(ValueError, match="not a directory"):
+        LlamaForCausalLM.from_pretrained(str(p / "nope"))
+    with pytest.raises(ValueError, match="dtype"):
+        LlamaForCausalLM.from_pretrained(str(p), dtype="int8")
+
+    _write_config(p, architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        LlamaForCausalLM.from_pretrained(str(p))
+    _write_config(p, architectures=["LlamaForCausalLM"], model_type="llama")
+
+    _write_config(p, num_key_value_heads=3)
+    with pytest.raises(ValueError, match="multiple of"):
+        LlamaForCausalLM.from_pretrained(str(p))
+    _write_config(p, num_key_value_heads=2)
+
+    _write_config(p, rope_parameters={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="rope_scaling"):
+        LlamaForCausalLM.from_pretrained(str(p))
+    _write_config(p, rope_parameters=None)
+
+    missing = dict(weights)
+    del missing["model.layers.1.mlp.up_proj.weight"]
+    save_file(missing, str(p / "model.safetensors"))
+    with pytest.raises(ValueError, match="missing tensors.*up_proj"):
+        LlamaForCausalLM.from_pretrained(str(p))
+
+    extra = dict(weights, **{"model.layers.0.extra.weight": torch.zeros(3)})
+    save_file(extra, str(p / "model.safetensors"))
+    with pytest.raises(ValueError, match="does not use.*extra"):
+        LlamaForCausalLM.from_pretrained(str(p))
+
+    bad = dict(weights)
+    bad["model.norm.weight"] = torch.zeros(7)
+    save_file(bad, str(p / "model.safetensors"))
+    with pytest.raises(ValueError, match="model.norm.weight.*shape"):
+        LlamaForCausalLM.from_pretrained(str(p))
+
+    save_file(weights, str(p / "model.safetensors"))
+    data = (p / "model.safetensors").read_bytes()
+    (p / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        LlamaForCausalLM.from_pretrained(str(p))
+    (p / "model.safetensors").write_bytes(b"not a safetensors file at all")
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        LlamaForCausalLM.from_pretrained(str(p))
+
+    (p / "config.json").write_text("{ nope")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        LlamaForCausalLM.from_pretrained(str(p))
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="hidden_size"):
+        ModelConfig.from_dict({"model_type": "llama", "vocab_size": 5})
+    with pytest.raises(ValueError, match="positive integer"):
+        ModelConfig.from_dict(dict(BASE, model_type="llama", num_hidden_layers=0))
+    cfg = ModelConfig.from_dict(dict(BASE, model_type="qwen2"))
+    assert cfg.attention_bias and cfg.head_dim == 32
