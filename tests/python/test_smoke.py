@@ -1,47 +1,59 @@
-"""The smoke pipeline (block manager + tree attention + acceptance + materialize on a tiny random
-model) against a dense full-recompute torch reference."""
+"""The smoke pipeline (runner + block manager + tree attention + acceptance + materialize on a tiny
+random Llama) against a dense full-recompute torch reference."""
 
 import subprocess
 import sys
 
 import torch
+import torch.nn.functional as F
 
 from pyspec import smoke
+from pyspec.decode import decode_one, prompt_lookup_drafter
+from pyspec.models.llama import LlamaForCausalLM
+from pyspec.runner import ModelRunner
+
+
+def dense_logits(model, toks):
+    """Reference forward: the whole sequence with causal SDPA (no paging, no trees)."""
+    c = model.cfg
+    t = len(toks)
+    pos = torch.arange(t)
+    cos, sin = model.rope_tables(pos)
+    cos, sin = cos[:, None], sin[:, None]
+    x = model.embed[torch.tensor(toks)]
+    for L in model.layers:
+        h = model._rms(x, L["ln1"])
+        qkv = F.linear(h, L["wqkv"], L["bqkv"])
+        q = model._rotate(qkv[:, :c.q_size].view(t, -1, c.head_dim), cos, sin)
+        k = model._rotate(qkv[:, c.q_size:c.q_size + c.kv_size].view(t, -1, c.head_dim), cos, sin)
+        v = qkv[:, c.q_size + c.kv_size:].view(t, -1, c.head_dim)
+        rep = c.num_attention_heads // c.num_key_value_heads
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        a = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                           is_causal=True)
+        x = x + F.linear(a.transpose(0, 1).reshape(t, -1), L["wo"], L["bo"])
+        h = model._rms(x, L["ln2"])
+        gu = F.linear(h, L["wgu"])
+        x = x + F.linear(F.silu(gu[:, :c.intermediate_size]) * gu[:, c.intermediate_size:], L["wd"])
+    return F.linear(model._rms(x, model.norm), model.lm_head)
 
 
 def _dense_greedy(model, prompt, n):
-    """Reference: recompute the whole sequence every step with plain causal SDPA."""
-    c = model.cfg
     toks = list(prompt)
     for _ in range(n):
-        t = len(toks)
-        x = model.embed[torch.tensor(toks)]
-        pos = torch.arange(t)
-        for p in model.layers:
-            h = model._rms(x)
-            q = model._rope((h @ p["wq"].T).view(t, c.heads, c.head_dim), pos)
-            k = model._rope((h @ p["wk"].T).view(t, c.kv_heads, c.head_dim), pos)
-            v = (h @ p["wv"].T).view(t, c.kv_heads, c.head_dim)
-            rep = c.heads // c.kv_heads
-            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-            a = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
-            x = x + a.transpose(0, 1).reshape(t, -1) @ p["wo"].T
-            h = model._rms(x)
-            x = x + (torch.nn.functional.silu(h @ p["w1"].T) * (h @ p["w3"].T)) @ p["w2"].T
-        logits = model._rms(x[-1]) @ model.lm_head.T
-        toks.append(int(logits.argmax()))
+        toks.append(int(dense_logits(model, toks)[-1].argmax()))
     return toks[len(prompt):]
 
 
 def test_plain_and_speculative_match_dense_reference():
-    cfg = smoke.TinyConfig()
-    model = smoke.TinyLlama(cfg, seed=3)
-    prompt = smoke.default_prompt(cfg, seed=4)
+    cfg = smoke.tiny_config()
+    model = LlamaForCausalLM.random(cfg, seed=3)
+    prompt = smoke.default_prompt(cfg.vocab_size, seed=4)
     n = 40
     ref = _dense_greedy(model, prompt, n)
-    plain = smoke.generate(model, prompt, n, gamma=0, block_size=16)
-    spec = smoke.generate(model, prompt, n, gamma=5, block_size=1)
+    plain = decode_one(ModelRunner(model, 16, 16), prompt, n, prefill_chunk=20)
+    spec = decode_one(ModelRunner(model, 200, 1), prompt, n, drafter=prompt_lookup_drafter(),
+                         gamma=5)
     assert plain.tokens == ref
     assert spec.tokens == ref
     assert plain.steps == n
@@ -50,9 +62,10 @@ def test_plain_and_speculative_match_dense_reference():
 
 
 def test_prompt_lookup_draft():
-    assert smoke.prompt_lookup_draft([1, 2, 3, 9, 1, 2], 3) == [3, 9, 1]
-    assert smoke.prompt_lookup_draft([5, 6, 7], 4) == []
-    assert smoke.prompt_lookup_draft([4, 4], 2) == [4]
+    d = prompt_lookup_drafter()
+    assert d([1, 2, 3, 9, 1, 2], 3) == [3, 9, 1]
+    assert d([5, 6, 7], 4) == []
+    assert d([4, 4], 2) == [4]
 
 
 def test_cli_smoke_runs():
