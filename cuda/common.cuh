@@ -16,3 +16,25 @@
           cudaGetErrorName(pyspec_err_), ": ", cudaGetErrorString(pyspec_err_)));             \
     }                                                                                         \
   } while (0)
+
+namespace pyspec {
+namespace cuda {
+
+// Makes `device` current for a scope and restores the caller's device after, so an op on cuda:1
+// never leaves the calling thread (and torch) on the wrong GPU.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    PYSPEC_CUDA_CALL(cudaGetDevice(&previous_));
+    if (device != previous_) PYSPEC_CUDA_CALL(cudaSetDevice(device));
+  }
+  ~DeviceGuard() { cudaSetDevice(previous_); }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+}  // namespace cuda
+}  // namespace pyspec

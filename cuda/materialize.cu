@@ -31,7 +31,7 @@ void MaterializeKV(const TensorView& scratch, const TensorView& pages, const Ten
   const auto s = detail::CheckMaterializeArgs(scratch, pages, src_rows, dst_slots);
   PYSPEC_CHECK(src_rows.dtype == dst_slots.dtype, "'src_rows' and 'dst_slots' must share a dtype");
   RequireDevice("materialize_kv");
-  PYSPEC_CUDA_CALL(cudaSetDevice(scratch.device.index));
+  DeviceGuard guard(scratch.device.index);
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const auto src = CopyIndicesToHost(src_rows, stream);
   const auto dst = CopyIndicesToHost(dst_slots, stream);

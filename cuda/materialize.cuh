@@ -32,7 +32,7 @@ cudaError_t LaunchMaterialize(const void* scratch, void* pages, const IdxT* src_
                               const IdxT* dst_slots, int64_t n, int64_t layers,
                               int64_t scratch_rows, int64_t slots, int64_t row_bytes,
                               cudaStream_t stream) {
-  if (n == 0 || layers == 0) return cudaSuccess;
+  if (n == 0 || layers == 0 || row_bytes == 0) return cudaSuccess;
   dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>(layers));
   const bool aligned16 = row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(scratch) % 16 == 0 &&
                          reinterpret_cast<uintptr_t>(pages) % 16 == 0;

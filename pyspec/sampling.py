@@ -250,8 +250,9 @@ def accept(
     sampled_t = _per_row(sampled_children, b, "sampled_children", torch.bool, dev, bool)
     seeds_t = _seed_tensor(seeds, b, "seeds", dev)
     offsets_t = _seed_tensor(offsets, b, "offsets", dev)
-    if not _is_scalar(row_sum_tolerance, Real) or not row_sum_tolerance > 0:
-        raise ValueError(f"'row_sum_tolerance' must be a positive number; got {row_sum_tolerance!r}")
+    if not _is_scalar(row_sum_tolerance, Real) or not 0 < row_sum_tolerance <= 0.5:
+        raise ValueError(f"'row_sum_tolerance' must be a number in (0, 0.5]; got "
+                         f"{row_sum_tolerance!r}")
 
     width = _C.tree_batch_max_depth(parents, tree_indptr) + 1
     accepted_nodes = torch.empty((b, width), dtype=torch.int32, device=dev)

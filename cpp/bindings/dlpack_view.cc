@@ -52,12 +52,33 @@ DType ToDType(const DLDataType& t, const char* name) {
                                   int(t.code), ", ", int(t.bits), " bits, ", t.lanes, " lanes)"));
 }
 
+bool IsInstanceOfLoaded(py::handle obj, const char* module, const char* cls) {
+  PyObject* mod = PyImport_GetModule(py::str(module).ptr());  // new ref or null; never imports
+  if (mod == nullptr) {
+    PyErr_Clear();
+    return false;  // not imported: obj cannot be one of its instances
+  }
+  py::object m = py::reinterpret_steal<py::object>(mod);
+  return py::hasattr(m, cls) && py::isinstance(obj, m.attr(cls));
+}
+
+bool IsSelfOwningProducer(py::handle obj) {
+  return IsInstanceOfLoaded(obj, "torch", "Tensor") || IsInstanceOfLoaded(obj, "numpy", "ndarray");
+}
+
 }  // namespace
 
 TensorView ToView(py::handle obj, const char* name) {
   if (obj.is_none()) throw ValueError(detail::StrCat("'", name, "' is None; expected a tensor"));
   if (!py::hasattr(obj, "__dlpack__")) {
     throw ValueError(detail::StrCat("'", name, "' must be a tensor (torch.Tensor or numpy array); got ",
+                                    std::string(py::str(py::type::of(obj).attr("__name__")))));
+  }
+  // The view outlives the capsule, so the data must be owned by `obj` itself. torch tensors and
+  // numpy arrays export their own storage (never a private copy); other producers may hand out a
+  // buffer only the capsule keeps alive, so they are refused rather than risk a dangling pointer.
+  if (!IsSelfOwningProducer(obj)) {
+    throw ValueError(detail::StrCat("'", name, "' must be a torch.Tensor or numpy.ndarray; got ",
                                     std::string(py::str(py::type::of(obj).attr("__name__")))));
   }
   py::object capsule;

@@ -393,7 +393,8 @@ int32_t SampleIndex(const T* w, int64_t vocab, double total, double u,
       if (cum > target) return static_cast<int32_t>(v);
     }
   }
-  PYSPEC_ICHECK(last_positive >= 0, "sampling from an empty distribution");
+  // Unreachable for validated rows (they sum to ~1); kept a user-facing error, not an abort.
+  PYSPEC_CHECK(last_positive >= 0, "cannot sample: the distribution has no positive mass");
   return static_cast<int32_t>(last_positive);
 }
 
@@ -649,6 +650,9 @@ void AcceptTrees(const TensorView& target_probs, const TensorView* draft_probs,
       {&greedy, "greedy"}, {&sampled_children, "sampled_children"}, {&seeds, "seeds"},
       {&offsets, "offsets"}, {&accepted_nodes, "accepted_nodes"},
       {&emitted_tokens, "emitted_tokens"}, {&num_accepted, "num_accepted"}};
+  // A tolerance near 1 would admit all-zero rows, leaving nothing to sample from.
+  PYSPEC_CHECK(options.row_sum_tolerance > 0.0 && options.row_sum_tolerance <= 0.5,
+               "'row_sum_tolerance' must be in (0, 0.5]; got ", options.row_sum_tolerance);
   CheckDevice(target_probs, "target_probs", DeviceType::kCPU);
   for (const auto& t : all) {
     CheckSameDevice(target_probs, "target_probs", *t.first, t.second);

@@ -173,8 +173,10 @@ AttentionPlan PlanAttention(const TensorView& q_indptr, const TensorView& prefix
   const int64_t heads = hkv > 0 ? hkv : 1;
   const int64_t tile_queries = options.target_tile_queries > 0 ? options.target_tile_queries : 256;
   const int64_t rows_per_tile = std::max<int64_t>(1, tile_queries / group);
-  const int threads = options.num_threads > 0 ? options.num_threads
-                                              : ThreadPool::Default().num_threads();
+  PYSPEC_CHECK(options.num_threads >= 0 && options.num_threads <= 4096,
+               "'num_threads' must be in [0, 4096] (0 = the pool's size); got ", options.num_threads);
+  const int64_t threads = options.num_threads > 0 ? options.num_threads
+                                                  : ThreadPool::Default().num_threads();
   const int64_t min_chunk = RoundUp(options.min_kv_chunk > 0 ? options.min_kv_chunk : 512,
                                     kTileKeys);
   struct Tile {

@@ -60,6 +60,18 @@ void BlockManager::SetHashFunction(HashFn fn) {
 
 // ---- request lookup and helpers -----------------------------------------------------------------
 
+namespace {
+// Per-request token bound: keeps every position/slot computation far from int64 overflow
+// (user-supplied counts are checked against it before any arithmetic).
+constexpr int64_t kMaxTokens = int64_t{1} << 48;
+
+void CheckExtraTokens(int64_t num_tokens, int64_t num_extra_tokens) {
+  PYSPEC_CHECK(num_extra_tokens >= 0, "num_extra_tokens must be >= 0; got ", num_extra_tokens);
+  PYSPEC_CHECK(num_extra_tokens <= kMaxTokens - num_tokens, "num_extra_tokens ", num_extra_tokens,
+               " exceeds the per-request limit of ", kMaxTokens, " tokens");
+}
+}  // namespace
+
 BlockManager::Request& BlockManager::Get(int64_t id, const char* what) {
   auto it = requests_.find(id);
   PYSPEC_CHECK(it != requests_.end(), "request_id ", id, " is not registered (", what, ")");
@@ -272,7 +284,7 @@ int64_t BlockManager::AddRequest(int64_t id, const int32_t* prompt, int64_t n) {
 
 bool BlockManager::Reserve(int64_t id, int64_t num_extra_tokens) {
   Request& r = Get(id, "reserve");
-  PYSPEC_CHECK(num_extra_tokens >= 0, "num_extra_tokens must be >= 0; got ", num_extra_tokens);
+  CheckExtraTokens(static_cast<int64_t>(r.tokens.size()), num_extra_tokens);
   const int64_t target = static_cast<int64_t>(r.tokens.size()) + num_extra_tokens;
   if (BlocksNeeded(r, target) > num_free_blocks()) return false;
   EnsureCapacity(r, target);
@@ -281,7 +293,7 @@ bool BlockManager::Reserve(int64_t id, int64_t num_extra_tokens) {
 
 int64_t BlockManager::BlocksNeededToReserve(int64_t id, int64_t num_extra_tokens) const {
   const Request& r = Get(id, "can_reserve");
-  PYSPEC_CHECK(num_extra_tokens >= 0, "num_extra_tokens must be >= 0; got ", num_extra_tokens);
+  CheckExtraTokens(static_cast<int64_t>(r.tokens.size()), num_extra_tokens);
   return BlocksNeeded(r, static_cast<int64_t>(r.tokens.size()) + num_extra_tokens);
 }
 
@@ -295,13 +307,19 @@ bool BlockManager::Commit(int64_t id, const int32_t* tokens, int64_t n, int64_t 
   PYSPEC_CHECK(n == 0 || tokens != nullptr, "tokens is null");
   PYSPEC_CHECK(num_computed >= 0, "num_computed must be >= 0; got ", num_computed);
   const int64_t num_tokens = static_cast<int64_t>(r.tokens.size());
-  PYSPEC_CHECK(r.num_computed + num_computed <= num_tokens + n, "num_computed ", num_computed,
+  PYSPEC_CHECK(n <= kMaxTokens - num_tokens, "committing ", n, " tokens would exceed ", kMaxTokens,
+               " tokens for request_id ", id);
+  PYSPEC_CHECK(num_computed <= num_tokens + n - r.num_computed, "num_computed ", num_computed,
                " would mark more tokens computed than known (computed ", r.num_computed,
                ", tokens after commit ", num_tokens + n, ") for request_id ", id);
   // Positions about to be marked computed were written through SlotsFor, so they must already lie
-  // in private blocks; checking before the copy-on-write below keeps a missing Reserve() visible.
+  // in reserved, private blocks; checking before the copy-on-write below keeps a missing Reserve()
+  // visible instead of caching blocks whose KV was never written.
   const int64_t capacity = static_cast<int64_t>(r.table.size()) * block_size_;
-  for (int64_t p = r.num_computed; p < std::min(r.num_computed + num_computed, capacity);
+  PYSPEC_CHECK(num_computed <= capacity - r.num_computed, "num_computed ", num_computed,
+               " reaches past the reserved capacity ", capacity, " of request_id ", id,
+               " (computed ", r.num_computed, "); call reserve() before writing KV");
+  for (int64_t p = r.num_computed; p < r.num_computed + num_computed;
        p += block_size_ - p % block_size_) {
     PYSPEC_CHECK(blocks_[r.table[p / block_size_]].ref == 1, "position ", p, " of request_id ", id,
                  " lies in a shared block: call reserve() before writing KV (commit)");
@@ -319,7 +337,7 @@ void BlockManager::MarkComputed(int64_t id, int64_t n) {
   Request& r = Get(id, "mark_computed");
   PYSPEC_CHECK(n >= 0, "n must be >= 0; got ", n);
   const int64_t num_tokens = static_cast<int64_t>(r.tokens.size());
-  PYSPEC_CHECK(r.num_computed + n <= num_tokens, "n = ", n,
+  PYSPEC_CHECK(n <= num_tokens - r.num_computed, "n = ", n,
                " would mark more tokens computed than known (computed ", r.num_computed,
                ", tokens ", num_tokens, ") for request_id ", id);
   for (int64_t p = r.num_computed; p < r.num_computed + n; p += block_size_ - p % block_size_) {
@@ -376,7 +394,7 @@ void BlockManager::SlotsFor(int64_t id, int64_t start, int64_t n, int64_t* out) 
   PYSPEC_CHECK(start >= 0, "start must be >= 0; got ", start);
   PYSPEC_CHECK(n >= 0, "n must be >= 0; got ", n);
   const int64_t capacity = static_cast<int64_t>(r.table.size()) * block_size_;
-  PYSPEC_CHECK(start + n <= capacity, "positions [", start, ", ", start + n,
+  PYSPEC_CHECK(n <= capacity - start, "positions [", start, ", ", start, " + ", n,
                ") exceed the reserved capacity ", capacity, " of request_id ", id,
                "; call reserve() first");
   PYSPEC_CHECK(n == 0 || out != nullptr, "out is null");

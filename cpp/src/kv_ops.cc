@@ -56,7 +56,7 @@ int64_t ReadIndex(const TensorView& t, int64_t i) {
 }  // namespace
 
 void MaterializeKV(const TensorView& scratch, const TensorView& pages, const TensorView& src_rows,
-                   const TensorView& dst_slots) {
+                   const TensorView& dst_slots, ThreadPool* pool) {
   CheckDevice(scratch, "scratch", DeviceType::kCPU);
   const detail::MaterializeShape s = detail::CheckMaterializeArgs(scratch, pages, src_rows, dst_slots);
   std::vector<int64_t> src(s.n), dst(s.n);
@@ -71,7 +71,7 @@ void MaterializeKV(const TensorView& scratch, const TensorView& pages, const Ten
   const char* sbase = static_cast<const char*>(scratch.data);
   char* pbase = static_cast<char*>(pages.data);
   const int64_t total = s.layers * s.n;
-  ThreadPool::Default().ParallelFor(total, 64, [&](int64_t begin, int64_t end) {
+  (pool != nullptr ? *pool : ThreadPool::Default()).ParallelFor(total, 64, [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) {
       int64_t layer = k / s.n, i = k % s.n;
       std::memcpy(pbase + (layer * s.slots + dst[i]) * s.row_bytes,

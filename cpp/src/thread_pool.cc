@@ -1,5 +1,7 @@
 #include "pyspec/thread_pool.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <exception>
@@ -19,15 +21,29 @@ int ResolveThreads(int requested) {
   return hw == 0 ? 1 : static_cast<int>(hw);
 }
 
+constexpr int kMaxThreads = 1024;
+
 }  // namespace
 
-ThreadPool::ThreadPool(int num_threads) {
-  int n = ResolveThreads(num_threads);
+ThreadPool::ThreadPool(int num_threads) : owner_pid_(static_cast<int64_t>(getpid())) {
+  int n = std::min(ResolveThreads(num_threads), kMaxThreads);
   workers_.reserve(n - 1);
-  for (int i = 0; i + 1 < n; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+  try {
+    for (int i = 0; i + 1 < n; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+  } catch (...) {
+    // Could not start them all (resource limits): run with the ones that started.
+  }
 }
 
+bool ThreadPool::InForkedChild() const { return static_cast<int64_t>(getpid()) != owner_pid_; }
+
 ThreadPool::~ThreadPool() {
+  if (InForkedChild()) {
+    // After fork() the workers exist only in the parent; joining them here would hang. Their
+    // std::thread objects are released without joining (a deliberate, bounded leak).
+    new std::vector<std::thread>(std::move(workers_));
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
@@ -75,7 +91,7 @@ void ThreadPool::ParallelFor(int64_t n, int64_t grain,
   grain = std::max<int64_t>(grain, 1);
   int64_t max_chunks = (n + grain - 1) / grain;
   int64_t chunks = std::min<int64_t>(max_chunks, static_cast<int64_t>(num_threads()) * 4);
-  if (chunks <= 1 || workers_.empty() || t_inside_task) {
+  if (chunks <= 1 || workers_.empty() || t_inside_task || InForkedChild()) {
     fn(0, n);
     return;
   }

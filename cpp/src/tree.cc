@@ -163,6 +163,9 @@ void ValidateTreeBatch(const int32_t* parents, const int64_t* tree_indptr, int64
     int64_t n = end - begin;
     PYSPEC_CHECK(n >= 1 && n <= TokenTree::kMaxNodes, "'", name, "' tree ", b, " has ", n,
                  " nodes; allowed 1..", TokenTree::kMaxNodes);
+    // indptr must stay inside the node array before any parent is read.
+    PYSPEC_CHECK(begin >= 0 && end <= total_nodes, "'", name, "' indptr entry ", b + 1, " = ", end,
+                 " is outside [0, ", total_nodes, "]");
     PYSPEC_CHECK(parents[begin] == -1, "'", name, "' tree ", b, ": node 0 must be the root (parent -1)");
     for (int64_t i = 1; i < n; ++i) {
       int32_t p = parents[begin + i];

@@ -195,3 +195,62 @@ def test_fuzz_trees_and_block_manager():
                 bad += 1
             bm.check_invariants()  # raises RuntimeError (failing the test) on corruption
     assert bad > CASES_PER_OP // 2
+
+
+@pytest.mark.parametrize("call", [
+    lambda bm: bm.slots_for(1, 2**63 - 1, 1),
+    lambda bm: (bm.mark_computed(1, 1), bm.mark_computed(1, 2**63 - 1)),
+    lambda bm: (bm.mark_computed(1, 1), bm.commit(1, [], 2**63 - 1)),
+    lambda bm: bm.reserve(1, 2**63 - 1),
+    lambda bm: bm.can_reserve(1, 2**63 - 2),
+    # Marking tokens computed past the reserved capacity would cache blocks never written.
+    lambda bm: bm.commit(1, list(range(10)), 13),
+])
+def test_block_manager_extreme_counts_are_value_errors(call):
+    bm = _C.BlockManager(8, 4)
+    bm.add_request(1, [1, 2, 3])
+    with pytest.raises(ValueError):
+        call(bm)
+    bm.check_invariants()
+    assert bm.num_cached_blocks == 0
+
+
+def test_tree_batch_indptr_past_the_nodes_is_a_value_error():
+    with pytest.raises(ValueError, match="indptr"):
+        _C.tree_batch_max_depth(torch.tensor([-1], dtype=torch.int32),
+                                torch.tensor([0, 200, 1], dtype=torch.int64))
+
+
+def test_attention_thread_count_is_bounded():
+    with pytest.raises(ValueError, match="num_threads"):
+        _C.plan_attention(torch.tensor([0, 1]), torch.tensor([0]),
+                          torch.zeros(1, 1, dtype=torch.int32), 4, torch.empty(0, dtype=torch.int32),
+                          torch.tensor([0, 0]), 1, num_threads=2**30)
+
+
+def test_zero_rows_cannot_pass_a_loose_tolerance():
+    from pyspec.sampling import accept
+
+    for tol in (1.0, 0.9):
+        with pytest.raises(ValueError, match="row_sum_tolerance"):
+            accept(torch.zeros(1, 5), torch.tensor([0]), torch.tensor([-1]), torch.tensor([0, 1]),
+                   seeds=0, row_sum_tolerance=tol)
+
+
+def test_dlpack_producers_that_may_own_a_copy_are_refused():
+    import numpy as np
+
+    class Wrapper:  # hands out a fresh buffer that only the capsule would keep alive
+        def __init__(self, a):
+            self.a = a
+
+        def __dlpack__(self, stream=None):
+            return np.ascontiguousarray(self.a).__dlpack__()
+
+    with pytest.raises(ValueError, match="torch.Tensor or numpy.ndarray"):
+        _C.materialize_kv(Wrapper(np.zeros((4, 2, 8), np.float32)), torch.zeros(2, 16, 2, 8),
+                          torch.tensor([1]), torch.tensor([3]))
+    # numpy arrays are fine (they export their own storage).
+    pages = np.zeros((2, 16, 2, 8), np.float32)
+    _C.materialize_kv(np.ones((4, 2, 8), np.float32), pages, np.array([1]), np.array([3]))
+    assert pages.reshape(32, 2, 8)[3].sum() == 16

@@ -15,13 +15,16 @@ namespace pyspec {
 
 class ThreadPool {
  public:
-  // num_threads <= 0 picks PYSPEC_NUM_THREADS from the environment, else hardware concurrency.
+  // num_threads <= 0 picks PYSPEC_NUM_THREADS from the environment, else hardware concurrency
+  // (at most 1024).
   explicit ThreadPool(int num_threads = 0);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   int num_threads() const { return static_cast<int>(workers_.size()) + 1; }
+  // True in a child process forked after this pool started; the child then runs jobs serially.
+  bool InForkedChild() const;
 
   // Runs fn(begin, end) over [0, n) split into contiguous chunks of at least `grain` items, on the
   // pool's workers and the calling thread. Blocks until all chunks are done. The first exception
@@ -35,6 +38,7 @@ class ThreadPool {
  private:
   void WorkerLoop();
 
+  int64_t owner_pid_;
   std::vector<std::thread> workers_;
   std::mutex mu_;
   std::condition_variable cv_work_;
