@@ -10,4 +10,5 @@ PYBIND11_MODULE(_C, m) {
   pyspec::bindings::RegisterBlockManager(m);
   pyspec::bindings::RegisterAttention(m);
   pyspec::bindings::RegisterAcceptance(m);
+  pyspec::bindings::RegisterLinear(m);
 }

@@ -12,6 +12,7 @@ void RegisterCuda(pybind11::module_& m);
 void RegisterBlockManager(pybind11::module_& m);
 void RegisterAttention(pybind11::module_& m);
 void RegisterAcceptance(pybind11::module_& m);
+void RegisterLinear(pybind11::module_& m);
 
 }  // namespace bindings
 }  // namespace pyspec

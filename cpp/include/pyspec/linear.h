@@ -1,0 +1,44 @@
+// Dense layer out = x @ w^T + bias on the CPU, tuned for the few input rows of decoding.
+//
+// Decoding one token (or scoring a small draft tree) multiplies M = 1..16 activation rows by every
+// weight matrix of the model, so the cost is reading the weights from memory once: a GEMV-like,
+// bandwidth-bound problem that BLAS GEMM kernels (built for large M) serve poorly. This kernel
+// streams each weight row exactly once per call and computes its dot products with all M input
+// rows while the row is in L1 (register blocks of 4 weight rows x up to 3 input rows), with fp32
+// accumulators. It is compiled for the x86-64 baseline (SSE2) and for AVX2+FMA and picks one at run
+// time; output rows are split over the thread pool.
+//
+// Any M is computed correctly (input rows are tiled), but the kernel re-reads the inputs once per
+// block of 4 weight rows, so for large M (prefill) a GEMM library is faster; pyspec.linear routes
+// M > 16 to torch.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "pyspec/tensor_view.h"
+
+namespace pyspec {
+
+class ThreadPool;
+
+// out[m, n] = sum_k x[m, k] * w[n, k] + bias[n], for
+//   x     [M, K]
+//   w     [N, K]
+//   bias  [N], or nullptr
+//   out   [M, N] (written; may alias x, which is read before any output is written)
+// All tensors contiguous, on the CPU, and of one dtype: float32, bfloat16 or float16. Products are
+// accumulated in fp32 and each output is rounded once. `pool` defaults to ThreadPool::Default().
+// Throws ValueError naming the bad argument; RuntimeError for CUDA tensors (not implemented).
+void Linear(const TensorView& x, const TensorView& w, const TensorView* bias,
+            const TensorView& out, ThreadPool* pool = nullptr);
+
+namespace detail {
+// Which instruction set the kernel uses: "auto" (best the CPU supports), "generic" (SSE2) or
+// "avx2" (AVX2+FMA). Process-wide, for tests and benchmarks. Returns the kernel now in use.
+// Throws ValueError for unknown names or an ISA this CPU lacks.
+std::string SetLinearIsa(const std::string& isa);
+std::string LinearIsa();
+}  // namespace detail
+
+}  // namespace pyspec

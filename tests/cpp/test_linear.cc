@@ -1,0 +1,188 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../../cpp/src/half.h"
+#include "pyspec/check.h"
+#include "pyspec/linear.h"
+#include "pyspec/thread_pool.h"
+
+namespace pyspec {
+namespace {
+
+uint16_t ToBits(float v, DType dt) {
+  return dt == DType::kBFloat16 ? half::FloatToBF16(v) : half::FloatToHalf(v);
+}
+float FromBits(uint16_t b, DType dt) {
+  return dt == DType::kBFloat16 ? half::BF16ToFloat(b) : half::HalfToFloat(b);
+}
+
+// Values in fp32 master copies (exactly representable in `dtype`) plus their storage.
+struct Buf {
+  DType dtype;
+  std::vector<float> f;      // values
+  std::vector<float> f32;    // storage when dtype is fp32
+  std::vector<uint16_t> h;   // storage otherwise
+
+  Buf(DType dt, int64_t n, std::mt19937* rng, float scale) : dtype(dt), f(n) {
+    std::normal_distribution<float> normal(0.0f, scale);
+    for (float& v : f) {
+      v = normal(*rng);
+      if (dt != DType::kFloat32) v = FromBits(ToBits(v, dt), dt);
+    }
+    if (dt == DType::kFloat32) {
+      f32 = f;
+    } else {
+      h.resize(n);
+      for (int64_t i = 0; i < n; ++i) h[i] = ToBits(f[i], dt);
+    }
+  }
+  void* data() { return dtype == DType::kFloat32 ? static_cast<void*>(f32.data()) : h.data(); }
+  float at(int64_t i) const { return dtype == DType::kFloat32 ? f32[i] : FromBits(h[i], dtype); }
+  TensorView View(std::initializer_list<int64_t> shape) {
+    return TensorView::Contiguous(data(), dtype, shape);
+  }
+};
+
+struct Case {
+  int64_t M, N, K;
+  bool bias;
+  DType dtype;
+};
+
+// Runs Linear and compares against a double-precision loop. The reference rounds once to the
+// output dtype, so fp32 agrees to accumulation-order error; bf16/fp16 to one output rounding.
+void Check(const Case& cs, ThreadPool* pool = nullptr) {
+  SCOPED_TRACE(::testing::Message() << "M=" << cs.M << " N=" << cs.N << " K=" << cs.K
+                                    << " bias=" << cs.bias << " " << DTypeName(cs.dtype));
+  std::mt19937 rng(static_cast<uint32_t>(cs.M * 7919 + cs.N * 31 + cs.K));
+  Buf x(cs.dtype, cs.M * cs.K, &rng, 1.0f), w(cs.dtype, cs.N * cs.K, &rng, 0.1f);
+  Buf b(cs.dtype, cs.N, &rng, 1.0f), out(cs.dtype, cs.M * cs.N, &rng, 1.0f);
+  TensorView bv = b.View({cs.N});
+  Linear(x.View({cs.M, cs.K}), w.View({cs.N, cs.K}), cs.bias ? &bv : nullptr,
+         out.View({cs.M, cs.N}), pool);
+  const double rel =
+      cs.dtype == DType::kFloat32 ? 1e-5 : (cs.dtype == DType::kBFloat16 ? 8e-3 : 1e-3);
+  for (int64_t m = 0; m < cs.M; ++m) {
+    for (int64_t n = 0; n < cs.N; ++n) {
+      double ref = cs.bias ? b.f[n] : 0.0, mag = std::fabs(ref);
+      for (int64_t k = 0; k < cs.K; ++k) {
+        const double p = double(x.f[m * cs.K + k]) * double(w.f[n * cs.K + k]);
+        ref += p;
+        mag += std::fabs(p);
+      }
+      const double got = out.at(m * cs.N + n);
+      ASSERT_NEAR(got, ref, rel * (mag + 1e-3) + 1e-6) << "at m=" << m << " n=" << n;
+    }
+  }
+}
+
+class LinearIsaTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (GetParam() == "avx2" && detail::SetLinearIsa("auto") != "avx2") {
+      GTEST_SKIP() << "no AVX2+FMA on this CPU";
+    }
+    detail::SetLinearIsa(GetParam());
+  }
+  void TearDown() override { detail::SetLinearIsa("auto"); }
+};
+
+TEST_P(LinearIsaTest, MatchesNaiveLoop) {
+  for (DType dt : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    for (int64_t M : {1, 2, 3, 5, 8, 13, 16, 40}) {
+      for (auto nk : {std::pair<int64_t, int64_t>{7, 5}, {33, 19}, {61, 100}, {129, 576}}) {
+        for (bool bias : {false, true}) Check({M, nk.first, nk.second, bias, dt});
+      }
+    }
+  }
+}
+
+TEST_P(LinearIsaTest, KTailsAndSmallN) {
+  for (int64_t K : {1, 2, 3, 4, 7, 8, 9, 15, 16, 17, 31, 33}) {
+    for (int64_t N : {1, 2, 3, 4, 5}) {
+      Check({3, N, K, true, DType::kFloat32});
+      Check({2, N, K, false, DType::kBFloat16});
+      Check({1, N, K, true, DType::kFloat16});
+    }
+  }
+}
+
+TEST_P(LinearIsaTest, LargeLayerIsSplitOverThreads) {
+  ThreadPool pool(3);
+  // 1001 rows x 577 columns: far above the single-thread threshold, odd in both dimensions.
+  Check({1, 1001, 577, true, DType::kFloat32}, &pool);
+  Check({5, 1001, 577, false, DType::kBFloat16}, &pool);
+  Check({16, 1001, 577, true, DType::kFloat16}, &pool);
+}
+
+INSTANTIATE_TEST_SUITE_P(Isa, LinearIsaTest, ::testing::Values("generic", "avx2"),
+                         [](const auto& info) { return info.param; });
+
+TEST(Linear, ZeroSizesAndZeroK) {
+  std::vector<float> x(6, 1.0f), w(3, 0.0f), b = {1.0f, 2.0f, 3.0f}, out(6, -1.0f);
+  // K = 0: out = bias.
+  TensorView bv = TensorView::Contiguous(b.data(), DType::kFloat32, {3});
+  Linear(TensorView::Contiguous(x.data(), DType::kFloat32, {2, 0}),
+         TensorView::Contiguous(w.data(), DType::kFloat32, {3, 0}), &bv,
+         TensorView::Contiguous(out.data(), DType::kFloat32, {2, 3}));
+  EXPECT_EQ(out, (std::vector<float>{1, 2, 3, 1, 2, 3}));
+  // M = 0: nothing written, no error.
+  Linear(TensorView::Contiguous(x.data(), DType::kFloat32, {0, 3}),
+         TensorView::Contiguous(w.data(), DType::kFloat32, {1, 3}), nullptr,
+         TensorView::Contiguous(out.data(), DType::kFloat32, {0, 1}));
+}
+
+TEST(Linear, FloatSpecialsPropagate) {
+  // fp16 Inf in a weight must reach the output (the lane-wise fp16 widening keeps Inf/NaN).
+  std::vector<uint16_t> x = {half::FloatToHalf(1.0f), half::FloatToHalf(1.0f)};
+  std::vector<uint16_t> w = {0x7c00u, 0, half::FloatToHalf(2.0f), half::FloatToHalf(-3.0f)};
+  std::vector<uint16_t> out(2);
+  Linear(TensorView::Contiguous(x.data(), DType::kFloat16, {1, 2}),
+         TensorView::Contiguous(w.data(), DType::kFloat16, {2, 2}), nullptr,
+         TensorView::Contiguous(out.data(), DType::kFloat16, {1, 2}));
+  EXPECT_TRUE(std::isinf(half::HalfToFloat(out[0])));
+  EXPECT_EQ(half::HalfToFloat(out[1]), -1.0f);
+}
+
+TEST(Linear, RejectsBadArguments) {
+  std::vector<float> f(64);
+  std::vector<uint16_t> h(64);
+  auto F = [&](std::initializer_list<int64_t> s) {
+    return TensorView::Contiguous(f.data(), DType::kFloat32, s);
+  };
+  auto H = [&](std::initializer_list<int64_t> s) {
+    return TensorView::Contiguous(h.data(), DType::kBFloat16, s);
+  };
+  auto expect_error = [](auto fn, const std::string& needle) {
+    try {
+      fn();
+      ADD_FAILURE() << "no error; expected one naming " << needle;
+    } catch (const ValueError& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_error([&] { Linear(F({2, 4}), H({3, 4}), nullptr, F({2, 3})); }, "'w'");
+  expect_error([&] { Linear(F({2, 4}), F({3, 4}), nullptr, H({2, 3})); }, "'out'");
+  expect_error([&] { Linear(F({2, 4}), F({3, 5}), nullptr, F({2, 3})); }, "'w'");
+  expect_error([&] { Linear(F({2, 4}), F({3, 4}), nullptr, F({2, 4})); }, "'out'");
+  TensorView bad_bias = F({4});
+  expect_error([&] { Linear(F({2, 4}), F({3, 4}), &bad_bias, F({2, 3})); }, "'bias'");
+  expect_error([&] { Linear(F({8}), F({3, 8}), nullptr, F({1, 3})); }, "'x'");
+  TensorView ints = TensorView::Contiguous(f.data(), DType::kInt32, {2, 4});
+  expect_error([&] { Linear(ints, F({3, 4}), nullptr, F({2, 3})); }, "'x'");
+  TensorView strided = F({2, 4});
+  strided.strides[0] = 8;
+  expect_error([&] { Linear(strided, F({3, 4}), nullptr, F({2, 3})); }, "'x'");
+  TensorView cuda = F({3, 4});
+  cuda.device = Device{DeviceType::kCUDA, 0};
+  EXPECT_THROW(Linear(F({2, 4}), cuda, nullptr, F({2, 3})), RuntimeError);
+  EXPECT_THROW(detail::SetLinearIsa("avx9"), ValueError);
+}
+
+}  // namespace
+}  // namespace pyspec

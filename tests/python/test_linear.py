@@ -1,0 +1,120 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pyspec import _C
+from pyspec.linear import MAX_FAST_ROWS, linear
+
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1e-2), torch.float16: (1e-2, 1e-2)}
+
+
+def _isas():
+    isas = ["generic"]
+    prev = _C._linear_isa()
+    if _C._set_linear_isa("auto") == "avx2":
+        isas.append("avx2")
+    _C._set_linear_isa(prev)
+    return isas
+
+
+@pytest.fixture(params=_isas())
+def isa(request):
+    _C._set_linear_isa(request.param)
+    yield request.param
+    _C._set_linear_isa("auto")
+
+
+def _ref(x, w, b):
+    # fp64 reference, rounded once to the dtype like the kernel.
+    y = F.linear(x.double(), w.double(), None if b is None else b.double())
+    return y.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 13, 16])
+@pytest.mark.parametrize("nk", [(7, 5), (111, 99), (1001, 577)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_torch(isa, dtype, m, nk, with_bias):
+    n, k = nk
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if with_bias else None
+    out = torch.full((m, n), float("nan"), dtype=dtype)
+    _C.linear(x, w, b, out)  # the core op itself, whatever the wrapper would route
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(out, _ref(x, w, b), rtol=rtol, atol=atol)
+    torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), rtol=rtol, atol=atol)
+
+
+def test_large_m_core_is_correct_and_wrapper_falls_back():
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(40, 33, generator=g), torch.randn(17, 33, generator=g), torch.randn(17)
+    out = torch.empty(40, 17)
+    _C.linear(x, w, b, out)
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert MAX_FAST_ROWS < 40
+    torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b))
+
+
+def test_wrapper_shapes_out_and_fallbacks():
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(9, 12, generator=g), torch.randn(9, generator=g)
+    x3 = torch.randn(1, 3, 12, generator=g)
+    y = linear(x3, w, b)
+    assert y.shape == (1, 3, 9)
+    torch.testing.assert_close(y, F.linear(x3, w, b))
+    out = torch.empty(3, 9)
+    assert linear(x3[0], w, b, out=out) is out
+    torch.testing.assert_close(out, F.linear(x3[0], w, b))
+    # Non-contiguous input, float64, autograd: torch handles them.
+    xt = torch.randn(12, 2, generator=g).t()
+    torch.testing.assert_close(linear(xt, w, b), F.linear(xt, w, b))
+    torch.testing.assert_close(linear(xt.double(), w.double()), F.linear(xt.double(), w.double()))
+    wp = torch.nn.Parameter(w.clone())
+    y = linear(x3, wp, b)
+    assert y.requires_grad
+    y.sum().backward()
+    assert wp.grad is not None
+    # Parameters that require grad are read directly under no_grad.
+    with torch.no_grad():
+        torch.testing.assert_close(linear(x3, wp, b), F.linear(x3, w, b))
+    # Empty inputs.
+    assert linear(torch.empty(0, 12), w, b).shape == (0, 9)
+
+
+def test_bad_inputs_raise_value_error():
+    x, w, out = torch.randn(2, 8), torch.randn(3, 8), torch.empty(2, 3)
+    with pytest.raises(ValueError, match="'w'"):
+        _C.linear(x, w.bfloat16(), None, out)
+    with pytest.raises(ValueError, match="'w'"):
+        _C.linear(x, torch.randn(3, 7), None, out)
+    with pytest.raises(ValueError, match="'bias'"):
+        _C.linear(x, w, torch.randn(4), out)
+    with pytest.raises(ValueError, match="'bias'"):
+        _C.linear(x, w, torch.randn(3).half(), out)
+    with pytest.raises(ValueError, match="'out'"):
+        _C.linear(x, w, None, torch.empty(2, 4))
+    with pytest.raises(ValueError, match="'out'"):
+        _C.linear(x, w, None, torch.empty(3, 2).t())
+    with pytest.raises(ValueError, match="'x'"):
+        _C.linear(torch.randn(8, 2).t(), torch.randn(3, 2), None, torch.empty(2, 3))
+    with pytest.raises(ValueError, match="'x'"):
+        _C.linear(torch.randn(2, 8).double(), w.double(), None, out.double())
+    with pytest.raises(ValueError, match="'x'"):
+        _C.linear(torch.randn(1, 2, 8), w, None, out)
+    with pytest.raises(ValueError, match="'x'"):
+        _C.linear([1.0], w, None, out)
+    with pytest.raises(ValueError):
+        linear(x, torch.randn(3, 7))  # via the wrapper: the core names the argument
+    with pytest.raises(ValueError):
+        _C._set_linear_isa("avx9")
+
+
+@pytest.mark.cuda
+def test_cuda_not_implemented():
+    x = torch.randn(2, 8, device="cuda")
+    w = torch.randn(3, 8, device="cuda")
+    with pytest.raises(RuntimeError, match="not implemented on CUDA"):
+        _C.linear(x, w, None, torch.empty(2, 3, device="cuda"))
+    torch.testing.assert_close(linear(x, w), F.linear(x, w))  # the wrapper routes to torch
