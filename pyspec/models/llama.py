@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from pyspec.attention import tree_attention
+from pyspec.linear import linear as core_linear
 from pyspec.models.config import ModelConfig
 from pyspec.models.loader import load_weights, resolve_dtype
 
@@ -51,8 +52,12 @@ class LlamaForCausalLM:
     """Inference-only Llama/Mistral/Qwen2 with fused QKV and gate/up projections."""
 
     def __init__(self, cfg: ModelConfig, weights: Dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: str = "cpu"):
+                 device: str = "cpu",
+                 core_linear_dtypes=(torch.float32, torch.bfloat16, torch.float16)):
         self.cfg = cfg
+        # Dense layers use the core's bandwidth-bound kernel for few rows (decode, draft trees) in
+        # these dtypes and torch otherwise; see bench/bench_linear.py and bench/bench_decode.py.
+        self.linear = core_linear if dtype in core_linear_dtypes else F.linear
         self.dtype = dtype
         self.device = torch.device(device)
         self.embed = weights.pop("model.embed_tokens.weight")
@@ -153,19 +158,19 @@ class LlamaForCausalLM:
         qs, ks = cfg.q_size, cfg.kv_size
         for li, layer in enumerate(self.layers):
             h = self._rms(x, layer["ln1"])
-            qkv = F.linear(h, layer["wqkv"], layer["bqkv"])
+            qkv = self.linear(h, layer["wqkv"], layer["bqkv"])
             q = qkv[:, :qs].view(t, cfg.num_attention_heads, cfg.head_dim)
             k = qkv[:, qs:qs + ks].view(t, cfg.num_key_value_heads, cfg.head_dim)
             q = self._rotate(q.float(), cos, sin).to(self.dtype)
             k_new[li] = self._rotate(k.float(), cos, sin)
             v_new[li] = qkv[:, qs + ks:].view(t, cfg.num_key_value_heads, cfg.head_dim)
             a = tree_attention(plan, q, k_pages[li], v_pages[li], k_new[li], v_new[li])
-            x = x + F.linear(a.view(t, qs), layer["wo"], layer["bo"])
+            x = x + self.linear(a.view(t, qs), layer["wo"], layer["bo"])
             h = self._rms(x, layer["ln2"])
-            gu = F.linear(h, layer["wgu"])
+            gu = self.linear(h, layer["wgu"])
             inter = cfg.intermediate_size
-            x = x + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], layer["wd"])
+            x = x + self.linear(F.silu(gu[:, :inter]) * gu[:, inter:], layer["wd"])
         hidden = x
         xs = x if logits_rows is None else x.index_select(0, logits_rows)
-        logits = F.linear(self._rms(xs, self.norm), self.lm_head).float()
+        logits = self.linear(self._rms(xs, self.norm), self.lm_head).float()
         return (logits, hidden) if return_hidden else logits
