@@ -36,6 +36,9 @@ class DecodeResult:
     accepted: int
     finish_reason: str = "length"
     accepted_per_step: List[int] = field(default_factory=list)
+    # With record_gaps: for each emitted token, the target's top-1 minus top-2 logit at the step
+    # that produced it (how close to a tie the greedy choice was).
+    logit_gaps: List[float] = field(default_factory=list)
 
     @property
     def acceptance_length(self) -> float:
@@ -70,8 +73,8 @@ def decode_one(runner: ModelRunner, prompt: Sequence[int], max_new_tokens: int, 
                   drafter: Optional[ChainDrafter] = None, gamma: int = 0,
                   eos_token_ids: Iterable[int] = (), prefill_chunk: int = 512,
                   temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-                  seed: int = 0, on_tokens: Optional[Callable[[List[int]], None]] = None
-                  ) -> DecodeResult:
+                  seed: int = 0, on_tokens: Optional[Callable[[List[int]], None]] = None,
+                  record_gaps: bool = False) -> DecodeResult:
     """Decode one request. ``temperature == 0`` is greedy; otherwise the target is sampled after
     top-k / top-p / min-p, and speculative output has exactly the distribution of plain sampling.
     ``on_tokens`` receives each step's emitted tokens (streaming)."""
@@ -118,6 +121,7 @@ def decode_one(runner: ModelRunner, prompt: Sequence[int], max_new_tokens: int, 
     tokens: List[int] = []
     steps = drafted = accepted = 0
     per_step: List[int] = []
+    gaps: List[float] = []
     finish = "length"
     while len(tokens) < max_new_tokens:
         context = bm.tokens(rid)
@@ -138,6 +142,11 @@ def decode_one(runner: ModelRunner, prompt: Sequence[int], max_new_tokens: int, 
                      offsets=steps, sampled_children=False)
         n_acc = int(res.num_accepted[0])
         emitted = res.emitted_lists()[0]
+        if record_gaps:
+            # Emitted token j was chosen from the logits of accepted node j.
+            path = res.accepted_nodes[0, :n_acc + 1].to(torch.int64)
+            top2 = out.logits.index_select(0, path).topk(2, dim=-1).values
+            gaps.extend((top2[:, 0] - top2[:, 1]).tolist())
         runner.commit_kv(out, 0, res.accepted_nodes[0, :n_acc + 1].tolist(),
                          bm.slots_for(rid, start, n_acc + 1))
         if not bm.commit(rid, emitted, num_computed=n_acc + 1):
@@ -161,4 +170,4 @@ def decode_one(runner: ModelRunner, prompt: Sequence[int], max_new_tokens: int, 
     bm.check_invariants()
     bm.free(rid)
     return DecodeResult(tokens[:max_new_tokens], seconds, t_prefill, steps, drafted, accepted,
-                        finish, per_step)
+                        finish, per_step, gaps[:len(tokens)])

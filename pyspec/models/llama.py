@@ -88,6 +88,11 @@ class LlamaForCausalLM:
     def from_pretrained(cls, path: str, dtype="float32", device: str = "cpu") -> "LlamaForCausalLM":
         if not os.path.isdir(path):
             raise ValueError(f"model path {path!r} is not a directory")
+        if torch.device(device).type != "cpu":
+            # Weights load anywhere, but the forward needs tree attention on that device, and the
+            # CUDA kernel does not exist yet: fail at load, not at the first step.
+            raise ValueError(f"device {device!r} is not supported yet: the model forward runs on "
+                             "the CPU only (CUDA tree attention is not implemented)")
         cfg = ModelConfig.from_file(path)
         dt = resolve_dtype(dtype)
         return cls(cfg, load_weights(path, cfg, dt, device), dt, device)

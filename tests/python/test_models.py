@@ -162,6 +162,8 @@ def test_loading_errors_are_clear(tmp_path):
         LlamaForCausalLM.from_pretrained(str(p / "nope"))
     with pytest.raises(ValueError, match="dtype"):
         LlamaForCausalLM.from_pretrained(str(p), dtype="int8")
+    with pytest.raises(ValueError, match="CPU only"):
+        LlamaForCausalLM.from_pretrained(str(p), device="cuda")
 
     _write_config(p, architectures=["GPT2LMHeadModel"], model_type="gpt2")
     with pytest.raises(ValueError, match="unsupported architecture"):
