@@ -20,15 +20,13 @@
 #include <limits>
 #include <sstream>
 
+#include "cpu_isa.h"
 #include "half.h"
 #include "pyspec/check.h"
 #include "pyspec/thread_pool.h"
 #include "pyspec/tree.h"
 
 #define PYSPEC_INLINE inline __attribute__((always_inline))
-#if defined(__x86_64__) || defined(__i386__)
-#define PYSPEC_ATTN_X86 1
-#endif
 
 namespace pyspec {
 namespace {
@@ -584,7 +582,7 @@ void ProcessItemGeneric(const RunCtx& c, const AttentionPlan::WorkItem& w, int64
   ProcessItemImpl<GenericIsa>(c, w, h);
 }
 
-#ifdef PYSPEC_ATTN_X86
+#ifdef PYSPEC_X86
 struct Avx2Isa {
   typedef float V __attribute__((vector_size(32)));
   static constexpr int kMr = 6, kWideNv = 2, kNarrowNv = 1;  // 6 x 16 floats: 12 of 16 ymm
@@ -596,33 +594,19 @@ __attribute__((target("avx2,fma"))) void ProcessItemAvx2(const RunCtx& c,
   ProcessItemImpl<Avx2Isa>(c, w, h);
 }
 
-bool CpuHasAvx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-#else
-bool CpuHasAvx2() { return false; }
 #endif
 
 using ItemFn = void (*)(const RunCtx&, const AttentionPlan::WorkItem&, int64_t);
 
-std::atomic<int> g_isa{-1};  // -1 auto, 0 generic, 1 avx2
-
-int ResolvedIsa() {
-  const int isa = g_isa.load(std::memory_order_relaxed);
-  if (isa >= 0) return isa;
-  static const int best = CpuHasAvx2() ? 1 : 0;
-  return best;
-}
+detail::IsaSelector g_isa;  // process-wide: which build of the kernel runs (tests override it)
 
 ItemFn SelectKernel() {
-#ifdef PYSPEC_ATTN_X86
-  if (ResolvedIsa() == 1) return &ProcessItemAvx2;
+#ifdef PYSPEC_X86
+  if (g_isa.Resolved() == detail::IsaSelector::kAvx2) return &ProcessItemAvx2;
 #endif
   return &ProcessItemGeneric;
 }
 
-const char* IsaName(int isa) { return isa == 1 ? "avx2" : "generic"; }
 
 // Merges the split-KV partial results of one query row (all heads) with log-sum-exp.
 void MergeRow(const RunCtx& c, const AttentionPlan::Merge& mg, int64_t r, float* acc) {
@@ -651,21 +635,9 @@ void MergeRow(const RunCtx& c, const AttentionPlan::Merge& mg, int64_t r, float*
 
 namespace detail {
 
-std::string SetAttentionIsa(const std::string& isa) {
-  if (isa == "auto") {
-    g_isa.store(-1);
-  } else if (isa == "generic") {
-    g_isa.store(0);
-  } else if (isa == "avx2") {
-    PYSPEC_CHECK(CpuHasAvx2(), "this CPU (or build) has no AVX2+FMA attention kernel");
-    g_isa.store(1);
-  } else {
-    throw ValueError(StrCat("unknown attention ISA '", isa, "'; use auto, generic or avx2"));
-  }
-  return IsaName(ResolvedIsa());
-}
+std::string SetAttentionIsa(const std::string& isa) { return g_isa.Set(isa, "attention"); }
 
-std::string AttentionIsa() { return IsaName(ResolvedIsa()); }
+std::string AttentionIsa() { return g_isa.Name(); }
 
 }  // namespace detail
 

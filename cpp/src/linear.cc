@@ -16,15 +16,13 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_isa.h"
 #include "half.h"
 #include "pyspec/check.h"
 #include "pyspec/thread_pool.h"
 
 #define PYSPEC_INLINE inline __attribute__((always_inline))
 #define PYSPEC_INLINE_LAMBDA __attribute__((always_inline))
-#if defined(__x86_64__) || defined(__i386__)
-#define PYSPEC_LINEAR_X86 1
-#endif
 
 namespace pyspec {
 namespace {
@@ -371,7 +369,7 @@ void RunBlocksGeneric(const Ctx& c, int64_t b0, int64_t b1) {
   RunBlocksDispatch<GenericIsa>(c, b0, b1);
 }
 
-#ifdef PYSPEC_LINEAR_X86
+#ifdef PYSPEC_X86
 // 16 ymm registers, same blocking as the generic kernel with twice the lanes.
 struct Avx2Isa {
   typedef float V __attribute__((vector_size(32)));
@@ -382,24 +380,11 @@ __attribute__((target("avx2,fma"))) void RunBlocksAvx2(const Ctx& c, int64_t b0,
   RunBlocksDispatch<Avx2Isa>(c, b0, b1);
 }
 
-bool CpuHasAvx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-#else
-bool CpuHasAvx2() { return false; }
 #endif
 
 using BlocksFn = void (*)(const Ctx&, int64_t, int64_t);
 
-std::atomic<int> g_isa{-1};  // -1 auto, 0 generic, 1 avx2
-
-int ResolvedIsa() {
-  const int isa = g_isa.load(std::memory_order_relaxed);
-  if (isa >= 0) return isa;
-  static const int best = CpuHasAvx2() ? 1 : 0;
-  return best;
-}
+detail::IsaSelector g_isa;  // process-wide: which build of the kernel runs (tests override it)
 
 // The kernel and its 16-bit input grouping (2 x its float lanes), resolved together once a call.
 struct Kernel {
@@ -408,13 +393,12 @@ struct Kernel {
 };
 
 Kernel SelectKernel() {
-#ifdef PYSPEC_LINEAR_X86
-  if (ResolvedIsa() == 1) return {&RunBlocksAvx2, 16};
+#ifdef PYSPEC_X86
+  if (g_isa.Resolved() == detail::IsaSelector::kAvx2) return {&RunBlocksAvx2, 16};
 #endif
   return {&RunBlocksGeneric, 8};
 }
 
-const char* IsaName(int isa) { return isa == 1 ? "avx2" : "generic"; }
 
 // Copies rows of x into a zero-padded fp32 buffer of row length ldx. For 16-bit dtypes each group
 // of `step` (= 2L) inputs is stored as its even elements then its odd ones, the order LoadW16
@@ -449,21 +433,9 @@ void CheckArg(const TensorView& t, const char* name, DType dtype,
 
 namespace detail {
 
-std::string SetLinearIsa(const std::string& isa) {
-  if (isa == "auto") {
-    g_isa.store(-1);
-  } else if (isa == "generic") {
-    g_isa.store(0);
-  } else if (isa == "avx2") {
-    PYSPEC_CHECK(CpuHasAvx2(), "this CPU (or build) has no AVX2+FMA linear kernel");
-    g_isa.store(1);
-  } else {
-    throw ValueError(StrCat("unknown linear ISA '", isa, "'; use auto, generic or avx2"));
-  }
-  return IsaName(ResolvedIsa());
-}
+std::string SetLinearIsa(const std::string& isa) { return g_isa.Set(isa, "linear"); }
 
-std::string LinearIsa() { return IsaName(ResolvedIsa()); }
+std::string LinearIsa() { return g_isa.Name(); }
 
 }  // namespace detail
 
