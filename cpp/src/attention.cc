@@ -485,7 +485,8 @@ PYSPEC_INLINE void ProcessItemImpl(const RunCtx& c, const AttentionPlan::WorkIte
   const int64_t rows = w.q_end - w.q_begin, G = c.group, D = c.d, dp = c.dp;
   ItemState s;
   s.m = rows * G;
-  s.narrow = s.m <= 8;
+  // The 8-column narrow tile exists only where a vector holds at most 8 floats.
+  s.narrow = sizeof(typename Isa::V) <= 8 * sizeof(float) && s.m <= 8;
   s.mp = s.narrow ? 8 : RoundUp(s.m, kPad);
   s.m_rows = RoundUp(s.m, 4);  // <= mp; computed with blocks of kMr, then 4, then 1 rows
   const int64_t mp = s.mp;
@@ -594,15 +595,29 @@ __attribute__((target("avx2,fma"))) void ProcessItemAvx2(const RunCtx& c,
   ProcessItemImpl<Avx2Isa>(c, w, h);
 }
 
+// 16 float lanes: score/output tiles are multiples of kPad = 16 columns, so one vector per column
+// block (NV = 1) and no 8-column narrow tile.
+struct Avx512Isa {
+  typedef float V __attribute__((vector_size(64)));
+  static constexpr int kMr = 8, kWideNv = 1, kNarrowNv = 1;  // 8 x 16 floats: 8 of 32 zmm
+};
+
+__attribute__((target("avx512f,avx2,fma"))) void ProcessItemAvx512(
+    const RunCtx& c, const AttentionPlan::WorkItem& w, int64_t h) {
+  ProcessItemImpl<Avx512Isa>(c, w, h);
+}
+
 #endif
 
 using ItemFn = void (*)(const RunCtx&, const AttentionPlan::WorkItem&, int64_t);
 
-detail::IsaSelector g_isa;  // process-wide: which build of the kernel runs (tests override it)
+detail::IsaSelector g_isa(detail::IsaSelector::kAvx512);  // process-wide: which build of the kernel runs (tests override it)
 
 ItemFn SelectKernel() {
 #ifdef PYSPEC_X86
-  if (g_isa.Resolved() == detail::IsaSelector::kAvx2) return &ProcessItemAvx2;
+  const int isa = g_isa.Resolved();
+  if (isa >= detail::IsaSelector::kAvx512) return &ProcessItemAvx512;
+  if (isa >= detail::IsaSelector::kAvx2) return &ProcessItemAvx2;
 #endif
   return &ProcessItemGeneric;
 }

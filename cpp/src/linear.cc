@@ -384,7 +384,7 @@ __attribute__((target("avx2,fma"))) void RunBlocksAvx2(const Ctx& c, int64_t b0,
 
 using BlocksFn = void (*)(const Ctx&, int64_t, int64_t);
 
-detail::IsaSelector g_isa;  // process-wide: which build of the kernel runs (tests override it)
+detail::IsaSelector g_isa(detail::IsaSelector::kAvx2);  // process-wide: which build of the kernel runs (tests override it)
 
 // The kernel and its 16-bit input grouping (2 x its float lanes), resolved together once a call.
 struct Kernel {
@@ -394,7 +394,7 @@ struct Kernel {
 
 Kernel SelectKernel() {
 #ifdef PYSPEC_X86
-  if (g_isa.Resolved() == detail::IsaSelector::kAvx2) return {&RunBlocksAvx2, 16};
+  if (g_isa.Resolved() >= detail::IsaSelector::kAvx2) return {&RunBlocksAvx2, 16};
 #endif
   return {&RunBlocksGeneric, 8};
 }

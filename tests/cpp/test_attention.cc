@@ -251,17 +251,20 @@ TEST(Attention, HalfStorage) {
   }
 }
 
-TEST(Attention, GenericAndAvx2KernelsAgree) {
+TEST(Attention, EveryKernelBuildMatchesTheReference) {
   std::mt19937 rng(12);
-  std::vector<Req> reqs = {{700, 30, RandomTree(30, rng)}, {20, 3, {}}};
-  Problem p = MakeProblem(reqs, 9, 3, 64, 16, DType::kFloat32, 13);
+  std::vector<Req> reqs = {{700, 30, RandomTree(30, rng)}, {20, 3, {}}, {5, 1, {}}};
   const std::string best = detail::SetAttentionIsa("auto");
-  detail::SetAttentionIsa("generic");
-  EXPECT_EQ(detail::AttentionIsa(), "generic");
-  ExpectMatchesReference(p);
-  if (best == "avx2") {
-    detail::SetAttentionIsa("avx2");
-    ExpectMatchesReference(p);
+  std::vector<std::string> isas = {"generic"};
+  if (best == "avx2" || best == "avx512") isas.push_back("avx2");
+  if (best == "avx512") isas.push_back("avx512");
+  for (const std::string& isa : isas) {
+    detail::SetAttentionIsa(isa);
+    EXPECT_EQ(detail::AttentionIsa(), isa);
+    // Group sizes 3 and 4 and head dims 64/80/128 exercise narrow (<= 8) and wide query tiles.
+    ExpectMatchesReference(MakeProblem(reqs, 9, 3, 64, 16, DType::kFloat32, 13));
+    ExpectMatchesReference(MakeProblem(reqs, 8, 2, 80, 1, DType::kFloat32, 16));
+    ExpectMatchesReference(MakeProblem(reqs, 4, 4, 128, 16, DType::kBFloat16, 17));
   }
   detail::SetAttentionIsa("auto");
   EXPECT_THROW(detail::SetAttentionIsa("sse9"), ValueError);

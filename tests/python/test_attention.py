@@ -161,11 +161,14 @@ def test_matches_dense_reference(device, seed, batch, block_size, hq, hkv, d, dt
 
 
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("isa", ["generic", "auto"])
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512", "auto"])
 def test_split_kv_and_kernels(device, isa):
     """Forced split-KV (merged by LSE) on both kernels; a plan without head counts."""
     c = make_batch(100, 7, 16, 9, 3, 64, F32, device)
-    used = _C._set_attention_isa(isa)
+    try:
+        used = _C._set_attention_isa(isa)
+    except ValueError:
+        pytest.skip(f"this CPU has no {isa} build of the kernel")
     try:
         plan = plan_for(c, num_threads=64, min_kv_chunk=64)
         assert plan.num_split_tiles > 0
