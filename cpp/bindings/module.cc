@@ -11,4 +11,5 @@ PYBIND11_MODULE(_C, m) {
   pyspec::bindings::RegisterAttention(m);
   pyspec::bindings::RegisterAcceptance(m);
   pyspec::bindings::RegisterLinear(m);
+  pyspec::bindings::RegisterScheduler(m);
 }

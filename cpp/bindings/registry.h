@@ -13,6 +13,7 @@ void RegisterBlockManager(pybind11::module_& m);
 void RegisterAttention(pybind11::module_& m);
 void RegisterAcceptance(pybind11::module_& m);
 void RegisterLinear(pybind11::module_& m);
+void RegisterScheduler(pybind11::module_& m);
 
 }  // namespace bindings
 }  // namespace pyspec

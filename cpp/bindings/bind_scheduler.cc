@@ -1,0 +1,243 @@
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "pyspec/check.h"
+#include "pyspec/request.h"
+#include "pyspec/scheduler.h"
+#include "registry.h"
+
+namespace py = pybind11;
+
+namespace pyspec {
+namespace bindings {
+namespace {
+
+std::vector<int32_t> ToInt32(const std::vector<int64_t>& v, const char* name) {
+  std::vector<int32_t> out;
+  out.reserve(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    PYSPEC_CHECK(v[i] >= std::numeric_limits<int32_t>::min() &&
+                     v[i] <= std::numeric_limits<int32_t>::max(),
+                 "'", name, "'[", i, "] = ", v[i], " does not fit in int32");
+    out.push_back(static_cast<int32_t>(v[i]));
+  }
+  return out;
+}
+
+std::vector<std::string> KindNames(const std::vector<StepKind>& kinds) {
+  std::vector<std::string> out;
+  for (StepKind k : kinds) out.emplace_back(StepKindName(k));
+  return out;
+}
+
+std::vector<std::string> LogitsNames(const std::vector<LogitsKind>& kinds) {
+  std::vector<std::string> out;
+  for (LogitsKind k : kinds) {
+    out.emplace_back(k == LogitsKind::kNone ? "none" : k == LogitsKind::kLast ? "last" : "all");
+  }
+  return out;
+}
+
+}  // namespace
+
+void RegisterScheduler(py::module_& m) {
+  py::class_<Request>(m, "Request", "A snapshot of one request's scheduler state (a copy).")
+      .def_readonly("id", &Request::id)
+      .def_readonly("prompt", &Request::prompt)
+      .def_readonly("generated", &Request::generated)
+      .def_property_readonly("state", [](const Request& r) { return RequestStateName(r.state()); })
+      .def_property_readonly("finish_reason",
+                             [](const Request& r) -> py::object {
+                               if (!r.finished()) return py::none();
+                               return py::str(FinishReasonName(r.finish_reason()));
+                             })
+      .def_property_readonly("error", &Request::error)
+      .def_property_readonly("finished", &Request::finished)
+      .def_readonly("num_computed", &Request::num_computed)
+      .def_readonly("num_decode_steps", &Request::num_decode_steps)
+      .def_readonly("num_preemptions", &Request::num_preemptions)
+      .def_readonly("num_cached_tokens", &Request::num_cached_tokens)
+      .def_readonly("draft_len", &Request::draft_len)
+      .def_property_readonly("max_tokens", [](const Request& r) { return r.params.max_tokens; })
+      .def_property_readonly("num_spec_steps",
+                             [](const Request& r) { return r.stats.num_spec_steps; })
+      .def_property_readonly("num_draft_tokens",
+                             [](const Request& r) { return r.stats.num_draft_tokens; })
+      .def_property_readonly("num_accepted_tokens",
+                             [](const Request& r) { return r.stats.num_accepted_tokens; })
+      .def_property_readonly("accepted_at", [](const Request& r) { return r.stats.accepted_at; })
+      .def_property_readonly("acceptance_ewma",
+                             [](const Request& r) -> py::object {
+                               if (r.stats.ewma < 0) return py::none();
+                               return py::float_(r.stats.ewma);
+                             })
+      .def_property_readonly("history", [](const Request& r) {
+        std::vector<std::string> out;
+        for (RequestState s : r.history) out.emplace_back(RequestStateName(s));
+        return out;
+      });
+
+  py::class_<ScheduleOutput>(m, "ScheduleOutput", R"doc(
+One step's batch, flattened with indptr arrays. Entry i is request ids[i]:
+tokens[token_indptr[i]:token_indptr[i+1]] are the tokens to run (a prefill chunk, or the root = last
+token for decode/speculative), starting at position start_pos[i]; block_tables[block_indptr[i]:...]
+is its block table; slots[slot_indptr[i]:...] are the flat KV slots of the positions to commit (the
+chunk, or root + draft_budget[i] draft depths; materialize the accepted path into the first
+accepted + 1). kinds: "prefill" | "decode" | "speculative"; logits: "none" | "last" | "all".
+pending_copies (src_block, dst_block) must be copied before the forward.)doc")
+      .def("__len__", &ScheduleOutput::size)
+      .def_readonly("ids", &ScheduleOutput::ids)
+      .def_property_readonly("kinds", [](const ScheduleOutput& o) { return KindNames(o.kinds); })
+      .def_property_readonly("logits",
+                             [](const ScheduleOutput& o) { return LogitsNames(o.logits); })
+      .def_readonly("start_pos", &ScheduleOutput::start_pos)
+      .def_readonly("draft_budget", &ScheduleOutput::draft_budget)
+      .def_readonly("tokens", &ScheduleOutput::tokens)
+      .def_readonly("token_indptr", &ScheduleOutput::token_indptr)
+      .def_readonly("block_tables", &ScheduleOutput::block_tables)
+      .def_readonly("block_indptr", &ScheduleOutput::block_indptr)
+      .def_readonly("slots", &ScheduleOutput::slots)
+      .def_readonly("slot_indptr", &ScheduleOutput::slot_indptr)
+      .def_readonly("pending_copies", &ScheduleOutput::pending_copies)
+      .def_readonly("preempted_ids", &ScheduleOutput::preempted_ids)
+      .def_readonly("finished_ids", &ScheduleOutput::finished_ids)
+      .def_readonly("freed_ids", &ScheduleOutput::freed_ids)
+      .def_property_readonly("num_scheduled_tokens", &ScheduleOutput::num_scheduled_tokens)
+      .def_property_readonly("num_budgeted_tokens", &ScheduleOutput::num_budgeted_tokens)
+      .def("tokens_of", &ScheduleOutput::TokensOf, py::arg("i"), "Tokens to run of entry i.")
+      .def("block_table_of", &ScheduleOutput::BlockTableOf, py::arg("i"),
+           "Block table of entry i.")
+      .def("slots_of", &ScheduleOutput::SlotsOf, py::arg("i"), "KV slots of entry i.");
+
+  py::class_<StepResult>(m, "StepResult", R"doc(
+The runner's results for the last ScheduleOutput: add_prefill(id, num_computed) for each prefill
+chunk, add_decode(id, tokens, num_drafted, num_accepted) for each decode/speculative entry (tokens =
+accepted drafts + the bonus/recovered token).)doc")
+      .def(py::init<>())
+      .def("__len__", [](const StepResult& r) { return r.entries.size(); })
+      .def(
+          "add_prefill",
+          [](StepResult& r, int64_t request_id, int64_t num_computed) {
+            r.AddPrefill(request_id, num_computed);
+          },
+          py::arg("request_id"), py::arg("num_computed"),
+          "A prefill chunk whose KV (num_computed tokens) is now in the pages.")
+      .def(
+          "add_decode",
+          [](StepResult& r, int64_t request_id, const std::vector<int64_t>& tokens,
+             int64_t num_drafted, py::object num_accepted) {
+            int64_t acc = num_accepted.is_none() ? static_cast<int64_t>(tokens.size()) - 1
+                                                 : num_accepted.cast<int64_t>();
+            r.AddDecode(request_id, ToInt32(tokens, "tokens"), num_drafted, acc);
+          },
+          py::arg("request_id"), py::arg("tokens"), py::arg("num_drafted") = 0,
+          py::arg("num_accepted") = py::none(),
+          "A decode/speculative result: emitted tokens (>= 1), drafts verified, drafts accepted "
+          "(default len(tokens) - 1).");
+
+  py::class_<Scheduler>(m, "Scheduler", R"doc(
+Continuous-batching scheduler over an owned BlockManager: chunked prefill, preemption by recompute,
+batch-aware speculation budget, adaptive fallback to plain decoding.
+
+Loop: out = step(); run the model on out; update(result). update() returns, per request, a
+(request_id, new_tokens, finished, finish_reason) tuple. Finished requests stay queryable with
+request(id) until release(id). Bad arguments (unknown ids, negative budgets, bad config, results
+that do not match the last step) raise ValueError.)doc")
+      .def(py::init([](int64_t num_blocks, int block_size, bool enable_prefix_cache,
+                       int64_t max_num_batched_tokens, int64_t max_num_seqs,
+                       int64_t max_prefill_chunk, int64_t max_draft_tokens,
+                       int64_t initial_draft_tokens, int64_t spec_token_budget,
+                       int64_t spec_disable_batch_size, double ewma_alpha,
+                       double min_acceptance_rate, int64_t warmup_steps, int64_t probe_interval,
+                       bool record_transitions) {
+             SchedulerConfig c;
+             c.max_num_batched_tokens = max_num_batched_tokens;
+             c.max_num_seqs = max_num_seqs;
+             c.max_prefill_chunk = max_prefill_chunk;
+             c.max_draft_tokens = max_draft_tokens;
+             c.initial_draft_tokens = initial_draft_tokens;
+             c.spec_token_budget = spec_token_budget;
+             c.spec_disable_batch_size = spec_disable_batch_size;
+             c.ewma_alpha = ewma_alpha;
+             c.min_acceptance_rate = min_acceptance_rate;
+             c.warmup_steps = warmup_steps;
+             c.probe_interval = probe_interval;
+             c.record_transitions = record_transitions;
+             return new Scheduler(c, num_blocks, block_size, enable_prefix_cache);
+           }),
+           py::arg("num_blocks"), py::arg("block_size"), py::kw_only(),
+           py::arg("enable_prefix_cache") = true, py::arg("max_num_batched_tokens") = 2048,
+           py::arg("max_num_seqs") = 64, py::arg("max_prefill_chunk") = 0,
+           py::arg("max_draft_tokens") = 8, py::arg("initial_draft_tokens") = 4,
+           py::arg("spec_token_budget") = 64, py::arg("spec_disable_batch_size") = 32,
+           py::arg("ewma_alpha") = 0.2, py::arg("min_acceptance_rate") = 0.0,
+           py::arg("warmup_steps") = 4, py::arg("probe_interval") = 32,
+           py::arg("record_transitions") = false)
+      .def(
+          "add_request",
+          [](Scheduler& s, int64_t request_id, const std::vector<int64_t>& prompt,
+             int64_t max_tokens, const std::vector<int64_t>& stop_token_ids, bool speculative) {
+            SamplingParams p;
+            p.max_tokens = max_tokens;
+            p.stop_token_ids = ToInt32(stop_token_ids, "stop_token_ids");
+            p.speculative = speculative;
+            s.AddRequest(request_id, ToInt32(prompt, "prompt"), std::move(p));
+          },
+          py::arg("request_id"), py::arg("prompt"), py::kw_only(), py::arg("max_tokens") = 16,
+          py::arg("stop_token_ids") = std::vector<int64_t>{}, py::arg("speculative") = true,
+          "Queue a request (WAITING). ValueError for a duplicate id, an empty prompt or "
+          "max_tokens < 1.")
+      .def("abort", &Scheduler::Abort, py::arg("request_id"),
+           "Finish with 'abort' from any state, freeing its KV now. False if already finished.")
+      .def("release", &Scheduler::Release, py::arg("request_id"),
+           "Forget a finished request.")
+      .def("step", &Scheduler::Step, "Build the next batch (a ScheduleOutput).")
+      .def(
+          "update",
+          [](Scheduler& s, const StepResult& r) {
+            py::list out;
+            for (const RequestOutput& o : s.Update(r)) {
+              py::object reason = py::none();
+              if (o.finished) reason = py::str(FinishReasonName(o.finish_reason));
+              out.append(py::make_tuple(o.id, o.new_tokens, o.finished, reason));
+            }
+            return out;
+          },
+          py::arg("result"),
+          "Apply the runner's StepResult; returns [(request_id, new_tokens, finished, "
+          "finish_reason)].")
+      .def(
+          "request", [](const Scheduler& s, int64_t id) { return s.GetRequest(id); },
+          py::arg("request_id"), "A copy of the request's state (ValueError if unknown).")
+      .def("has_request", &Scheduler::HasRequest, py::arg("request_id"))
+      .def("spec_share", &Scheduler::SpecShare, py::arg("n_running"), py::arg("n_spec"),
+           "The batch-aware per-request draft budget cap for n_running requests of which n_spec "
+           "speculate.")
+      .def("check_invariants", &Scheduler::CheckInvariants,
+           "Verify queue/state/KV consistency (RuntimeError on a violation). For tests.")
+      .def_property_readonly("num_waiting", &Scheduler::num_waiting)
+      .def_property_readonly("num_running", &Scheduler::num_running)
+      .def_property_readonly("has_unfinished", &Scheduler::has_unfinished)
+      .def_property_readonly("waiting_queue",
+                             [](const Scheduler& s) {
+                               return std::vector<int64_t>(s.waiting_queue().begin(),
+                                                           s.waiting_queue().end());
+                             })
+      .def_property_readonly("running_queue", &Scheduler::running_queue)
+      .def_property_readonly("finished_ids", &Scheduler::finished_ids)
+      .def_property_readonly("num_steps", &Scheduler::num_steps)
+      .def_property_readonly("num_preemptions", &Scheduler::num_preemptions)
+      .def_property_readonly("num_free_blocks",
+                             [](const Scheduler& s) { return s.block_manager().num_free_blocks(); })
+      .def_property_readonly("num_total_blocks", [](const Scheduler& s) {
+        return s.block_manager().num_total_blocks();
+      });
+}
+
+}  // namespace bindings
+}  // namespace pyspec

@@ -1,0 +1,116 @@
+// Request state machine (DESIGN section 2, "Request state machine").
+//
+//   WAITING -> PREFILL (chunked) -> RUNNING_SPECULATIVE <-> RUNNING_PLAIN -> FINISHED
+//                 ^                        |                     |
+//                 +------ PREEMPTED <------+---------------------+
+//
+// FINISHED carries a FinishReason (STOP | LENGTH | ABORT | ERROR). PREEMPTED means the request's KV
+// was released (pool exhausted) and it sits at the front of the waiting queue; it is re-prefilled
+// by recompute over prompt + generated tokens. Every change of state goes through
+// Request::TransitionTo(), which checks the pair against the explicit table in request.cc; an
+// illegal transition is a scheduler bug and aborts (PYSPEC_ICHECK) with file:line.
+//
+// Token convention (same as pyspec/decode.py and BlockManager): a request with T known tokens
+// (prompt + generated) has the KV of positions [0, T-1) in its pages once it is running; token
+// T-1 is the root of the next decode/speculative step. Prefill therefore computes positions
+// [num_computed, T-1) and never samples: the first generated token comes from the first decode
+// step (which may already speculate).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace pyspec {
+
+enum class RequestState : uint8_t {
+  kWaiting = 0,
+  kPrefill = 1,
+  kRunningSpeculative = 2,
+  kRunningPlain = 3,
+  kPreempted = 4,
+  kFinished = 5,
+};
+constexpr int kNumRequestStates = 6;
+
+enum class FinishReason : uint8_t { kNone = 0, kStop, kLength, kAbort, kError };
+
+const char* RequestStateName(RequestState s);
+const char* FinishReasonName(FinishReason r);
+// The transition table. Self-transitions are not transitions and are illegal.
+bool IsLegalTransition(RequestState from, RequestState to);
+inline bool IsRunning(RequestState s) {
+  return s == RequestState::kRunningSpeculative || s == RequestState::kRunningPlain;
+}
+
+// What the scheduler needs of a request's sampling parameters.
+struct SamplingParams {
+  int64_t max_tokens = 16;              // >= 1 generated tokens at most
+  std::vector<int32_t> stop_token_ids;  // generation stops after emitting one of these
+  bool speculative = true;              // whether this request may be drafted for
+};
+
+// Acceptance history of a request's speculative steps.
+struct AcceptanceStats {
+  int64_t num_spec_steps = 0;      // steps that verified at least one draft token
+  int64_t num_draft_tokens = 0;    // draft tokens (or tree nodes) verified
+  int64_t num_accepted_tokens = 0;  // draft tokens accepted
+  // accepted_at[i]: spec steps whose accepted path reached draft depth i + 1.
+  std::vector<int64_t> accepted_at;
+  // EWMA of the per-step acceptance rate accepted / drafted; < 0 until the first observation.
+  double ewma = -1.0;
+  double AcceptanceRate() const {
+    return num_draft_tokens == 0 ? 0.0
+                                 : static_cast<double>(num_accepted_tokens) /
+                                       static_cast<double>(num_draft_tokens);
+  }
+};
+
+struct Request {
+  Request(int64_t id, std::vector<int32_t> prompt, SamplingParams params, int64_t arrival,
+          bool record_transitions);
+
+  int64_t id;
+  std::vector<int32_t> prompt;
+  std::vector<int32_t> generated;
+  SamplingParams params;
+  int64_t arrival;  // order of AddRequest (FCFS)
+
+  RequestState state() const { return state_; }
+  FinishReason finish_reason() const { return finish_reason_; }
+  const std::string& error() const { return error_; }
+  bool finished() const { return state_ == RequestState::kFinished; }
+  int64_t num_tokens() const {
+    return static_cast<int64_t>(prompt.size() + generated.size());
+  }
+  int64_t num_generated() const { return static_cast<int64_t>(generated.size()); }
+  int32_t last_token() const { return generated.empty() ? prompt.back() : generated.back(); }
+  std::vector<int32_t> AllTokens() const;
+
+  // Moves to `to`; PYSPEC_ICHECK that the transition is in the table.
+  void TransitionTo(RequestState to);
+  // TransitionTo(kFinished) and records the reason (and a message for ERROR).
+  void Finish(FinishReason reason, std::string message = std::string());
+
+  // ---- scheduler bookkeeping ----
+  int64_t num_computed = 0;       // positions whose KV is in the pages (mirrors the BlockManager)
+  int64_t num_decode_steps = 0;   // decode/speculative steps applied
+  int64_t num_preemptions = 0;
+  int64_t num_cached_tokens = 0;  // prompt tokens served by the prefix cache (last admission)
+  // Draft state: the request's own draft length (grown/shrunk by acceptance); the per-step budget
+  // is min(draft_len, batch-aware share, room left).
+  int64_t draft_len = 0;
+  // Steps decoded since the last SPECULATIVE<->PLAIN switch (drives fallback and probing).
+  int64_t steps_since_switch = 0;
+  AcceptanceStats stats;
+  // Every state visited, in order (only when the scheduler records transitions; for tests).
+  std::vector<RequestState> history;
+
+ private:
+  RequestState state_ = RequestState::kWaiting;
+  FinishReason finish_reason_ = FinishReason::kNone;
+  std::string error_;
+  bool record_transitions_;
+};
+
+}  // namespace pyspec

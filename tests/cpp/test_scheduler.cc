@@ -1,0 +1,675 @@
+#include "pyspec/scheduler.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+#include <random>
+#include <set>
+#include <vector>
+
+#include "pyspec/check.h"
+
+namespace pyspec {
+namespace {
+
+using S = RequestState;
+constexpr int32_t kVocab = 111;
+
+// Deterministic fake model: the token at position p of a request depends only on its prompt and p,
+// so a request's output does not depend on batching, chunking, acceptance or preemption.
+int32_t ModelToken(const std::vector<int32_t>& prompt, int64_t p) {
+  uint64_t h = 0x9e3779b97f4a7c15ull;
+  for (int32_t t : prompt) h = (h ^ static_cast<uint64_t>(t)) * 0x100000001b3ull;
+  h ^= static_cast<uint64_t>(p) * 0xbf58476d1ce4e5b9ull;
+  h ^= h >> 31;
+  h *= 0x94d049bb133111ebull;
+  h ^= h >> 29;
+  return static_cast<int32_t>(h % kVocab);
+}
+
+// What the request generates when run alone.
+std::vector<int32_t> Expected(const std::vector<int32_t>& prompt, const SamplingParams& sp) {
+  std::vector<int32_t> out;
+  while (static_cast<int64_t>(out.size()) < sp.max_tokens) {
+    int32_t t = ModelToken(prompt, static_cast<int64_t>(prompt.size() + out.size()));
+    out.push_back(t);
+    if (std::count(sp.stop_token_ids.begin(), sp.stop_token_ids.end(), t)) break;
+  }
+  return out;
+}
+
+std::vector<int32_t> Prompt(std::mt19937_64& rng, int n) {
+  std::vector<int32_t> p(n);
+  for (auto& t : p) t = static_cast<int32_t>(rng() % kVocab);
+  return p;
+}
+
+// Runs `out` on the fake model. Random acceptance (drafted in [0, budget], accepted in
+// [0, drafted]) unless `accept_all`; prefill chunks sometimes only partly computed. Checks the
+// batch against the scheduler's view of every request.
+StepResult RunFake(const Scheduler& s, const ScheduleOutput& out, std::mt19937_64* rng,
+                   bool partial_prefill = false) {
+  StepResult res;
+  std::set<int64_t> ids, slots;
+  for (int64_t i = 0; i < out.size(); ++i) {
+    int64_t id = out.ids[i];
+    EXPECT_TRUE(ids.insert(id).second) << "request " << id << " scheduled twice";
+    const Request& r = s.GetRequest(id);
+    if (r.finished()) {  // aborted between Step and Update: its entry must be ignored
+      EXPECT_EQ(r.finish_reason(), FinishReason::kAbort);
+      if (out.kinds[i] == StepKind::kPrefill) {
+        res.AddPrefill(id, 1);
+      } else {
+        res.AddDecode(id, {0}, 0, 0);
+      }
+      continue;
+    }
+    std::vector<int32_t> all = r.AllTokens();
+    std::vector<int32_t> toks = out.TokensOf(i);
+    int64_t start = out.start_pos[i];
+    EXPECT_EQ(start, r.num_computed);
+    EXPECT_EQ(out.BlockTableOf(i), s.block_manager().BlockTable(id));
+    for (int64_t slot : out.SlotsOf(i)) EXPECT_TRUE(slots.insert(slot).second) << "slot reused";
+    if (out.kinds[i] == StepKind::kPrefill) {
+      EXPECT_EQ(r.state(), S::kPrefill);
+      EXPECT_EQ(out.draft_budget[i], 0);
+      EXPECT_EQ(out.logits[i], LogitsKind::kNone);
+      EXPECT_EQ(out.SlotsOf(i).size(), toks.size());
+      for (size_t j = 0; j < toks.size(); ++j) EXPECT_EQ(toks[j], all[start + j]);
+      EXPECT_LE(start + static_cast<int64_t>(toks.size()), r.num_tokens() - 1);
+      int64_t n = static_cast<int64_t>(toks.size());
+      if (partial_prefill && (*rng)() % 4 == 0) n = static_cast<int64_t>((*rng)() % (n + 1));
+      res.AddPrefill(id, n);
+    } else {
+      EXPECT_TRUE(IsRunning(r.state()));
+      EXPECT_EQ(toks.size(), 1u);
+      EXPECT_EQ(toks[0], r.last_token());
+      EXPECT_EQ(start, r.num_tokens() - 1);
+      int64_t b = out.draft_budget[i];
+      EXPECT_EQ(out.kinds[i] == StepKind::kSpeculative, b > 0);
+      EXPECT_EQ(out.SlotsOf(i).size(), static_cast<size_t>(1 + b));
+      int64_t drafted = rng ? static_cast<int64_t>((*rng)() % (b + 1)) : b;
+      int64_t acc = rng ? static_cast<int64_t>((*rng)() % (drafted + 1)) : drafted;
+      std::vector<int32_t> emitted;
+      for (int64_t j = 0; j <= acc; ++j) emitted.push_back(ModelToken(r.prompt, start + 1 + j));
+      res.AddDecode(id, emitted, drafted, acc);
+    }
+  }
+  EXPECT_LE(out.num_budgeted_tokens(), s.config().max_num_batched_tokens);
+  EXPECT_LE(out.size(), s.config().max_num_seqs);
+  return res;
+}
+
+// Steps until nothing is unfinished; returns the number of steps.
+int64_t Drain(Scheduler& s, std::mt19937_64* rng, int64_t max_steps = 100000) {
+  int64_t steps = 0;
+  while (s.has_unfinished()) {
+    EXPECT_LT(steps, max_steps) << "scheduler does not terminate";
+    if (steps >= max_steps) break;
+    ScheduleOutput out = s.Step();
+    s.Update(RunFake(s, out, rng));
+    s.CheckInvariants();
+    ++steps;
+  }
+  return steps;
+}
+
+SchedulerConfig SmallConfig() {
+  SchedulerConfig c;
+  c.max_num_batched_tokens = 64;
+  c.max_num_seqs = 8;
+  c.max_draft_tokens = 4;
+  c.initial_draft_tokens = 2;
+  c.spec_token_budget = 16;
+  c.spec_disable_batch_size = 6;
+  c.record_transitions = true;
+  return c;
+}
+
+TEST(Scheduler, ConfigAndArgumentValidation) {
+  SchedulerConfig c;
+  c.max_num_batched_tokens = 0;
+  EXPECT_THROW(Scheduler(c, 8, 4), ValueError);
+  c = SchedulerConfig();
+  c.spec_token_budget = -1;
+  EXPECT_THROW(Scheduler(c, 8, 4), ValueError);
+  c = SchedulerConfig();
+  c.initial_draft_tokens = 9;
+  EXPECT_THROW(Scheduler(c, 8, 4), ValueError);
+  c = SchedulerConfig();
+  c.ewma_alpha = 0.0;
+  EXPECT_THROW(Scheduler(c, 8, 4), ValueError);
+  EXPECT_THROW(Scheduler(SchedulerConfig(), 0, 4), ValueError);
+
+  Scheduler s(SchedulerConfig(), 8, 4);
+  EXPECT_THROW(s.AddRequest(1, {}, SamplingParams{}), ValueError);
+  SamplingParams bad;
+  bad.max_tokens = 0;
+  EXPECT_THROW(s.AddRequest(1, {1}, bad), ValueError);
+  s.AddRequest(1, {1, 2}, SamplingParams{});
+  EXPECT_THROW(s.AddRequest(1, {1, 2}, SamplingParams{}), ValueError);
+  EXPECT_THROW(s.Abort(99), ValueError);
+  EXPECT_THROW(s.GetRequest(99), ValueError);
+  EXPECT_THROW(s.Release(1), ValueError);  // not finished
+  EXPECT_THROW(s.Update(StepResult{}), ValueError);  // no step in flight
+  s.Step();
+  EXPECT_THROW(s.Step(), ValueError);  // not updated
+  StepResult r;
+  r.AddDecode(42, {1}, 0, 0);
+  EXPECT_THROW(s.Update(r), ValueError);  // not scheduled
+  s.CheckInvariants();
+}
+
+TEST(Scheduler, UpdateRejectsMismatchedResultsAndChangesNothing) {
+  SchedulerConfig c = SmallConfig();
+  Scheduler s(c, 32, 4);
+  s.AddRequest(1, {5, 6, 7, 8, 9}, SamplingParams{});
+  s.AddRequest(2, {3}, SamplingParams{});
+  ScheduleOutput out = s.Step();
+  ASSERT_EQ(out.size(), 2);
+  EXPECT_EQ(out.kinds[0], StepKind::kPrefill);
+  EXPECT_EQ(out.kinds[1], StepKind::kDecode);  // 1-token prompt: decode right away
+  StepResult bad;
+  bad.AddPrefill(1, 5);  // chunk is 4 tokens
+  EXPECT_THROW(s.Update(bad), ValueError);
+  StepResult bad2;
+  bad2.AddDecode(2, {1, 2}, 1, 1);  // budget 0: at most 1 token
+  EXPECT_THROW(s.Update(bad2), ValueError);
+  StepResult bad3;
+  bad3.AddPrefill(1, 4);
+  bad3.AddPrefill(1, 4);
+  EXPECT_THROW(s.Update(bad3), ValueError);
+  StepResult bad4;
+  bad4.AddDecode(1, {1}, 0, 0);  // 1 was scheduled for prefill
+  EXPECT_THROW(s.Update(bad4), ValueError);
+  EXPECT_TRUE(s.step_in_flight());
+  EXPECT_EQ(s.GetRequest(1).num_computed, 0);
+  s.CheckInvariants();
+  StepResult good;
+  good.AddPrefill(1, 4);
+  good.AddDecode(2, {ModelToken({3}, 1)}, 0, 0);
+  auto outs = s.Update(good);
+  ASSERT_EQ(outs.size(), 2u);
+  EXPECT_EQ(outs[1].new_tokens.size(), 1u);
+  EXPECT_EQ(s.GetRequest(1).state(), S::kRunningSpeculative);
+  s.CheckInvariants();
+}
+
+TEST(Scheduler, ChunkedPrefillSplitsLongPrompt) {
+  SchedulerConfig c = SmallConfig();
+  c.max_num_batched_tokens = 16;
+  Scheduler s(c, 64, 4);
+  std::mt19937_64 rng(1);
+  std::vector<int32_t> p = Prompt(rng, 50);
+  s.AddRequest(1, p, SamplingParams{});
+  std::vector<int64_t> chunks;
+  while (s.GetRequest(1).state() != S::kRunningSpeculative) {
+    ScheduleOutput out = s.Step();
+    ASSERT_EQ(out.size(), 1);
+    ASSERT_EQ(out.kinds[0], StepKind::kPrefill);
+    EXPECT_EQ(out.start_pos[0], s.GetRequest(1).num_computed);
+    chunks.push_back(out.num_scheduled_tokens());
+    s.Update(RunFake(s, out, nullptr));
+    s.CheckInvariants();
+  }
+  // 49 positions before the root: 16 + 16 + 16 + 1.
+  EXPECT_EQ(chunks, (std::vector<int64_t>{16, 16, 16, 1}));
+  ScheduleOutput out = s.Step();
+  ASSERT_EQ(out.size(), 1);
+  EXPECT_EQ(out.kinds[0], StepKind::kSpeculative);
+  EXPECT_EQ(out.start_pos[0], 49);
+  EXPECT_EQ(out.TokensOf(0), (std::vector<int32_t>{p.back()}));
+  s.Update(RunFake(s, out, nullptr));
+  Drain(s, nullptr);
+  EXPECT_EQ(s.GetRequest(1).generated, Expected(p, SamplingParams{}));
+  EXPECT_EQ(s.GetRequest(1).finish_reason(), FinishReason::kLength);
+}
+
+TEST(Scheduler, PrefillChunksShareTheBudgetWithDecodes) {
+  SchedulerConfig c = SmallConfig();
+  c.max_num_batched_tokens = 10;
+  c.max_draft_tokens = 0;
+  c.initial_draft_tokens = 0;
+  Scheduler s(c, 64, 4);
+  std::mt19937_64 rng(2);
+  SamplingParams sp;
+  sp.max_tokens = 30;
+  for (int i = 0; i < 3; ++i) s.AddRequest(i, Prompt(rng, 2), sp);
+  s.AddRequest(9, Prompt(rng, 40), sp);
+  ScheduleOutput out = s.Step();
+  s.Update(RunFake(s, out, nullptr));
+  out = s.Step();  // three decodes first (1 token each), then a 7-token chunk
+  ASSERT_EQ(out.size(), 4);
+  EXPECT_EQ(out.kinds[3], StepKind::kPrefill);
+  EXPECT_EQ(out.TokensOf(3).size(), 7u);
+  EXPECT_EQ(out.num_budgeted_tokens(), 10);
+  s.Update(RunFake(s, out, nullptr));
+  Drain(s, nullptr);
+}
+
+TEST(Scheduler, SpeculationBudgetShrinksToZeroAtLargeBatch) {
+  SchedulerConfig c = SmallConfig();
+  c.max_num_batched_tokens = 512;
+  c.max_num_seqs = 64;
+  c.max_draft_tokens = 4;
+  c.initial_draft_tokens = 4;
+  c.spec_token_budget = 12;
+  c.spec_disable_batch_size = 8;
+  Scheduler s(c, 1024, 4);
+  EXPECT_EQ(s.SpecShare(1, 1), 4);
+  EXPECT_EQ(s.SpecShare(3, 3), 4);
+  EXPECT_EQ(s.SpecShare(4, 4), 3);
+  EXPECT_EQ(s.SpecShare(6, 6), 2);
+  EXPECT_EQ(s.SpecShare(7, 7), 1);
+  EXPECT_EQ(s.SpecShare(8, 8), 0);
+  EXPECT_EQ(s.SpecShare(100, 1), 0);
+  for (int64_t n : {1, 4, 6, 8, 20}) {
+    Scheduler t(c, 1024, 4);
+    SamplingParams sp;
+    sp.max_tokens = 100;
+    std::mt19937_64 rng(n);
+    for (int64_t i = 0; i < n; ++i) t.AddRequest(i, Prompt(rng, 3), sp);
+    ScheduleOutput out = t.Step();  // prefill everybody
+    t.Update(RunFake(t, out, nullptr));
+    out = t.Step();
+    ASSERT_EQ(out.size(), n);
+    int64_t total = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      EXPECT_EQ(out.draft_budget[i], t.SpecShare(n, n)) << "n=" << n;
+      EXPECT_EQ(out.kinds[i], n >= 8 ? StepKind::kDecode : StepKind::kSpeculative);
+      total += out.draft_budget[i];
+    }
+    EXPECT_LE(total, 12);
+    if (n >= 8) EXPECT_EQ(total, 0);
+    t.Update(RunFake(t, out, nullptr));
+    t.CheckInvariants();
+  }
+}
+
+TEST(Scheduler, DraftLengthAdaptsAndFallsBackToPlain) {
+  SchedulerConfig c = SmallConfig();
+  c.min_acceptance_rate = 0.5;
+  c.warmup_steps = 3;
+  c.probe_interval = 5;
+  c.spec_disable_batch_size = 0;
+  Scheduler s(c, 256, 4);
+  std::mt19937_64 rng(3);
+  std::vector<int32_t> p = Prompt(rng, 6);
+  SamplingParams sp;
+  sp.max_tokens = 200;
+  s.AddRequest(1, p, sp);
+  ScheduleOutput out = s.Step();
+  s.Update(RunFake(s, out, nullptr));
+  // Accept everything: draft_len grows to max_draft_tokens.
+  for (int i = 0; i < 4; ++i) {
+    out = s.Step();
+    s.Update(RunFake(s, out, nullptr));
+  }
+  EXPECT_EQ(s.GetRequest(1).draft_len, 4);
+  EXPECT_DOUBLE_EQ(s.GetRequest(1).stats.ewma, 1.0);
+  // Reject everything: draft_len shrinks, EWMA falls, and the request falls back to PLAIN.
+  int steps = 0;
+  while (s.GetRequest(1).state() == S::kRunningSpeculative) {
+    out = s.Step();
+    ASSERT_EQ(out.size(), 1);
+    const Request& r = s.GetRequest(1);
+    StepResult res;
+    res.AddDecode(1, {ModelToken(p, r.num_tokens())}, out.draft_budget[0], 0);
+    s.Update(res);
+    ASSERT_LT(++steps, 50);
+  }
+  EXPECT_EQ(s.GetRequest(1).state(), S::kRunningPlain);
+  EXPECT_LT(s.GetRequest(1).stats.ewma, 0.5);
+  EXPECT_EQ(s.GetRequest(1).draft_len, 1);
+  // Plain steps have no draft budget; after probe_interval of them it speculates again.
+  for (int i = 0; i < 5; ++i) {
+    out = s.Step();
+    EXPECT_EQ(out.kinds[0], StepKind::kDecode);
+    s.Update(RunFake(s, out, nullptr));
+  }
+  EXPECT_EQ(s.GetRequest(1).state(), S::kRunningSpeculative);
+  const Request& r = s.GetRequest(1);
+  EXPECT_EQ(r.stats.accepted_at.size(), 4u);
+  EXPECT_EQ(r.stats.accepted_at[0], 4);
+  Drain(s, nullptr);
+  EXPECT_EQ(s.GetRequest(1).generated, Expected(p, sp));
+}
+
+TEST(Scheduler, StopTokenDropsTheTailAndMaxTokensTruncates) {
+  SchedulerConfig c = SmallConfig();
+  Scheduler s(c, 256, 4);
+  std::mt19937_64 rng(4);
+  std::vector<int32_t> p = Prompt(rng, 5);
+  SamplingParams sp;
+  sp.max_tokens = 50;
+  // The third generated token is the stop token.
+  sp.stop_token_ids = {ModelToken(p, 7)};
+  std::vector<int32_t> want = Expected(p, sp);
+  ASSERT_LE(want.size(), 3u);
+  s.AddRequest(1, p, sp);
+  SamplingParams sp2;
+  sp2.max_tokens = 2;
+  s.AddRequest(2, p, sp2);
+  ScheduleOutput out = s.Step();
+  s.Update(RunFake(s, out, nullptr));
+  out = s.Step();
+  ASSERT_EQ(out.size(), 2);
+  // Pretend the drafter proposed many correct tokens: emitted past the stop / max_tokens.
+  StepResult res;
+  for (int64_t i = 0; i < 2; ++i) {
+    int64_t b = out.draft_budget[i];
+    std::vector<int32_t> emitted;
+    for (int64_t j = 0; j <= b; ++j) emitted.push_back(ModelToken(p, 5 + j));
+    res.AddDecode(out.ids[i], emitted, b, b);
+  }
+  auto outs = s.Update(res);
+  Drain(s, nullptr);
+  EXPECT_EQ(s.GetRequest(1).generated, want);
+  EXPECT_EQ(s.GetRequest(2).generated, Expected(p, sp2));
+  EXPECT_EQ(s.GetRequest(2).finish_reason(), FinishReason::kLength);
+  EXPECT_EQ(s.block_manager().num_requests(), 0);
+  out = s.Step();
+  s.Update(StepResult{});
+  EXPECT_EQ(s.num_running(), 0);
+}
+
+TEST(Scheduler, AbortInEveryStateFreesEverything) {
+  SchedulerConfig c = SmallConfig();
+  c.max_num_batched_tokens = 8;
+  c.min_acceptance_rate = 0.9;
+  c.warmup_steps = 1;
+  for (int target = 0; target < 6; ++target) {
+    Scheduler s(c, 12, 4, /*enable_prefix_cache=*/false);
+    std::mt19937_64 rng(target);
+    SamplingParams sp;
+    sp.max_tokens = 40;
+    SamplingParams sp2;
+    sp2.max_tokens = 40;
+    s.AddRequest(2, Prompt(rng, 3), sp2);
+    s.AddRequest(1, Prompt(rng, 20), sp);  // long: several chunks
+    bool in_flight = false;
+    auto state_of = [&]() { return s.GetRequest(1).state(); };
+    for (int step = 0; step < 200 && !s.GetRequest(1).finished(); ++step) {
+      S st = state_of();
+      bool hit = (target == 0 && st == S::kWaiting) || (target == 1 && st == S::kPrefill) ||
+                 (target == 2 && st == S::kRunningSpeculative) ||
+                 (target == 3 && st == S::kRunningPlain) ||
+                 (target == 4 && st == S::kPreempted);
+      if (hit) break;
+      ScheduleOutput out = s.Step();
+      if (target == 5 && !out.empty() && out.ids[0] == 1 &&
+          out.kinds[0] != StepKind::kPrefill) {
+        in_flight = true;  // abort between Step and Update
+        EXPECT_TRUE(s.Abort(1));
+        s.CheckInvariants();
+        StepResult res = RunFake(s, out, &rng);
+        s.Update(res);  // the aborted request's entry is ignored
+        break;
+      }
+      // Request 1 rejects every draft (it falls back to PLAIN); request 2, older, keeps growing
+      // and pre-empts request 1 when the 12-block pool runs out.
+      StepResult res;
+      for (int64_t i = 0; i < out.size(); ++i) {
+        const Request& r = s.GetRequest(out.ids[i]);
+        if (out.kinds[i] == StepKind::kPrefill) {
+          res.AddPrefill(out.ids[i], out.TokensOf(i).size());
+        } else {
+          int64_t a = out.ids[i] == 1 ? 0 : out.draft_budget[i];
+          std::vector<int32_t> emitted;
+          for (int64_t j = 0; j <= a; ++j) {
+            emitted.push_back(ModelToken(r.prompt, r.num_tokens() + j));
+          }
+          res.AddDecode(out.ids[i], emitted, out.draft_budget[i], a);
+        }
+      }
+      s.Update(res);
+      s.CheckInvariants();
+    }
+    if (target != 5) {
+      EXPECT_EQ(RequestStateName(state_of()),
+                RequestStateName(std::vector<S>{S::kWaiting, S::kPrefill, S::kRunningSpeculative,
+                                                S::kRunningPlain, S::kPreempted}[target]));
+      EXPECT_TRUE(s.Abort(1));
+    } else {
+      EXPECT_TRUE(in_flight);
+    }
+    EXPECT_FALSE(s.Abort(1));  // already finished
+    EXPECT_EQ(s.GetRequest(1).finish_reason(), FinishReason::kAbort);
+    EXPECT_FALSE(s.block_manager().HasRequest(1));
+    s.CheckInvariants();
+    s.Abort(2);
+    EXPECT_EQ(s.block_manager().num_free_blocks(), s.block_manager().num_total_blocks());
+    ScheduleOutput out = s.Step();
+    EXPECT_TRUE(out.empty());
+    EXPECT_TRUE(std::count(out.finished_ids.begin(), out.finished_ids.end(), 1) == 1 ||
+                target == 5);
+    s.Update(StepResult{});
+    s.Release(1);
+    EXPECT_FALSE(s.HasRequest(1));
+    s.CheckInvariants();
+  }
+}
+
+TEST(Scheduler, PreemptionByRecomputeKeepsOutputs) {
+  SchedulerConfig c = SmallConfig();
+  c.max_num_batched_tokens = 32;
+  Scheduler s(c, 10, 4);  // 40 token slots
+  std::mt19937_64 rng(5);
+  SamplingParams sp;
+  sp.max_tokens = 14;
+  std::map<int64_t, std::vector<int32_t>> prompts;
+  for (int64_t i = 0; i < 3; ++i) {
+    prompts[i] = Prompt(rng, 8);
+    s.AddRequest(i, prompts[i], sp);
+  }
+  int64_t preempted = 0;
+  int64_t steps = 0;
+  while (s.has_unfinished()) {
+    ScheduleOutput out = s.Step();
+    preempted += static_cast<int64_t>(out.preempted_ids.size());
+    for (int64_t id : out.preempted_ids) {
+      EXPECT_EQ(s.GetRequest(id).state(), S::kPreempted);
+      const auto& q = s.waiting_queue();
+      EXPECT_TRUE(std::count(q.begin(), q.end(), id));
+      EXPECT_TRUE(std::count(out.freed_ids.begin(), out.freed_ids.end(), id));
+    }
+    // Preempted requests go to the front of the waiting queue: ahead of every WAITING request.
+    bool seen_waiting = false;
+    for (int64_t id : s.waiting_queue()) {
+      S st = s.GetRequest(id).state();
+      if (st == S::kWaiting) seen_waiting = true;
+      EXPECT_FALSE(seen_waiting && st == S::kPreempted);
+    }
+    s.Update(RunFake(s, out, nullptr));
+    s.CheckInvariants();
+    ASSERT_LT(++steps, 1000);
+  }
+  EXPECT_GT(preempted, 0);
+  EXPECT_EQ(s.num_preemptions(), preempted);
+  for (auto& kv : prompts) {
+    const Request& r = s.GetRequest(kv.first);
+    EXPECT_EQ(r.finish_reason(), FinishReason::kLength);
+    EXPECT_EQ(r.generated, Expected(kv.second, sp));
+  }
+}
+
+TEST(Scheduler, TooLongRequestEndsWithError) {
+  SchedulerConfig c = SmallConfig();
+  Scheduler s(c, 4, 4);  // 16 token slots
+  std::mt19937_64 rng(6);
+  SamplingParams sp;
+  sp.max_tokens = 4;
+  s.AddRequest(1, Prompt(rng, 20), sp);  // prompt alone does not fit
+  std::vector<int32_t> p2 = Prompt(rng, 10);
+  SamplingParams long_sp;
+  long_sp.max_tokens = 30;  // fits at first, outgrows the pool while decoding
+  s.AddRequest(2, p2, long_sp);
+  std::vector<int32_t> p3 = Prompt(rng, 5);
+  s.AddRequest(3, p3, sp);
+  Drain(s, &rng);
+  EXPECT_EQ(s.GetRequest(1).finish_reason(), FinishReason::kError);
+  EXPECT_NE(s.GetRequest(1).error().find("even alone"), std::string::npos);
+  EXPECT_TRUE(s.GetRequest(1).generated.empty());
+  const Request& r2 = s.GetRequest(2);
+  EXPECT_EQ(r2.finish_reason(), FinishReason::kError);
+  std::vector<int32_t> full = Expected(p2, long_sp);
+  EXPECT_GT(r2.generated.size(), 0u);
+  EXPECT_LT(r2.generated.size(), full.size());
+  EXPECT_TRUE(std::equal(r2.generated.begin(), r2.generated.end(), full.begin()));
+  EXPECT_EQ(s.GetRequest(3).generated, Expected(p3, sp));
+  EXPECT_EQ(s.block_manager().num_requests(), 0);
+}
+
+TEST(Scheduler, PrefixCacheHitSkipsComputedTokens) {
+  SchedulerConfig c = SmallConfig();
+  Scheduler s(c, 64, 4);
+  std::mt19937_64 rng(7);
+  std::vector<int32_t> p = Prompt(rng, 18);
+  SamplingParams sp;
+  sp.max_tokens = 3;
+  s.AddRequest(1, p, sp);
+  Drain(s, nullptr);
+  s.AddRequest(2, p, sp);
+  ScheduleOutput out = s.Step();
+  ASSERT_EQ(out.size(), 1);
+  EXPECT_EQ(s.GetRequest(2).num_cached_tokens, 16);
+  EXPECT_EQ(out.start_pos[0], 16);
+  EXPECT_EQ(out.TokensOf(0).size(), 1u);  // only position 16; 17 is the root
+  s.Update(RunFake(s, out, nullptr));
+  Drain(s, nullptr);
+  EXPECT_EQ(s.GetRequest(2).generated, s.GetRequest(1).generated);
+}
+
+// Random event sequences; invariants after every event; final outputs equal the solo outputs.
+TEST(Scheduler, RandomEventSequences) {
+  const std::set<std::pair<S, S>> legal = [] {
+    std::set<std::pair<S, S>> l;
+    for (int f = 0; f < kNumRequestStates; ++f)
+      for (int t = 0; t < kNumRequestStates; ++t)
+        if (IsLegalTransition(static_cast<S>(f), static_cast<S>(t)))
+          l.insert({static_cast<S>(f), static_cast<S>(t)});
+    return l;
+  }();
+  int64_t total_events = 0, total_preemptions = 0, total_errors = 0, total_spec = 0;
+  for (uint64_t seed = 0; seed < 24; ++seed) {
+    std::mt19937_64 rng(seed);
+    SchedulerConfig c;
+    c.max_num_batched_tokens = 8 + static_cast<int64_t>(rng() % 40);
+    c.max_num_seqs = 1 + static_cast<int64_t>(rng() % 8);
+    c.max_prefill_chunk = static_cast<int64_t>(rng() % 3) * 5;
+    c.max_draft_tokens = static_cast<int64_t>(rng() % 6);
+    c.initial_draft_tokens = c.max_draft_tokens == 0 ? 0 : 1 + rng() % c.max_draft_tokens;
+    c.spec_token_budget = static_cast<int64_t>(rng() % 20);
+    c.spec_disable_batch_size = static_cast<int64_t>(rng() % 6);
+    c.min_acceptance_rate = (rng() % 2) * 0.3;
+    c.warmup_steps = 2;
+    c.probe_interval = 3;
+    c.record_transitions = true;
+    const int block_size = 1 + static_cast<int>(rng() % 5);
+    const int64_t num_blocks = 4 + static_cast<int64_t>(rng() % 30);
+    Scheduler s(c, num_blocks, block_size, rng() % 4 != 0);
+    std::map<int64_t, std::pair<std::vector<int32_t>, SamplingParams>> reqs;
+    std::vector<std::vector<int32_t>> shared_prompts;
+    int64_t next_id = 0;
+    ScheduleOutput pending;
+    bool in_flight = false;
+    for (int ev = 0; ev < 2500; ++ev) {
+      uint64_t kind = rng() % 100;
+      if (kind < 12) {  // add
+        std::vector<int32_t> p;
+        if (!shared_prompts.empty() && rng() % 3 == 0) {
+          p = shared_prompts[rng() % shared_prompts.size()];  // prefix-cache hits
+        } else {
+          p = Prompt(rng, 1 + static_cast<int>(rng() % 24));
+          shared_prompts.push_back(p);
+        }
+        SamplingParams sp;
+        sp.max_tokens = 1 + static_cast<int64_t>(rng() % 20);
+        if (rng() % 3 == 0) sp.stop_token_ids = {static_cast<int32_t>(rng() % kVocab)};
+        sp.speculative = rng() % 4 != 0;
+        s.AddRequest(next_id, p, sp);
+        reqs[next_id++] = {p, sp};
+      } else if (kind < 16 && !reqs.empty()) {  // abort a random request (any state)
+        auto it = reqs.begin();
+        std::advance(it, rng() % reqs.size());
+        if (s.HasRequest(it->first)) {
+          bool was_finished = s.GetRequest(it->first).finished();
+          EXPECT_EQ(s.Abort(it->first), !was_finished);
+          EXPECT_FALSE(s.block_manager().HasRequest(it->first));
+        }
+      } else if (kind < 18 && !s.finished_ids().empty()) {  // release a finished request
+        std::vector<int64_t> f = s.finished_ids();
+        int64_t id = f[rng() % f.size()];
+        const Request& r = s.GetRequest(id);
+        // Check its final tokens before forgetting it.
+        const auto& [p, sp] = reqs.at(id);
+        std::vector<int32_t> want = Expected(p, sp);
+        FinishReason why = r.finish_reason();
+        if (why == FinishReason::kStop || why == FinishReason::kLength) {
+          EXPECT_EQ(r.generated, want) << "seed " << seed << " request " << id;
+        } else {
+          ASSERT_LE(r.generated.size(), want.size());
+          EXPECT_TRUE(std::equal(r.generated.begin(), r.generated.end(), want.begin()));
+        }
+        for (size_t i = 1; i < r.history.size(); ++i) {
+          EXPECT_TRUE(legal.count({r.history[i - 1], r.history[i]}));
+        }
+        s.Release(id);
+        reqs.erase(id);
+      } else if (!in_flight) {  // step
+        pending = s.Step();
+        in_flight = true;
+        total_preemptions += static_cast<int64_t>(pending.preempted_ids.size());
+        for (int64_t b : pending.draft_budget) total_spec += b > 0;
+        EXPECT_LE(pending.num_budgeted_tokens(), c.max_num_batched_tokens);
+      } else {  // update
+        s.Update(RunFake(s, pending, &rng, /*partial_prefill=*/true));
+        in_flight = false;
+      }
+      ++total_events;
+      s.CheckInvariants();
+      for (const auto& kv : reqs) {
+        if (!s.HasRequest(kv.first)) continue;
+        const Request& r = s.GetRequest(kv.first);
+        EXPECT_LE(r.num_generated(), kv.second.second.max_tokens);
+        if (r.finished()) EXPECT_FALSE(s.block_manager().HasRequest(kv.first));
+      }
+    }
+    if (in_flight) s.Update(RunFake(s, pending, &rng));
+    Drain(s, &rng);
+    for (const auto& kv : reqs) {
+      const Request& r = s.GetRequest(kv.first);
+      ASSERT_TRUE(r.finished());
+      std::vector<int32_t> want = Expected(kv.second.first, kv.second.second);
+      const int64_t need_blocks =
+          (static_cast<int64_t>(kv.second.first.size()) + kv.second.second.max_tokens +
+           block_size - 1) / block_size;
+      if (r.finish_reason() == FinishReason::kError) {
+        ++total_errors;
+        EXPECT_GT(need_blocks, num_blocks) << "request " << kv.first << " fits but erred: "
+                                           << r.error();
+      }
+      if (r.finish_reason() == FinishReason::kStop || r.finish_reason() == FinishReason::kLength) {
+        EXPECT_EQ(r.generated, want) << "seed " << seed << " request " << kv.first;
+      } else {
+        ASSERT_LE(r.generated.size(), want.size());
+        EXPECT_TRUE(std::equal(r.generated.begin(), r.generated.end(), want.begin()));
+      }
+      for (size_t i = 1; i < r.history.size(); ++i) {
+        EXPECT_TRUE(legal.count({r.history[i - 1], r.history[i]}))
+            << RequestStateName(r.history[i - 1]) << " -> " << RequestStateName(r.history[i]);
+      }
+      EXPECT_EQ(r.history.back(), S::kFinished);
+    }
+    EXPECT_EQ(s.block_manager().num_requests(), 0);
+  }
+  // The sequences must actually exercise preemption, errors and speculation.
+  EXPECT_GT(total_preemptions, 0);
+  EXPECT_GT(total_errors, 0);
+  EXPECT_GT(total_spec, 0);
+  EXPECT_EQ(total_events, 24 * 2500);
+}
+
+}  // namespace
+}  // namespace pyspec
