@@ -67,7 +67,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     print(f"model: {loaded.path} ({args.dtype}; loaded in {loaded.load_seconds:.1f}s)")
     print(f"prompt: {len(ids)} tokens; draft: {args.draft}; temperature {args.temperature}")
     print("-" * 72)
-    if args.compare:  # warm up both paths so neither pays first-call costs
+    if args.compare:  # warm up (kernels, allocator) so neither timed run pays first-call costs
         generation.run(loaded, ids, draft="none", **dict(params, max_tokens=4))
     spec = generation.run(loaded, ids, draft=args.draft,
                           on_text=lambda t: print(t, end="", flush=True), **params)
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as e:  # bad user input: one clear line, exit code 2
+    except (ValueError, ImportError, OSError) as e:  # bad input or setup: one clear line, exit 2
         print(f"pyspec: error: {e}", file=sys.stderr)
         return 2
 

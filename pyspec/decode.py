@@ -86,8 +86,8 @@ def decode_one(runner: ModelRunner, prompt: Sequence[int], max_new_tokens: int, 
         raise ValueError(f"top_p must be in (0, 1]; got {top_p}")
     if not 0.0 <= min_p <= 1.0:
         raise ValueError(f"min_p must be in [0, 1]; got {min_p}")
-    if gamma < 0:
-        raise ValueError(f"gamma must be >= 0; got {gamma}")
+    if not 0 <= gamma <= 64:
+        raise ValueError(f"gamma must be in [0, 64] (a draft chain's depth limit); got {gamma}")
     prompt = [int(t) for t in prompt]
     if not prompt:
         raise ValueError("the prompt must hold at least one token")

@@ -83,8 +83,10 @@ class ModelRunner:
         cfg = model.cfg
         self.model = model
         shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv = KVPool(torch.zeros(shape, dtype=model.dtype, device=model.device),
-                         torch.zeros(shape, dtype=model.dtype, device=model.device))
+        # Uninitialized: attention only reads positions below each request's prefix length, and those
+        # are always materialized first.
+        self.kv = KVPool(torch.empty(shape, dtype=model.dtype, device=model.device),
+                         torch.empty(shape, dtype=model.dtype, device=model.device))
 
     @property
     def block_size(self) -> int:
@@ -99,6 +101,8 @@ class ModelRunner:
         pos: List[torch.Tensor] = []
         q_indptr, row_indptr, logit_rows, logits_indptr = [0], [0], [], [0]
         prefix, tables, tree_parents, tree_indptr = [], [], [], [0]
+        rope_lens: List[torch.Tensor] = []
+        window = cfg.sliding_window
         for s in seqs:
             n = len(s.token_ids)
             if n == 0:
@@ -106,11 +110,21 @@ class ModelRunner:
             base = q_indptr[-1]
             ids.extend(int(t) for t in s.token_ids)
             if s.tree is None:
-                pos.append(torch.arange(s.start_pos, s.start_pos + n))
+                p = torch.arange(s.start_pos, s.start_pos + n)
+                # A causal chunk is scaled for its longest position, like a transformers prefill;
+                # a single decode token for its own position + 1, like an incremental step.
+                rope_lens.append(torch.full((n,), s.start_pos + n, dtype=torch.int64))
             else:
                 if s.tree.num_nodes != n:
                     raise ValueError(f"tree has {s.tree.num_nodes} nodes but {n} tokens were given")
-                pos.append(s.start_pos + torch.tensor(s.tree.depths, dtype=torch.int64))
+                p = s.start_pos + torch.tensor(s.tree.depths, dtype=torch.int64)
+                rope_lens.append(p + 1)  # each node as if decoded alone at its position
+            if window is not None and int(p.max()) >= window:
+                raise ValueError(f"position {int(p.max())} is beyond the model's sliding window "
+                                 f"({window}); sliding-window attention is not implemented, so "
+                                 "contexts must stay within it")
+            pos.append(p)
+            if s.tree is not None:
                 tree_parents.extend(s.tree.parents)
             tree_indptr.append(len(tree_parents))
             q_indptr.append(base + n)
@@ -140,8 +154,11 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.model.device)
         positions = torch.cat(pos).to(self.model.device)
         rows = torch.tensor(logit_rows, dtype=torch.int64, device=self.model.device)
+        dynamic = cfg.rope_scaling.rope_type == "dynamic"
         out = self.model.forward(input_ids, positions, plan, self.kv.k, self.kv.v, k_new, v_new,
-                                 logits_rows=rows, return_hidden=return_hidden)
+                                 logits_rows=rows, return_hidden=return_hidden,
+                                 rope_lens=torch.cat(rope_lens).to(self.model.device)
+                                 if dynamic else None)
         logits, hidden = out if return_hidden else (out, None)
         return StepOutput(logits, logits_indptr, row_indptr, k_new, v_new, hidden)
 

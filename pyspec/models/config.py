@@ -61,6 +61,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any], source: str = "config") -> "ModelConfig":
+        d = {k: v for k, v in d.items() if v is not None}  # null means "not set"
         def need(key):
             if key not in d:
                 raise ValueError(f"{source}: missing required field '{key}'")
@@ -114,7 +115,9 @@ class ModelConfig:
             low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
             high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
             original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)))
-        sliding = d.get("sliding_window") if d.get("use_sliding_window", True) else None
+        # Qwen2 configs carry a sliding_window that is off unless use_sliding_window is set.
+        sliding = (d.get("sliding_window")
+                   if d.get("use_sliding_window", model_type != "qwen2") else None)
         return cls(
             model_type=model_type,
             vocab_size=positive_int("vocab_size", need("vocab_size")),
@@ -147,7 +150,7 @@ class ModelConfig:
         try:
             with open(path, encoding="utf-8") as f:
                 d = json.load(f)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path} is not valid JSON: {e}") from None
         if not isinstance(d, dict):
             raise ValueError(f"{path} must hold a JSON object")

@@ -118,12 +118,25 @@ class LlamaForCausalLM:
 
     # ---- forward ----------------------------------------------------------------------------------
 
-    def rope_tables(self, positions: torch.Tensor):
-        """cos/sin [T, head_dim] in rotate-half layout (first and second halves share a frequency)."""
-        inv = self._inv_freq
+    def rope_tables(self, positions: torch.Tensor, rope_lens: Optional[torch.Tensor] = None):
+        """cos/sin [T, head_dim] in rotate-half layout (first and second halves share a frequency).
+
+        ``rope_lens`` [T] (dynamic NTK RoPE only): the sequence length each row's frequencies are
+        scaled for. Transformers scales a prefill by its longest position and an incremental decode
+        step by its own position + 1; per-row lengths give draft-tree rows exactly the values plain
+        decoding would use at their positions (lossless) and keep requests of one batch
+        independent. Default: every row uses ``max(positions) + 1``.
+        """
         if self.cfg.rope_scaling.rope_type == "dynamic":
-            inv = rope_inv_freq(self.cfg, int(positions.max()) + 1).to(self.device)
-        ang = positions.to(torch.float32)[:, None] * inv[None, :]
+            if rope_lens is None:
+                rope_lens = torch.full_like(positions, int(positions.max()) + 1)
+            lens = sorted(set(rope_lens.tolist()))
+            table = torch.stack([rope_inv_freq(self.cfg, n) for n in lens]).to(self.device)
+            idx = torch.searchsorted(torch.tensor(lens, device=self.device), rope_lens)
+            inv = table[idx]  # [T, D/2]
+            ang = positions.to(torch.float32)[:, None] * inv
+        else:
+            ang = positions.to(torch.float32)[:, None] * self._inv_freq[None, :]
         ang = torch.cat([ang, ang], dim=-1)
         return ang.cos(), ang.sin()
 
@@ -141,7 +154,8 @@ class LlamaForCausalLM:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan, k_pages: torch.Tensor,
                 v_pages: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                logits_rows: Optional[torch.Tensor] = None, return_hidden: bool = False):
+                logits_rows: Optional[torch.Tensor] = None, return_hidden: bool = False,
+                rope_lens: Optional[torch.Tensor] = None):
         """One step over ``T`` flattened new tokens.
 
         Args:
@@ -151,13 +165,14 @@ class LlamaForCausalLM:
             k_new, v_new: ``[L, T, Hkv, D]`` scratch, filled with this step's K/V.
             logits_rows: int64 rows whose logits are wanted (``None``: all rows).
             return_hidden: also return the final hidden states ``[T, hidden]`` (before the norm).
+            rope_lens: int64 ``[T]``, dynamic-RoPE scaling length per row (see ``rope_tables``).
 
         Returns:
             float32 logits ``[R, vocab]`` (and the hidden states when asked).
         """
         cfg = self.cfg
         t = input_ids.shape[0]
-        cos, sin = self.rope_tables(positions)
+        cos, sin = self.rope_tables(positions, rope_lens)
         cos, sin = cos[:, None, :], sin[:, None, :]
         x = F.embedding(input_ids, self.embed)
         qs, ks = cfg.q_size, cfg.kv_size

@@ -97,8 +97,14 @@ def test_prefill_and_decode_match_transformers(kind, overrides, tmp_path):
         torch.testing.assert_close(out.logits[0], r.logits[0, -1].float(), atol=1e-4, rtol=1e-4)
 
 
-def test_tree_nodes_match_their_paths(tmp_path):
-    _, path = _hf_model("llama", tmp_path)
+@pytest.mark.parametrize("overrides", [
+    {},
+    # Dynamic NTK RoPE past the trained length: every tree node must get the scaling a plain decode
+    # step at its position gets, or speculation would not be lossless.
+    {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "max_position_embeddings": 8},
+])
+def test_tree_nodes_match_their_paths(tmp_path, overrides):
+    _, path = _hf_model("llama", tmp_path, **overrides)
     model, runner = _ours(path)
     g = torch.Generator().manual_seed(2)
     prompt = torch.randint(0, 111, (13,), generator=g).tolist()
@@ -110,9 +116,13 @@ def test_tree_nodes_match_their_paths(tmp_path):
     toks = torch.randint(0, 111, (tree.num_nodes,), generator=g).tolist()
     got = runner.step([SeqStep(toks, 13, table, tree, "all")]).logits
     for node in range(tree.num_nodes):
-        path_tokens = [toks[j] for j in tree.path_to(node)]
-        alone = runner.step([SeqStep(path_tokens, 13, table, None, "last")]).logits[0]
-        torch.testing.assert_close(got[node], alone, atol=1e-4, rtol=1e-4)
+        # Reference: plain decoding of the node's path, one token per step (each step commits its
+        # K/V, the next reads it from the pages) — what speculation must reproduce.
+        for i, tok in enumerate(tree.path_to(node)):
+            pos = 13 + i
+            out = runner.step([SeqStep([toks[tok]], pos, table, None, "last")])
+            runner.commit_kv(out, 0, [0], [table[pos // bs] * bs + pos % bs])
+        torch.testing.assert_close(got[node], out.logits[0], atol=1e-4, rtol=1e-4)
 
 
 def test_mixed_batch_matches_single_requests(tmp_path):
