@@ -58,6 +58,9 @@ def main(argv=None):
 
             hf = transformers.AutoModelForCausalLM.from_pretrained(
                 loaded.path, dtype=getattr(torch, dtype)).eval()
+            # Neither side stops at EOS (pyspec gets no eos ids): both generate exactly
+            # --max-tokens, and the outputs stay comparable token for token.
+            hf.generation_config.eos_token_id = None
         row = dict(pyspec_plain=[], pyspec_ngram=[], hf=[], acceptance_length=[], match_hf=0)
 
         def ours(ids, draft):
@@ -66,7 +69,7 @@ def main(argv=None):
                                       gamma=args.gamma if draft else 0, record_gaps=True)
             return r
 
-        # Warm-up outside the timings.
+        # Warm-up outside the timings (the plain path; speculative steps use the same kernels).
         ours(enc[0][:16], False)
         if hf is not None:
             with torch.no_grad():
@@ -89,8 +92,7 @@ def main(argv=None):
                 t0 = time.perf_counter()
                 with torch.no_grad():
                     out = hf.generate(torch.tensor([ids]), max_new_tokens=args.max_tokens,
-                                      min_new_tokens=args.max_tokens, do_sample=False,
-                                      pad_token_id=0)
+                                      do_sample=False, pad_token_id=0)
                 dt = time.perf_counter() - t0
                 new = out[0, len(ids):].tolist()
                 row["hf"].append(len(new) / dt)
