@@ -46,6 +46,16 @@ std::vector<std::string> LogitsNames(const std::vector<LogitsKind>& kinds) {
 }  // namespace
 
 void RegisterScheduler(py::module_& m) {
+  m.def(
+      "optimal_draft_length",
+      [](double alpha, double draft_cost, double verify_cost, int64_t max_len) {
+        double gain = 0.0;
+        int64_t g = OptimalDraftLength(alpha, draft_cost, verify_cost, max_len, &gain);
+        return py::make_tuple(g, gain);
+      },
+      py::arg("alpha"), py::arg("draft_cost"), py::arg("verify_cost"), py::arg("max_len"),
+      "(gamma, gain): the Leviathan et al. draft length maximizing expected tokens per unit time "
+      "for per-token acceptance alpha, and that rate relative to plain decoding.");
   py::class_<Request>(m, "Request", "A snapshot of one request's scheduler state (a copy).")
       .def_readonly("id", &Request::id)
       .def_readonly("prompt", &Request::prompt)
@@ -76,6 +86,17 @@ void RegisterScheduler(py::module_& m) {
                                if (r.stats.ewma < 0) return py::none();
                                return py::float_(r.stats.ewma);
                              })
+      .def_property_readonly("token_acceptance",
+                             [](const Request& r) -> py::object {
+                               double a = r.stats.TokenAcceptance();
+                               if (a < 0) return py::none();
+                               return py::float_(a);
+                             })
+      .def_property_readonly("num_fallbacks",
+                             [](const Request& r) { return r.stats.num_fallbacks; })
+      .def_property_readonly("num_cost_fallbacks",
+                             [](const Request& r) { return r.stats.num_cost_fallbacks; })
+      .def_property_readonly("num_probes", [](const Request& r) { return r.stats.num_probes; })
       .def_property_readonly("history", [](const Request& r) {
         std::vector<std::string> out;
         for (RequestState s : r.history) out.emplace_back(RequestStateName(s));
@@ -154,7 +175,8 @@ that do not match the last step) raise ValueError.)doc")
                        int64_t initial_draft_tokens, int64_t spec_token_budget,
                        int64_t spec_disable_batch_size, double ewma_alpha,
                        double min_acceptance_rate, int64_t warmup_steps, int64_t probe_interval,
-                       bool record_transitions) {
+                       bool record_transitions, bool cost_model, double draft_cost,
+                       double verify_cost) {
              SchedulerConfig c;
              c.max_num_batched_tokens = max_num_batched_tokens;
              c.max_num_seqs = max_num_seqs;
@@ -168,6 +190,9 @@ that do not match the last step) raise ValueError.)doc")
              c.warmup_steps = warmup_steps;
              c.probe_interval = probe_interval;
              c.record_transitions = record_transitions;
+             c.cost_model = cost_model;
+             c.draft_cost = draft_cost;
+             c.verify_cost = verify_cost;
              return new Scheduler(c, num_blocks, block_size, enable_prefix_cache);
            }),
            py::arg("num_blocks"), py::arg("block_size"), py::kw_only(),
@@ -177,7 +202,12 @@ that do not match the last step) raise ValueError.)doc")
            py::arg("spec_token_budget") = 64, py::arg("spec_disable_batch_size") = 32,
            py::arg("ewma_alpha") = 0.2, py::arg("min_acceptance_rate") = 0.0,
            py::arg("warmup_steps") = 4, py::arg("probe_interval") = 32,
-           py::arg("record_transitions") = false)
+           py::arg("record_transitions") = false, py::arg("cost_model") = false,
+           py::arg("draft_cost") = 0.0, py::arg("verify_cost") = 0.02)
+      .def("set_cost_model", &Scheduler::SetCostModel, py::arg("draft_cost"),
+           py::arg("verify_cost"),
+           "Update the measured cost ratios (per draft token, per extra verified token; both "
+           "relative to one plain decode step).")
       .def(
           "add_request",
           [](Scheduler& s, int64_t request_id, const std::vector<int64_t>& prompt,

@@ -1,6 +1,7 @@
 #include "pyspec/scheduler.h"
 
 #include <algorithm>
+#include <cmath>
 #include <unordered_set>
 #include <utility>
 
@@ -29,6 +30,10 @@ void SchedulerConfig::Validate() const {
                "min_acceptance_rate must be in [0, 1]; got ", min_acceptance_rate);
   PYSPEC_CHECK(warmup_steps >= 0, "warmup_steps must be >= 0; got ", warmup_steps);
   PYSPEC_CHECK(probe_interval >= 1, "probe_interval must be >= 1; got ", probe_interval);
+  PYSPEC_CHECK(std::isfinite(draft_cost) && draft_cost >= 0.0,
+               "draft_cost must be a finite number >= 0; got ", draft_cost);
+  PYSPEC_CHECK(std::isfinite(verify_cost) && verify_cost >= 0.0,
+               "verify_cost must be a finite number >= 0; got ", verify_cost);
 }
 
 const char* StepKindName(StepKind k) {
@@ -223,6 +228,39 @@ bool Scheduler::ReserveOrPreempt(Request& r, int64_t extra) {
     Preempt(*requests_.at(victim));
   }
   return true;
+}
+
+int64_t OptimalDraftLength(double alpha, double draft_cost, double verify_cost, int64_t max_len,
+                           double* gain) {
+  PYSPEC_CHECK(max_len >= 1, "max_len must be >= 1; got ", max_len);
+  PYSPEC_CHECK(std::isfinite(draft_cost) && draft_cost >= 0.0 && std::isfinite(verify_cost) &&
+                   verify_cost >= 0.0,
+               "draft_cost and verify_cost must be finite and >= 0");
+  const double a = std::isfinite(alpha) ? std::min(std::max(alpha, 0.0), 1.0) : 0.0;
+  const double c = draft_cost + verify_cost;
+  int64_t best = 1;
+  double best_gain = -1.0;
+  double a_pow = a;        // alpha^gamma
+  double expected = 1.0;   // 1 + alpha + ... + alpha^gamma (expected tokens per step)
+  for (int64_t g = 1; g <= max_len; ++g) {
+    expected += a_pow;
+    a_pow *= a;
+    const double value = expected / (1.0 + c * static_cast<double>(g));
+    if (value > best_gain * (1.0 + 1e-12)) {
+      best_gain = value;
+      best = g;
+    }
+  }
+  if (gain != nullptr) *gain = best_gain;
+  return best;
+}
+
+void Scheduler::SetCostModel(double draft_cost, double verify_cost) {
+  SchedulerConfig c = config_;
+  c.draft_cost = draft_cost;
+  c.verify_cost = verify_cost;
+  c.Validate();
+  config_ = c;
 }
 
 int64_t Scheduler::SpecShare(int64_t n_running, int64_t n_spec) const {
@@ -432,6 +470,7 @@ void Scheduler::ApplyDecode(Request& r, const StepResult::Entry& e, RequestOutpu
   ++r.steps_since_switch;
 
   AcceptanceStats& st = r.stats;
+  double cost_gain = 2.0;  // set by the cost model when it runs this step
   if (e.num_drafted > 0) {
     ++st.num_spec_steps;
     st.num_draft_tokens += e.num_drafted;
@@ -440,7 +479,18 @@ void Scheduler::ApplyDecode(Request& r, const StepResult::Entry& e, RequestOutpu
     for (int64_t i = 0; i < a; ++i) ++st.accepted_at[i];
     double rate = static_cast<double>(a) / static_cast<double>(e.num_drafted);
     st.ewma = st.ewma < 0 ? rate : config_.ewma_alpha * rate + (1 - config_.ewma_alpha) * st.ewma;
-    if (a == e.num_drafted) {
+    const double trials = static_cast<double>(a + (a < e.num_drafted ? 1 : 0));
+    if (st.alpha_den <= 0.0) {
+      st.alpha_num = static_cast<double>(a);
+      st.alpha_den = trials;
+    } else {
+      st.alpha_num = config_.ewma_alpha * a + (1 - config_.ewma_alpha) * st.alpha_num;
+      st.alpha_den = config_.ewma_alpha * trials + (1 - config_.ewma_alpha) * st.alpha_den;
+    }
+    if (config_.cost_model) {
+      r.draft_len = OptimalDraftLength(st.TokenAcceptance(), config_.draft_cost,
+                                       config_.verify_cost, config_.max_draft_tokens, &cost_gain);
+    } else if (a == e.num_drafted) {
       r.draft_len = std::min(r.draft_len + 1, config_.max_draft_tokens);
     } else if (2 * a < e.num_drafted) {
       r.draft_len = std::max<int64_t>(r.draft_len - 1, 1);
@@ -454,17 +504,23 @@ void Scheduler::ApplyDecode(Request& r, const StepResult::Entry& e, RequestOutpu
     return;
   }
   // Adaptive speculation: fall back to plain decoding when acceptance is too low; probe later.
-  if (r.state() == RequestState::kRunningSpeculative && config_.min_acceptance_rate > 0.0 &&
-      r.steps_since_switch >= config_.warmup_steps && st.ewma >= 0.0 &&
-      st.ewma < config_.min_acceptance_rate) {
+  const bool warm = r.state() == RequestState::kRunningSpeculative &&
+                    r.steps_since_switch >= config_.warmup_steps && st.ewma >= 0.0;
+  const bool low = warm && config_.min_acceptance_rate > 0.0 &&
+                   st.ewma < config_.min_acceptance_rate;
+  const bool no_gain = warm && config_.cost_model && cost_gain < 1.0;
+  if (low || no_gain) {
     r.TransitionTo(RequestState::kRunningPlain);
     r.steps_since_switch = 0;
+    ++(low ? st.num_fallbacks : st.num_cost_fallbacks);
   } else if (r.state() == RequestState::kRunningPlain && RunningStateFor(r) ==
                  RequestState::kRunningSpeculative &&
              r.steps_since_switch >= config_.probe_interval) {
     r.TransitionTo(RequestState::kRunningSpeculative);
     r.steps_since_switch = 0;
     st.ewma = -1.0;  // the probe is judged on fresh evidence
+    st.alpha_num = st.alpha_den = 0.0;
+    ++st.num_probes;
     r.draft_len = std::max<int64_t>(r.draft_len, 1);
   }
 }

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <random>
 #include <set>
@@ -673,3 +674,80 @@ TEST(Scheduler, RandomEventSequences) {
 
 }  // namespace
 }  // namespace pyspec
+
+// ---- Cost model (Leviathan et al. 2023) ----
+
+namespace {
+double Rate(double a, double c, int g) {
+  double e = 0.0;
+  for (int i = 0; i <= g; ++i) e += std::pow(a, i);
+  return e / (1.0 + c * g);
+}
+}  // namespace
+
+TEST(CostModel, MatchesBruteForceOptimum) {
+  for (double a : {0.0, 0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 1.0}) {
+    for (double c : {0.0, 0.01, 0.05, 0.2, 0.5, 1.0}) {
+      for (int64_t max_len : {1, 4, 8, 32}) {
+        double gain = 0.0;
+        int64_t g = pyspec::OptimalDraftLength(a, c * 0.5, c * 0.5, max_len, &gain);
+        ASSERT_GE(g, 1);
+        ASSERT_LE(g, max_len);
+        double best = 0.0;
+        for (int k = 1; k <= max_len; ++k) best = std::max(best, Rate(a, c, k));
+        EXPECT_NEAR(gain, best, 1e-9) << a << " " << c << " " << max_len;
+        EXPECT_NEAR(Rate(a, c, static_cast<int>(g)), best, 1e-9);
+      }
+    }
+  }
+  // Monotone in alpha: better drafts never get shorter optimal drafts.
+  int64_t prev = 1;
+  for (double a = 0.0; a <= 1.0; a += 0.01) {
+    int64_t g = pyspec::OptimalDraftLength(a, 0.02, 0.02, 16);
+    EXPECT_GE(g, prev);
+    prev = g;
+  }
+  double gain = 0.0;
+  pyspec::OptimalDraftLength(0.05, 0.3, 0.2, 8, &gain);
+  EXPECT_LT(gain, 1.0);  // poor acceptance and a costly drafter: plain decoding wins
+  EXPECT_THROW(pyspec::OptimalDraftLength(0.5, -1.0, 0.0, 4), pyspec::ValueError);
+  EXPECT_THROW(pyspec::OptimalDraftLength(0.5, 0.0, 0.0, 0), pyspec::ValueError);
+}
+
+TEST(CostModel, SchedulerAdaptsAndFallsBack) {
+  pyspec::SchedulerConfig c;
+  c.cost_model = true;
+  c.max_draft_tokens = 8;
+  c.initial_draft_tokens = 4;
+  c.warmup_steps = 2;
+  c.probe_interval = 3;
+  c.draft_cost = 0.0;
+  c.verify_cost = 0.01;
+  pyspec::Scheduler s(c, 256, 4, false);
+  s.AddRequest(1, {1, 2, 3}, [] { pyspec::SamplingParams p; p.max_tokens = 200; return p; }());
+  auto run_step = [&](bool accept_all) {
+    auto out = s.Step();
+    pyspec::StepResult res;
+    for (size_t i = 0; i < out.ids.size(); ++i) {
+      if (out.kinds[i] == pyspec::StepKind::kPrefill) {
+        res.AddPrefill(out.ids[i], out.token_indptr[i + 1] - out.token_indptr[i]);
+      } else {
+        int64_t b = out.draft_budget[i];
+        int64_t a = accept_all ? b : 0;
+        res.AddDecode(out.ids[i], std::vector<int32_t>(a + 1, 5), b, a);
+      }
+    }
+    s.Update(res);
+  };
+  run_step(true);  // prefill
+  for (int i = 0; i < 6; ++i) run_step(true);
+  EXPECT_EQ(s.GetRequest(1).draft_len, 8);  // everything accepted: the longest draft pays
+  EXPECT_GT(s.GetRequest(1).stats.TokenAcceptance(), 0.99);
+  s.SetCostModel(0.5, 0.1);
+  for (int i = 0; i < 12; ++i) run_step(false);  // nothing accepted and drafting is costly
+  const pyspec::Request& r = s.GetRequest(1);
+  EXPECT_EQ(r.draft_len, 1);
+  EXPECT_GE(r.stats.num_cost_fallbacks, 1);
+  EXPECT_GE(r.stats.num_probes, 1);  // plain for probe_interval steps, then probed again
+  EXPECT_THROW(s.SetCostModel(std::nan(""), 0.0), pyspec::ValueError);
+}

@@ -173,3 +173,26 @@ def test_value_errors():
     res.add_prefill(1, 5)  # chunk is 1 token
     with pytest.raises(ValueError):
         sched.update(res)
+
+
+def test_optimal_draft_length_matches_leviathan_formula():
+    from pyspec import _C
+
+    def rate(a, c, g):
+        return sum(a ** i for i in range(g + 1)) / (1 + c * g)
+
+    for a in (0.0, 0.3, 0.6, 0.8, 0.95):
+        for c in (0.0, 0.05, 0.3):
+            g, gain = _C.optimal_draft_length(a, c / 2, c / 2, 12)
+            best = max(range(1, 13), key=lambda k: rate(a, c, k))
+            assert abs(gain - rate(a, c, best)) < 1e-9
+            assert abs(rate(a, c, g) - rate(a, c, best)) < 1e-9
+    g, gain = _C.optimal_draft_length(0.05, 0.4, 0.2, 8)
+    assert gain < 1.0  # speculation would be slower than plain decoding
+    with pytest.raises(ValueError):
+        _C.optimal_draft_length(0.5, -0.1, 0.0, 4)
+    s = _C.Scheduler(16, 4, cost_model=True)
+    with pytest.raises(ValueError, match="verify_cost"):
+        s.set_cost_model(0.1, float("inf"))
+    with pytest.raises(ValueError, match="draft_cost"):
+        _C.Scheduler(16, 4, draft_cost=-1.0)

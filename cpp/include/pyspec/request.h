@@ -59,6 +59,14 @@ struct AcceptanceStats {
   std::vector<int64_t> accepted_at;
   // EWMA of the per-step acceptance rate accepted / drafted; < 0 until the first observation.
   double ewma = -1.0;
+  // Cost model: EWMAs of accepted draft tokens and of trials per step (truncated geometric).
+  double alpha_num = 0.0;
+  double alpha_den = 0.0;
+  int64_t num_fallbacks = 0;       // RUNNING_SPECULATIVE -> RUNNING_PLAIN, low acceptance
+  int64_t num_cost_fallbacks = 0;  // ... because the cost model predicted no gain
+  int64_t num_probes = 0;          // RUNNING_PLAIN -> RUNNING_SPECULATIVE re-probes
+  // Per-token acceptance estimate; < 0 before the first speculative step.
+  double TokenAcceptance() const { return alpha_den > 0 ? alpha_num / alpha_den : -1.0; }
   double AcceptanceRate() const {
     return num_draft_tokens == 0 ? 0.0
                                  : static_cast<double>(num_accepted_tokens) /

@@ -23,8 +23,18 @@
 //   otherwise share = spec_token_budget / (running requests in RUNNING_SPECULATIVE), and
 //   budget(request) = min(request.draft_len, max_draft_tokens, share,
 //                         max_tokens - generated - 1, remaining step token budget - 1).
-// draft_len adapts per request: +1 after a step that accepted every draft token, -1 (not below 1)
-// after one that accepted fewer than half. A request whose acceptance EWMA (weight ewma_alpha) is
+// draft_len adapts per request. With cost_model (Leviathan et al. 2023, section 3.4): the request's
+// per-token acceptance alpha is estimated from its steps as a truncated geometric (EWMA of accepted
+// tokens over EWMA of trials, trials = accepted + 1 when a draft token was rejected), and draft_len
+// is the gamma in [1, max_draft_tokens] that maximizes expected tokens per unit of time,
+//   (1 - alpha^(gamma+1)) / (1 - alpha)  /  (1 + (draft_cost + verify_cost) * gamma),
+// where draft_cost is the drafter's cost per draft token and verify_cost the target's marginal
+// cost per extra verified token, both relative to one plain decode step (measured by the engine,
+// SetCostModel). For trees, gamma counts nodes and alpha is estimated the same way (a
+// conservative approximation: a tree accepts at least as much as a chain with that alpha).
+// When even the best gamma is predicted slower than plain decoding, the request falls back to
+// RUNNING_PLAIN (counted as a cost fallback). Without cost_model: +1 after a step that accepted
+// every draft token, -1 (not below 1) after one that accepted fewer than half. A request whose acceptance EWMA (weight ewma_alpha) is
 // below min_acceptance_rate after warmup_steps speculative steps falls back to RUNNING_PLAIN and is
 // probed again (back to RUNNING_SPECULATIVE) after probe_interval plain steps.
 //
@@ -63,9 +73,18 @@ struct SchedulerConfig {
   int64_t warmup_steps = 4;               // speculative steps before a fallback is considered
   int64_t probe_interval = 32;            // plain steps before speculation is probed again
   bool record_transitions = false;        // keep Request::history (tests)
+  bool cost_model = false;                // draft_len from the Leviathan cost model (see above)
+  double draft_cost = 0.0;                // per draft token, relative to a plain step (>= 0)
+  double verify_cost = 0.02;              // per extra verified token, relative to a plain step
 
   void Validate() const;  // throws ValueError
 };
+
+// The Leviathan et al. optimum: the gamma in [1, max_len] maximizing expected tokens per unit time
+// (formula above) for per-token acceptance `alpha` in [0, 1]; `*gain` (optional) receives that
+// maximum relative to plain decoding (> 1: speculation pays).
+int64_t OptimalDraftLength(double alpha, double draft_cost, double verify_cost, int64_t max_len,
+                           double* gain = nullptr);
 
 enum class StepKind : uint8_t { kPrefill = 0, kDecode = 1, kSpeculative = 2 };
 // Which logits rows the runner must return for a scheduled request.
@@ -184,6 +203,8 @@ class Scheduler {
   // The batch-aware share rule alone: per-request draft budget cap when n requests run and
   // n_spec of them speculate (before draft_len / room / token-budget limits).
   int64_t SpecShare(int64_t n_running, int64_t n_spec) const;
+  // Updates the cost model's measured ratios (both finite, >= 0). Throws ValueError.
+  void SetCostModel(double draft_cost, double verify_cost);
 
   // Verifies queue/state/KV consistency; throws RuntimeError naming the first violation. For tests.
   void CheckInvariants() const;
