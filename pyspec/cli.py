@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+import time
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -54,41 +56,66 @@ DEFAULT_PROMPT = ("Rewrite this Python function with clearer variable names and 
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from pyspec import generation
+    import pyspec
 
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1; got {args.max_tokens}")
-    if not 1 <= args.gamma <= 32:
-        raise ValueError(f"--gamma must be in [1, 32]; got {args.gamma}")
-    loaded = generation.load(args.model, dtype=args.dtype)
-    ids = generation.encode_prompt(loaded.tokenizer, args.prompt, chat=not args.no_chat)
-    params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                  top_k=args.top_k, min_p=args.min_p, seed=args.seed, gamma=args.gamma)
-    print(f"model: {loaded.path} ({args.dtype}; loaded in {loaded.load_seconds:.1f}s)")
-    print(f"prompt: {len(ids)} tokens; draft: {args.draft}; temperature {args.temperature}")
+    if args.gamma is not None and not 1 <= args.gamma <= 255:
+        raise ValueError(f"--gamma must be in [1, 255]; got {args.gamma}")
+    spec = pyspec.SpecConfig(num_speculative_tokens=args.gamma, adaptive=not args.no_adaptive)
+    llm = pyspec.LLM(args.model, args.draft, spec, dtype=args.dtype)
+    params = pyspec.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                   top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                                   seed=args.seed, ignore_eos=args.ignore_eos)
+    prompt = ([{"role": "user", "content": args.prompt}]
+              if not args.no_chat and llm.tokenizer.chat_template else args.prompt)
+    ids = llm.chat_prompt(prompt) if isinstance(prompt, list) else llm.encode(prompt)
+    print(f"model: {llm.model_path} ({args.dtype}; loaded in {llm.load_seconds:.1f}s)")
+    print(f"drafter: {llm.drafter_name}")
+    print(f"prompt: {len(ids)} tokens; temperature {args.temperature}")
     print("-" * 72)
     if args.compare:  # warm up (kernels, allocator) so neither timed run pays first-call costs
-        generation.run(loaded, ids, draft="none", **dict(params, max_tokens=4))
-    spec = generation.run(loaded, ids, draft=args.draft,
-                          on_text=lambda t: print(t, end="", flush=True), **params)
+        llm.generate(ids, [dataclasses.replace(params, max_tokens=8)])
+        llm.generate(ids, [dataclasses.replace(params, max_tokens=8, speculative=False)])
+    t0 = time.perf_counter()
+    first = None
+    tokens = []
+    stats = None
+    reason = None
+    for chunk in llm.stream(ids, params):
+        if first is None and chunk.token_ids:
+            first = time.perf_counter() - t0
+        tokens.extend(chunk.token_ids)
+        print(chunk.text, end="", flush=True)
+        if chunk.finished:
+            stats, reason = chunk.stats, chunk.finish_reason
+    spec_s = time.perf_counter() - t0
     print()
     print("-" * 72)
 
-    def line(name, r):
-        return (f"{name:<12} {len(r.tokens):4d} tokens in {r.seconds:6.2f}s = "
-                f"{r.decode_tokens_per_second:7.1f} tok/s decode ({r.steps} target steps, "
-                f"finish: {r.finish_reason})")
+    def rate(n, secs, ttft):
+        d = secs - (ttft or 0.0)
+        return (n - 1) / d if n > 1 and d > 0 else float("nan")
 
-    print(line(args.draft if args.draft != "none" else "plain", spec))
-    print(f"acceptance length: {spec.acceptance_length:.2f} tokens per target step "
-          f"({spec.accepted}/{spec.drafted} draft tokens accepted)")
+    name = "speculative" if llm.engine.default_drafter else "plain"
+    spec_rate = rate(len(tokens), spec_s, first)
+    print(f"{name:<12} {len(tokens):4d} tokens in {spec_s:6.2f}s = {spec_rate:7.1f} tok/s decode "
+          f"({stats.steps} target steps, finish: {reason})")
+    print(f"acceptance length: {stats.acceptance_length:.2f} tokens per speculative step "
+          f"({stats.accepted_tokens}/{stats.draft_tokens} draft tokens accepted in "
+          f"{stats.drafts} steps; {len(tokens) / max(stats.steps, 1):.2f} tokens per target step)")
+    if stats.fallbacks or stats.switches:
+        print(f"adaptive decisions: fallbacks {stats.fallbacks}, probes {stats.probes}, "
+              f"switches {stats.switches}")
     if args.compare:
-        plain = generation.run(loaded, ids, draft="none", **params)
-        print(line("plain", plain))
-        print(f"speedup: {plain.seconds / spec.seconds:.2f}x end to end, "
-              f"{spec.decode_tokens_per_second / plain.decode_tokens_per_second:.2f}x decode "
-              f"(same process, same prompt)")
-        same = plain.tokens == spec.tokens
+        plain = llm.generate(ids, [dataclasses.replace(params, speculative=False)])[0]
+        p_rate = rate(len(plain.token_ids), plain.seconds, plain.time_to_first_token)
+        print(f"{'plain':<12} {len(plain.token_ids):4d} tokens in {plain.seconds:6.2f}s = "
+              f"{p_rate:7.1f} tok/s decode ({plain.stats.steps} target steps, finish: "
+              f"{plain.finish_reason})")
+        print(f"speedup: {plain.seconds / spec_s:.2f}x end to end, {spec_rate / p_rate:.2f}x "
+              f"decode (same process, same prompt)")
+        same = plain.token_ids == tokens
         note = "" if args.temperature == 0 else " (sampled: equal in distribution, not per token)"
         print(f"outputs identical: {same}{note}")
     return 0
@@ -103,9 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT,
                    help="the user message (default: a code-rewriting request)")
     p.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--draft", default="ngram", choices=["ngram", "none"],
-                   help="drafter: ngram (prompt lookup) or none (plain decoding)")
-    p.add_argument("--gamma", type=int, default=5, help="max draft tokens per step")
+    p.add_argument("--draft", default="default",
+                   help="drafter: default (the shipped drafter, else ngram), ngram[:N], none, "
+                        "layer-skip[:L], or a drafter / draft-model folder")
+    p.add_argument("--gamma", type=int, default=None,
+                   help="most draft tokens per step (default: the drafter's)")
+    p.add_argument("--no-adaptive", action="store_true",
+                   help="fixed draft length, no fallback to plain decoding")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)

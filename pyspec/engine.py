@@ -1,45 +1,64 @@
-"""The batched engine loop: the C++ continuous-batching scheduler driving the model runner.
+"""The batched engine loop: the C++ continuous-batching scheduler driving the model runner and the
+drafters.
 
 One :meth:`Engine.step` is one scheduler step (DESIGN sections 2-3):
 
 1. ``Scheduler.step()`` picks the batch: prefill chunks, plain decode roots and speculative roots
-   with a per-request draft budget.
-2. Each decode/speculative request drafts a prompt-lookup chain of at most its budget (and
-   ``gamma``) tokens; every request becomes one :class:`~pyspec.runner.SeqStep`.
-3. The scheduler's pending copy-on-write block copies are applied to the KV pool, then one
-   ``runner.step`` runs the whole batch.
-4. One batched :func:`~pyspec.sampling.accept` call verifies every tree of the step (per-row
-   sampling parameters through :func:`~pyspec.sampling.apply_sampling_filters`, per-request greedy
-   flag, seed and offset = the request's decode step, so a request's randomness never depends on the
-   rest of the batch).
-5. The accepted path rows (root + accepted drafts) and the prefill chunk rows are materialized into
-   the slots the scheduler handed out, and ``Scheduler.update`` applies the results (stop tokens,
-   ``max_tokens``, adaptive draft length, freeing finished requests).
+   with a per-request draft budget (batch-aware, and per request from the Leviathan cost model).
+2. DRAFT: each speculative request's drafter (:mod:`pyspec.drafters`; chosen per request by the
+   :class:`Router`) proposes a token tree within the budget. A drafter that raises or returns a
+   malformed draft is isolated to the requests it failed on, which decode plainly from then on.
+3. VERIFY: the scheduler's pending copy-on-write block copies are applied (to the target's KV pool
+   and every drafter pool), then one ``runner.step`` runs the whole batch: prefill chunks, plain
+   roots and every draft tree, with tree attention.
+4. ACCEPT/COMMIT: one batched :func:`~pyspec.sampling.accept` verifies every tree (greedy, the
+   rejection-sampling rule for sampled draft children, the target-only walk for deterministic
+   ones; per-request seed and offset = the request's decode step, so a request's output never
+   depends on the rest of the batch). The accepted paths and prefill chunks are materialized into
+   the pages, drafters see what was committed, and ``Scheduler.update`` applies the results
+   (stop tokens, ``max_tokens``, adaptive draft length, fallback to plain decoding and re-probing,
+   freeing finished requests).
 
-:meth:`Engine.generate` loops :meth:`Engine.step` until every request it added has finished.
+Adaptive speculation: the engine measures the target's step time as a function of the tokens it
+runs and each drafter's time per draft token, and hands the ratios to the scheduler's cost model
+(``Scheduler.set_cost_model``), which picks each request's draft length from its acceptance EWMA
+(Leviathan et al. 2023) and falls back to plain decoding when speculation cannot pay. A request
+whose acceptance stays below ``switch_below`` with one drafter is moved to the next drafter of its
+route that it has not tried yet. Every decision is counted in the request's :class:`RequestStats`
+and in :attr:`Engine.stats`.
 """
 
 from __future__ import annotations
 
+import math
 import random
+import time
 from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
-from typing import Dict, List, Mapping, Optional, Sequence, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 
 from pyspec import TokenTree, _C
-from pyspec.decode import prompt_lookup_drafter
+from pyspec.drafters import Drafter, make_drafter
+from pyspec.drafters.base import Draft, DraftRequest, PrefillChunk, Verified
 from pyspec.runner import ModelRunner, SeqStep
 from pyspec.sampling import accept, apply_sampling_filters
 
-__all__ = ["Engine", "SamplingParams", "RequestOutput", "GenerationResult", "RequestStats"]
+__all__ = ["Engine", "SamplingParams", "RequestOutput", "GenerationResult", "RequestStats",
+           "Router", "EngineStats"]
 
 
 @dataclass
 class SamplingParams:
-    """Per-request generation parameters. ``temperature == 0`` is greedy; ``seed=None`` draws a
-    random seed. ``speculative=False`` decodes the request plainly (one token per step)."""
+    """Per-request generation parameters.
+
+    ``temperature == 0`` is greedy; ``seed=None`` draws a random seed. ``stop`` (strings) and
+    ``n`` are applied by :class:`pyspec.LLM` (the engine works on token ids); ``stop_token_ids``
+    end a request at the engine. ``ignore_eos``: do not stop at the tokenizer's end-of-sequence
+    tokens (``pyspec.LLM`` adds them to ``stop_token_ids`` otherwise). ``speculative=False``
+    decodes the request plainly (one token per step) through the same engine.
+    """
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -47,7 +66,10 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     seed: Optional[int] = None
+    stop: Union[None, str, Sequence[str]] = None
     stop_token_ids: Sequence[int] = ()
+    n: int = 1
+    ignore_eos: bool = False
     speculative: bool = True
 
 
@@ -67,17 +89,32 @@ class RequestOutput:
 @dataclass
 class RequestStats:
     drafts: int = 0  # decode steps that verified at least one draft token
-    draft_tokens: int = 0  # draft tokens verified
+    draft_tokens: int = 0  # draft tokens (tree nodes) verified
     accepted_tokens: int = 0  # draft tokens accepted
     steps: int = 0  # decode steps (target forwards that emitted tokens)
     cached_tokens: int = 0  # prompt tokens served by the prefix cache (known once finished)
     preemptions: int = 0  # times the request's KV was released and recomputed (once finished)
+    # accepted_per_position[i]: speculative steps whose accepted path reached draft depth i + 1.
+    accepted_per_position: List[int] = field(default_factory=list)
+    drafter: Optional[str] = None  # the drafter in use at the end
+    drafters_used: List[str] = field(default_factory=list)
+    # Decisions: {"drafter_error": n, "low_acceptance": n, "cost_model": n}; probes: re-tries of
+    # speculation after a fallback; switches: {"low_acceptance": n}.
+    fallbacks: Dict[str, int] = field(default_factory=dict)
+    probes: int = 0
+    switches: Dict[str, int] = field(default_factory=dict)
+    token_acceptance: Optional[float] = None  # the cost model's per-token acceptance estimate
 
     @property
     def acceptance_length(self) -> float:
         """1 + accepted / drafts (the mean tokens per speculative step, counting the bonus or
         recovered token); 1.0 when nothing was drafted."""
         return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 1.0
+
+    @property
+    def per_position_acceptance(self) -> List[float]:
+        """Share of speculative steps that accepted at least i + 1 draft tokens."""
+        return [c / self.drafts for c in self.accepted_per_position] if self.drafts else []
 
 
 @dataclass
@@ -89,14 +126,66 @@ class GenerationResult:
 
 
 @dataclass
+class EngineStats:
+    """Deployment-wide counters and measurements (what the server exports)."""
+
+    steps: int = 0
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: List[int] = field(default_factory=list)
+    acceptance_ewma: Optional[float] = None  # EWMA of per-step accepted / drafted
+    fallbacks: Dict[str, int] = field(default_factory=dict)
+    switches: Dict[str, int] = field(default_factory=dict)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    draft_cost: float = 0.0  # measured, relative to a plain decode step
+    verify_cost: float = 0.0
+
+
+@dataclass
+class RouteFeatures:
+    prompt_len: int
+    batch_size: int  # requests queued or running when this one arrived
+
+
+class Router:
+    """Picks a request's drafter from simple features; the first matching rule wins.
+
+    ``rules``: ``[(predicate(RouteFeatures) -> bool, drafter_name), ...]``; ``default``: the
+    drafter otherwise. ``switch_order``: drafters a request moves to (in order) when its
+    acceptance stays low with the current one. Example: long prompts to prompt lookup::
+
+        Router([(lambda f: f.prompt_len > 1024, "ngram")], default="eagle",
+               switch_order=["ngram"])
+    """
+
+    def __init__(self, rules=(), default: Optional[str] = None, switch_order: Sequence[str] = ()):
+        self.rules = list(rules)
+        self.default = default
+        self.switch_order = list(switch_order)
+
+    def route(self, f: RouteFeatures) -> Optional[str]:
+        for pred, name in self.rules:
+            if pred(f):
+                return name
+        return self.default
+
+
+@dataclass
 class _Req:
     params: SamplingParams
     seed: int
     context: List[int]  # prompt + generated tokens (the drafter's input)
     num_prompt: int
+    drafter: Optional[str]
     stats: RequestStats = field(default_factory=RequestStats)
     finished: bool = False
     finish_reason: Optional[str] = None
+    failed: bool = False  # its drafter failed: plain decoding from now on
+    ewma: float = -1.0  # engine-side acceptance EWMA with the current drafter
+    spec_steps_here: int = 0  # speculative steps with the current drafter
+    tried: List[str] = field(default_factory=list)
 
     @property
     def generated(self) -> List[int]:
@@ -111,20 +200,59 @@ def _as_params(params: Union[None, SamplingParams, Mapping]) -> SamplingParams:
     if isinstance(params, Mapping):
         unknown = set(params) - _PARAM_NAMES
         if unknown:
-            raise ValueError(f"unknown sampling parameters: {sorted(unknown)}")
+            raise ValueError(f"unknown sampling parameters: {sorted(unknown)}; allowed: "
+                             f"{sorted(_PARAM_NAMES)}")
         return SamplingParams(**params)
     raise ValueError(f"params must be a SamplingParams, a dict or None; got {type(params).__name__}")
+
+
+def validate_params(p: SamplingParams, vocab: int) -> None:
+    """ValueError naming the bad field and what is allowed."""
+    if not _is_int(p.max_tokens) or p.max_tokens < 1:
+        raise ValueError(f"max_tokens must be an int >= 1; got {p.max_tokens!r}")
+    if not _is_real(p.temperature) or not p.temperature >= 0.0 or math.isinf(p.temperature):
+        raise ValueError(f"temperature must be a finite number >= 0; got {p.temperature!r}")
+    if not _is_int(p.top_k) or p.top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0 = off); got {p.top_k!r}")
+    if not _is_real(p.top_p) or not 0.0 < p.top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1]; got {p.top_p!r}")
+    if not _is_real(p.min_p) or not 0.0 <= p.min_p <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1]; got {p.min_p!r}")
+    if p.seed is not None and (not _is_int(p.seed) or not -(1 << 63) <= p.seed < (1 << 63)):
+        raise ValueError(f"seed must be None or a 64-bit signed int; got {p.seed!r}")
+    if not _is_int(p.n) or not 1 <= p.n <= 64:
+        raise ValueError(f"n must be an int in [1, 64]; got {p.n!r}")
+    try:
+        stop_ids = [int(t) for t in p.stop_token_ids]
+    except (TypeError, ValueError):
+        raise ValueError(f"stop_token_ids must be a list of ints; got {p.stop_token_ids!r}") from None
+    if any(not 0 <= t < vocab for t in stop_ids):
+        raise ValueError(f"stop_token_ids must be in [0, {vocab}); got {stop_ids}")
+    stop = p.stop
+    if stop is not None:
+        items = [stop] if isinstance(stop, str) else stop
+        if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
+            raise ValueError(f"stop must be a non-empty string or a list of them; got {stop!r}")
+        if len(items) > 16:
+            raise ValueError(f"stop allows at most 16 strings; got {len(items)}")
 
 
 class Engine:
     """Continuous-batching speculative decoding over a :class:`ModelRunner`.
 
     Args:
-        runner: the model runner; the engine's scheduler manages its whole KV pool.
+        runner: the target's runner; the engine's scheduler manages its whole KV pool.
         tokenizer: optional, kept for callers (``engine.tokenizer``); the engine works on ids.
         max_num_seqs, max_num_batched_tokens: scheduler batch limits.
-        drafter: ``"ngram"`` (prompt lookup) or ``"none"`` (plain decoding for every request).
-        gamma: longest draft chain per step (the scheduler's ``max_draft_tokens`` unless given).
+        drafter: the default drafter: ``"ngram"``, ``"none"`` (plain decoding), ``"layer-skip:L"``,
+            a drafter folder (EAGLE/Medusa heads), a draft-model folder, or a
+            :class:`~pyspec.drafters.Drafter` (see :func:`pyspec.drafters.make_drafter`).
+        drafters: further named drafters for the router (name -> spec or Drafter).
+        router: a :class:`Router`; default: every request uses ``drafter``.
+        gamma: most draft tokens (tree nodes) per request per step; default: the drafter's.
+        adaptive: draft length from the Leviathan cost model with measured costs, fallback to
+            plain decoding below ``min_acceptance_rate`` (default 0.3) with re-probing every
+            ``probe_interval`` plain steps, drafter switching below ``switch_below``.
         enable_prefix_cache: share full prompt blocks between requests.
         **scheduler_kwargs: further :class:`pyspec._C.Scheduler` options (``max_prefill_chunk``,
             ``max_draft_tokens``, ``initial_draft_tokens``, ``spec_token_budget``,
@@ -133,22 +261,47 @@ class Engine:
     """
 
     def __init__(self, runner: ModelRunner, tokenizer=None, *, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, drafter: str = "ngram", gamma: int = 5,
+                 max_num_batched_tokens: int = 2048,
+                 drafter: Union[None, str, Drafter] = "ngram",
+                 drafters: Optional[Mapping[str, Union[str, Drafter]]] = None,
+                 router: Optional[Router] = None, gamma: Optional[int] = None,
+                 adaptive: bool = True, switch_below: float = 0.0,
                  enable_prefix_cache: bool = True, **scheduler_kwargs):
-        if drafter not in ("ngram", "none"):
-            raise ValueError(f"drafter must be 'ngram' or 'none'; got {drafter!r}")
-        if not _is_int(gamma) or not 0 <= gamma <= 255:
+        if gamma is not None and (not _is_int(gamma) or not 0 <= gamma <= 255):
             raise ValueError(f"gamma must be an int in [0, 255]; got {gamma!r}")
+        if not _is_real(switch_below) or not 0.0 <= switch_below <= 1.0:
+            raise ValueError(f"switch_below must be in [0, 1]; got {switch_below!r}")
         self.runner = runner
         self.tokenizer = tokenizer
         self.vocab_size = int(runner.model.cfg.vocab_size)
-        self.gamma = int(gamma)
-        self._speculate = drafter == "ngram" and self.gamma > 0
-        self._draft = prompt_lookup_drafter() if self._speculate else None
+        self.drafters: Dict[str, Drafter] = {}
+        default = make_drafter(drafter, runner)
+        if default is not None:
+            self.drafters[default.name] = default
+        for name, spec in (drafters or {}).items():
+            d = make_drafter(spec, runner)
+            if d is None:
+                raise ValueError(f"drafters[{name!r}] is 'none'; leave it out instead")
+            self.drafters[name] = d
+        self.default_drafter = default.name if default is not None else None
+        self.router = router
+        if router is not None:
+            for name in [n for _, n in router.rules] + [router.default] + router.switch_order:
+                if name is not None and name not in self.drafters:
+                    raise ValueError(f"the router names drafter {name!r}; the engine has "
+                                     f"{sorted(self.drafters)}")
+        budgets = [getattr(d, "default_budget", 5) for d in self.drafters.values()]
+        self.gamma = int(gamma) if gamma is not None else (max(budgets) if budgets else 0)
+        self._speculate = bool(self.drafters) and self.gamma > 0
+        self.switch_below = float(switch_below)
+        self.adaptive = bool(adaptive)
         kw = dict(scheduler_kwargs)
         if self._speculate:
             kw.setdefault("max_draft_tokens", self.gamma)
             kw.setdefault("initial_draft_tokens", min(4, kw["max_draft_tokens"]))
+            if self.adaptive:
+                kw.setdefault("cost_model", True)
+                kw.setdefault("min_acceptance_rate", 0.3)
         try:
             self.scheduler = _C.Scheduler(runner.kv.num_blocks, runner.block_size,
                                           enable_prefix_cache=enable_prefix_cache,
@@ -156,9 +309,16 @@ class Engine:
                                           max_num_seqs=max_num_seqs, **kw)
         except TypeError as e:  # an unknown keyword
             raise ValueError(str(e)) from None
+        self._pools = [p for d in self.drafters.values() for p in d.kv_pools()]
+        self._need_hidden = any(d.needs_hidden for d in self.drafters.values())
         self._reqs: Dict[int, _Req] = {}
         self._next_id = 0
         self._chains: Dict[int, TokenTree] = {}
+        self.stats = EngineStats()
+        # Step-time model t = base + per_token * tokens (EWMA least squares) and draft timing.
+        self._fit = [0.0] * 5  # n, sx, sy, sxx, sxy (exponentially weighted)
+        self._draft_time: Dict[str, List[float]] = {}  # drafter -> [seconds, tokens] EWMA sums
+        self.debug_skip_residual = False  # tests only: a deliberately broken acceptance rule
 
     # ---- requests ----
 
@@ -166,34 +326,45 @@ class Engine:
                     params: Union[None, SamplingParams, Mapping] = None) -> int:
         """Queue a request; returns its id. ValueError for bad input."""
         p = _as_params(params)
-        prompt = [int(t) for t in prompt_ids]
+        try:
+            prompt = [int(t) for t in prompt_ids]
+        except (TypeError, ValueError):
+            raise ValueError("the prompt must be a sequence of token ids") from None
         if not prompt:
             raise ValueError("the prompt must hold at least one token")
         v = self.vocab_size
         bad = [t for t in prompt if not 0 <= t < v]
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {v}); got {bad[:5]}")
-        if not _is_int(p.max_tokens) or p.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1; got {p.max_tokens!r}")
-        if not _is_real(p.temperature) or not p.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0; got {p.temperature!r}")
-        if not _is_int(p.top_k) or p.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 = off); got {p.top_k!r}")
-        if not _is_real(p.top_p) or not 0.0 < p.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1]; got {p.top_p!r}")
-        if not _is_real(p.min_p) or not 0.0 <= p.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1]; got {p.min_p!r}")
-        if p.seed is not None and (not _is_int(p.seed) or not -(1 << 63) <= p.seed < (1 << 63)):
-            raise ValueError(f"seed must be None or a 64-bit signed int; got {p.seed!r}")
+        validate_params(p, v)
+        window = self.runner.model.cfg.sliding_window
+        limit = min(window or (1 << 62), self.runner.model.cfg.max_position_embeddings
+                    if self.runner.model.cfg.rope_scaling.rope_type != "dynamic" else (1 << 62))
+        if len(prompt) + int(p.max_tokens) > limit:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({p.max_tokens}) exceeds "
+                             f"the model's context of {limit} tokens")
+        cap = self.runner.kv.num_blocks * self.runner.block_size
+        if len(prompt) + int(p.max_tokens) + 1 > cap:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({p.max_tokens}) does not "
+                             f"fit in the KV pool ({cap} token slots)")
         stop = [int(t) for t in p.stop_token_ids]
-        if any(not 0 <= t < v for t in stop):
-            raise ValueError(f"stop_token_ids must be in [0, {v}); got {stop}")
+        name = None
+        if self._speculate and p.speculative:
+            name = self.default_drafter
+            if self.router is not None:
+                name = self.router.route(RouteFeatures(
+                    len(prompt), self.scheduler.num_running + self.scheduler.num_waiting))
         rid = self._next_id
         self.scheduler.add_request(rid, prompt, max_tokens=int(p.max_tokens), stop_token_ids=stop,
-                                   speculative=bool(p.speculative) and self._speculate)
+                                   speculative=name is not None)
         self._next_id += 1
         seed = int(p.seed) if p.seed is not None else random.getrandbits(63)
-        self._reqs[rid] = _Req(p, seed, prompt, len(prompt))
+        r = _Req(p, seed, prompt, len(prompt), name)
+        r.stats.drafter = name
+        if name is not None:
+            r.tried.append(name)
+            r.stats.drafters_used.append(name)
+        self._reqs[rid] = r
         return rid
 
     def abort(self, request_id: int) -> bool:
@@ -220,17 +391,37 @@ class Engine:
             if not r.finished:
                 raise ValueError(f"request {request_id} has not finished")
             del self._reqs[request_id]
-        return GenerationResult(request_id, list(r.generated), r.finish_reason,
-                                RequestStats(**vars(r.stats)))
+        st = RequestStats(**{k: (list(v) if isinstance(v, list) else
+                                 dict(v) if isinstance(v, dict) else v)
+                             for k, v in vars(r.stats).items()})
+        return GenerationResult(request_id, list(r.generated), r.finish_reason, st)
 
     def _finish(self, rid: int, r: _Req, reason: Optional[str]) -> None:
         r.finished = True
         r.finish_reason = reason
+        self._release_drafters(rid)
         if self.scheduler.has_request(rid):
             snap = self.scheduler.request(rid)
+            self._sync_stats(r, snap)
             r.stats.cached_tokens = int(snap.num_cached_tokens)
             r.stats.preemptions = int(snap.num_preemptions)
             self.scheduler.release(rid)
+
+    def _sync_stats(self, r: _Req, snap) -> None:
+        st = r.stats
+        for key, n in (("low_acceptance", snap.num_fallbacks),
+                       ("cost_model", snap.num_cost_fallbacks)):
+            if n:
+                st.fallbacks[key] = int(n)
+        st.probes = int(snap.num_probes)
+        st.token_acceptance = snap.token_acceptance
+
+    def _release_drafters(self, rid: int) -> None:
+        for d in self.drafters.values():
+            try:
+                d.release(rid)
+            except Exception:  # noqa: BLE001 - a drafter's bookkeeping never fails a request
+                pass
 
     def _chain(self, n: int) -> TokenTree:
         t = self._chains.get(n)
@@ -238,83 +429,277 @@ class Engine:
             t = self._chains[n] = TokenTree.chain(n)
         return t
 
+    def _fail(self, rid: int, reason: str = "drafter_error") -> None:
+        r = self._reqs.get(rid)
+        if r is None or r.failed:
+            return
+        r.failed = True
+        r.stats.fallbacks[reason] = r.stats.fallbacks.get(reason, 0) + 1
+        self.stats.fallbacks[reason] = self.stats.fallbacks.get(reason, 0) + 1
+        self._release_drafters(rid)
+
+    # ---- drafting ----
+
+    def _draft_group(self, d: Drafter, reqs: List[DraftRequest]) -> Dict[int, Draft]:
+        """Drafts of one drafter, with failures isolated to the requests they happen on."""
+        try:
+            drafts = d.propose(reqs)
+            if len(drafts) != len(reqs):
+                raise RuntimeError(f"drafter {d.name} returned {len(drafts)} drafts for "
+                                   f"{len(reqs)} requests")
+            pairs = list(zip(reqs, drafts))
+        except Exception:  # noqa: BLE001 - retry one by one to find the failing requests
+            pairs = []
+            for q in reqs:
+                try:
+                    pairs.append((q, d.propose([q])[0]))
+                except Exception:  # noqa: BLE001
+                    self._fail(q.request_id)
+        out = {}
+        for q, dr in pairs:
+            if self._valid(dr, q):
+                out[q.request_id] = dr
+            else:
+                self._fail(q.request_id)
+        return out
+
+    def _valid(self, dr: Draft, q: DraftRequest) -> bool:
+        try:
+            n = len(dr.tokens)
+            if n < 1 or n - 1 > q.budget or len(dr.parents) != n:
+                return False
+            if int(dr.tokens[0]) != int(q.context[-1]):
+                return False
+            if any(not 0 <= int(t) < self.vocab_size for t in dr.tokens):
+                return False
+            TokenTree(list(dr.parents))  # validates the shape (ValueError)
+            if dr.draft_probs is not None:
+                p = dr.draft_probs
+                if tuple(p.shape) != (n, self.vocab_size) or not bool(torch.isfinite(p).all()):
+                    return False
+            return True
+        except Exception:  # noqa: BLE001
+            return False
+
     # ---- the loop ----
 
     def step(self) -> List[RequestOutput]:
         """Run one scheduler step over the whole batch; returns the requests that progressed."""
         sched, runner = self.scheduler, self.runner
         so = sched.step()
+        for rid in so.preempted_ids:
+            self._release_drafters(rid)  # its KV is gone: drafters start over at its prefill
         result = _C.StepResult()
         if len(so) == 0:
             return self._apply(sched.update(result))
         kinds, starts, budgets = so.kinds, so.start_pos, so.draft_budget
         tok_ptr, blk_ptr, slot_ptr = so.token_indptr, so.block_indptr, so.slot_indptr
         all_tokens, all_blocks, all_slots = so.tokens, so.block_tables, so.slots
-        seqs: List[SeqStep] = []
-        # Decode/speculative entries: (entry index, request, node tokens) in batch order.
-        dec_idx: List[int] = []
-        dec_nodes: List[List[int]] = []
-        for i, rid in enumerate(so.ids):
-            toks = all_tokens[tok_ptr[i]:tok_ptr[i + 1]]
-            table = all_blocks[blk_ptr[i]:blk_ptr[i + 1]]
-            if kinds[i] == "prefill":
-                seqs.append(SeqStep(toks, starts[i], table, None, "none"))
-                continue
-            budget = min(budgets[i], self.gamma)
-            draft = self._draft(self._reqs[rid].context, budget) if budget > 0 else []
-            nodes = toks + draft
-            seqs.append(SeqStep(nodes, starts[i], table, self._chain(len(draft)), "all"))
-            dec_idx.append(i)
-            dec_nodes.append(nodes)
         if so.pending_copies:
             runner.kv.copy_blocks(so.pending_copies)
-        out = runner.step(seqs)
+            for pool in self._pools:
+                pool.copy_blocks(so.pending_copies)
 
-        # Rows to materialize: global scratch rows -> flat slots, all requests at once.
+        # DRAFT, grouped by drafter.
+        groups: Dict[str, List[DraftRequest]] = {}
+        tables = {}
+        for i, rid in enumerate(so.ids):
+            table = all_blocks[blk_ptr[i]:blk_ptr[i + 1]]
+            tables[i] = table
+            r = self._reqs[rid]
+            if kinds[i] == "prefill" or r.drafter is None or r.failed:
+                continue
+            budget = min(budgets[i], self.gamma)
+            if budget <= 0:
+                continue
+            p = r.params
+            groups.setdefault(r.drafter, []).append(DraftRequest(
+                rid, r.context, starts[i], table, budget, float(p.temperature), int(p.top_k),
+                float(p.top_p), float(p.min_p), r.seed, r.stats.steps))
+        drafts: Dict[int, Draft] = {}
+        for name, reqs in groups.items():
+            t0 = time.perf_counter()
+            drafts.update(self._draft_group(self.drafters[name], reqs))
+            dt = time.perf_counter() - t0
+            self.stats.draft_seconds += dt
+            acc = self._draft_time.setdefault(name, [0.0, 0.0])
+            acc[0] = 0.9 * acc[0] + dt
+            acc[1] = 0.9 * acc[1] + sum(q.budget for q in reqs)
+
+        # VERIFY: one forward for the whole batch.
+        seqs: List[SeqStep] = []
+        dec_idx: List[int] = []
+        dec_drafts: List[Draft] = []
+        for i, rid in enumerate(so.ids):
+            toks = all_tokens[tok_ptr[i]:tok_ptr[i + 1]]
+            if kinds[i] == "prefill":
+                seqs.append(SeqStep(toks, starts[i], tables[i], None, "none"))
+                continue
+            dr = drafts.get(rid) or Draft([int(toks[0])], [-1])
+            tree = self._chain(0) if len(dr.tokens) == 1 else (
+                self._chain(len(dr.tokens) - 1) if dr.parents == list(range(-1, len(dr.tokens) - 1))
+                else TokenTree(list(dr.parents)))
+            seqs.append(SeqStep(dr.tokens, starts[i], tables[i], tree, "all"))
+            dec_idx.append(i)
+            dec_drafts.append(dr)
+        t0 = time.perf_counter()
+        out = runner.step(seqs, return_hidden=self._need_hidden)
+        t_fwd = time.perf_counter() - t0
+        self.stats.verify_seconds += t_fwd
+        self._observe_step_time(len(dec_idx), sum(len(s.token_ids) for s in seqs), t_fwd)
+
+        # ACCEPT + COMMIT.
+        if dec_idx:
+            emitted, paths, n_acc = self._accept(so.ids, dec_idx, dec_drafts, out.logits)
         src_rows: List[int] = []
         dst_slots: List[int] = []
         row_ptr = out.row_indptr
-        if dec_idx:
-            emitted, paths, n_acc = self._accept(so.ids, dec_idx, dec_nodes, out.logits)
+        chunks: Dict[str, List[PrefillChunk]] = {}
+        verified: Dict[str, List[Verified]] = {}
+        hidden = out.hidden
         dec_pos = 0
         for i, rid in enumerate(so.ids):
+            r = self._reqs[rid]
+            base = row_ptr[i]
             if kinds[i] == "prefill":
                 n = tok_ptr[i + 1] - tok_ptr[i]
-                src_rows.extend(range(row_ptr[i], row_ptr[i] + n))
+                src_rows.extend(range(base, base + n))
                 dst_slots.extend(all_slots[slot_ptr[i]:slot_ptr[i] + n])
                 result.add_prefill(rid, n)
+                if r.drafter is not None and not r.failed:
+                    chunks.setdefault(r.drafter, []).append(PrefillChunk(
+                        rid, all_tokens[tok_ptr[i]:tok_ptr[i + 1]], starts[i], tables[i],
+                        r.context, hidden[base:base + n] if hidden is not None else None))
                 continue
             j = dec_pos
             dec_pos += 1
             a = n_acc[j]
-            base = row_ptr[i]
-            src_rows.extend(base + node for node in paths[j][:a + 1])
+            dr = dec_drafts[j]
+            path = paths[j][:a + 1]
+            src_rows.extend(base + node for node in path)
             dst_slots.extend(all_slots[slot_ptr[i]:slot_ptr[i] + a + 1])
-            nd = len(dec_nodes[j]) - 1
+            nd = len(dr.tokens) - 1
             result.add_decode(rid, emitted[j][:a + 1], nd, a)
-            st = self._reqs[rid].stats
+            st = r.stats
             st.steps += 1
             if nd:
-                st.drafts += 1
-                st.draft_tokens += nd
-                st.accepted_tokens += a
+                self._count_spec(r, nd, a)
+            if r.drafter is not None and not r.failed:
+                verified.setdefault(r.drafter, []).append(Verified(
+                    rid, starts[i], [dr.tokens[n] for n in path], emitted[j][:a + 1], tables[i],
+                    hidden[[base + n for n in path]] if hidden is not None else None))
         if src_rows:
             # row_indptr[0] == 0, so request 0's "local" rows are the global scratch rows: one
             # materialization for the whole batch instead of one per request.
             runner.commit_kv(out, 0, src_rows, dst_slots)
-        return self._apply(sched.update(result))
+        for name, cs in chunks.items():
+            self._notify(name, "prefill", cs)
+        for name, vs in verified.items():
+            self._notify(name, "observe", vs)
+        self.stats.steps += 1
+        if self.adaptive and self._speculate and self.stats.steps % 8 == 0:
+            self._update_cost_model()
+        outs = self._apply(sched.update(result))
+        if self.switch_below > 0:
+            self._maybe_switch(dec_idx, so.ids)
+        return outs
 
-    def _accept(self, ids, dec_idx, dec_nodes, logits):
+    def _notify(self, name: str, what: str, items) -> None:
+        d = self.drafters[name]
+        try:
+            getattr(d, what)(items)
+        except Exception:  # noqa: BLE001 - isolate: retry one by one
+            for it in items:
+                try:
+                    getattr(d, what)([it])
+                except Exception:  # noqa: BLE001
+                    self._fail(it.request_id)
+
+    def _count_spec(self, r: _Req, nd: int, a: int) -> None:
+        st, es = r.stats, self.stats
+        st.drafts += 1
+        st.draft_tokens += nd
+        st.accepted_tokens += a
+        es.drafts += 1
+        es.draft_tokens += nd
+        es.accepted_tokens += a
+        for lst in (st.accepted_per_position, es.accepted_per_position):
+            if len(lst) < a:
+                lst.extend([0] * (a - len(lst)))
+            for k in range(a):
+                lst[k] += 1
+        rate = a / nd
+        es.acceptance_ewma = rate if es.acceptance_ewma is None else (
+            0.98 * es.acceptance_ewma + 0.02 * rate)  # deployment window ~ 50 steps
+        r.ewma = rate if r.ewma < 0 else 0.8 * r.ewma + 0.2 * rate
+        r.spec_steps_here += 1
+
+    def _maybe_switch(self, dec_idx, ids) -> None:
+        order = self.router.switch_order if self.router is not None else []
+        for i in dec_idx:
+            r = self._reqs.get(ids[i])
+            if r is None or r.finished or r.failed or r.drafter is None:
+                continue
+            if r.spec_steps_here < 4 or r.ewma >= self.switch_below:
+                continue
+            nxt = next((n for n in order if n not in r.tried), None)
+            if nxt is None:
+                continue
+            self.drafters[r.drafter].release(ids[i])
+            r.drafter = nxt
+            r.tried.append(nxt)
+            r.ewma, r.spec_steps_here = -1.0, 0
+            r.stats.drafter = nxt
+            r.stats.drafters_used.append(nxt)
+            r.stats.switches["low_acceptance"] = r.stats.switches.get("low_acceptance", 0) + 1
+            self.stats.switches["low_acceptance"] = self.stats.switches.get("low_acceptance", 0) + 1
+
+    def _observe_step_time(self, n_dec: int, n_tokens: int, seconds: float) -> None:
+        if n_dec == 0:
+            return
+        f = self._fit
+        w = 0.97
+        x, y = float(n_tokens), float(seconds)
+        f[0] = w * f[0] + 1
+        f[1] = w * f[1] + x
+        f[2] = w * f[2] + y
+        f[3] = w * f[3] + x * x
+        f[4] = w * f[4] + x * y
+        self._last_batch = n_dec
+
+    def _update_cost_model(self) -> None:
+        n, sx, sy, sxx, sxy = self._fit
+        if n < 4:
+            return
+        var = sxx - sx * sx / n
+        if var <= 1e-9 * max(n, 1):
+            return  # no spread in step sizes yet
+        slope = max((sxy - sx * sy / n) / var, 0.0)
+        base = max(sy / n - slope * sx / n, 1e-6)
+        b = getattr(self, "_last_batch", 1)
+        plain = base + slope * b  # one plain step of the current batch
+        verify = slope / plain
+        sec, tok = 0.0, 0.0
+        for s, t in self._draft_time.values():
+            sec += s
+            tok += t
+        draft = (sec / tok) / plain if tok > 0 else 0.0
+        draft = min(max(draft, 0.0), 10.0)
+        verify = min(max(verify, 0.0), 10.0)
+        self.stats.draft_cost, self.stats.verify_cost = draft, verify
+        self.scheduler.set_cost_model(draft, verify)
+
+    def _accept(self, ids, dec_idx, dec_drafts: List[Draft], logits):
         """One batched acceptance over every decode/speculative request of the step."""
         reqs = [self._reqs[ids[i]] for i in dec_idx]
-        sizes = [len(n) for n in dec_nodes]
+        sizes = [len(d.tokens) for d in dec_drafts]
         indptr = [0]
         parents: List[int] = []
         flat: List[int] = []
-        for nodes in dec_nodes:
-            indptr.append(indptr[-1] + len(nodes))
-            parents.extend(self._chain(len(nodes) - 1).parents)
-            flat.extend(nodes)
+        for d in dec_drafts:
+            indptr.append(indptr[-1] + len(d.tokens))
+            parents.extend(d.parents)
+            flat.extend(d.tokens)
         greedy = [r.params.temperature == 0.0 for r in reqs]
         if all(greedy):
             probs = apply_sampling_filters(logits, 0.0)
@@ -331,15 +716,26 @@ class Engine:
                 rows([int(r.params.top_k) for r in reqs], torch.int32),
                 rows([float(r.params.top_p) for r in reqs], torch.float32),
                 rows([float(r.params.min_p) for r in reqs], torch.float32))
+        sampled = [d.draft_probs is not None and not g for d, g in zip(dec_drafts, greedy)]
+        draft_probs = None
+        if any(sampled):
+            draft_probs = torch.zeros((indptr[-1], self.vocab_size), dtype=torch.float32)
+            for k, d in enumerate(dec_drafts):
+                if sampled[k]:
+                    draft_probs[indptr[k]:indptr[k + 1]] = d.draft_probs
         # The request's decode step (= the scheduler's num_decode_steps, counted here without
         # copying the request's state out of the scheduler).
         offsets = [r.stats.steps for r in reqs]
-        res = accept(probs, torch.tensor(flat, dtype=torch.int32),
-                     torch.tensor(parents, dtype=torch.int32),
-                     torch.tensor(indptr, dtype=torch.int64),
-                     greedy=torch.tensor(greedy, dtype=torch.bool),
-                     seeds=torch.tensor([r.seed for r in reqs], dtype=torch.int64),
-                     offsets=torch.tensor(offsets, dtype=torch.int64), sampled_children=False)
+        args = (probs, torch.tensor(flat, dtype=torch.int32), torch.tensor(parents, dtype=torch.int32),
+                torch.tensor(indptr, dtype=torch.int64))
+        kw = dict(greedy=torch.tensor(greedy, dtype=torch.bool),
+                  seeds=torch.tensor([r.seed for r in reqs], dtype=torch.int64),
+                  offsets=torch.tensor(offsets, dtype=torch.int64),
+                  sampled_children=torch.tensor(sampled, dtype=torch.bool))
+        if self.debug_skip_residual:
+            res = _accept_broken(*args, draft_probs=draft_probs, **kw)
+        else:
+            res = accept(*args, draft_probs=draft_probs, **kw)
         return res.emitted_tokens.tolist(), res.accepted_nodes.tolist(), res.num_accepted.tolist()
 
     def _apply(self, updates) -> List[RequestOutput]:
@@ -357,9 +753,11 @@ class Engine:
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: Union[None, SamplingParams, Mapping,
                                Sequence[Union[SamplingParams, Mapping]]] = None,
-                 *, max_steps: Optional[int] = None) -> List[GenerationResult]:
+                 *, max_steps: Optional[int] = None,
+                 on_step: Optional[Callable[[List[RequestOutput]], None]] = None
+                 ) -> List[GenerationResult]:
         """Run the prompts to completion (one params for all, or one per prompt); results in
-        prompt order."""
+        prompt order. ``on_step`` receives each step's outputs (streaming)."""
         if isinstance(params, (list, tuple)):
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} params for {len(prompts)} prompts")
@@ -379,9 +777,27 @@ class Engine:
         while any(not self._reqs[rid].finished for rid in ids):
             if max_steps is not None and steps >= max_steps:
                 raise RuntimeError(f"generation did not finish within {max_steps} steps")
-            self.step()
+            outs = self.step()
+            if on_step is not None:
+                on_step(outs)
             steps += 1
         return [self.result(rid, pop=True) for rid in ids]
+
+
+def _accept_broken(target_probs, tokens, parents, tree_indptr, *, draft_probs, greedy, seeds,
+                   offsets, sampled_children):
+    """The acceptance op with its recovered-token residual skipped (a deliberately wrong rule,
+    for the statistical tests' power check)."""
+    from pyspec.sampling import AcceptResult
+
+    b = tree_indptr.numel() - 1
+    width = _C.tree_batch_max_depth(parents, tree_indptr) + 1
+    nodes = torch.empty((b, width), dtype=torch.int32)
+    emitted = torch.empty((b, width), dtype=torch.int32)
+    n_acc = torch.empty((b,), dtype=torch.int32)
+    _C.accept_trees(target_probs.contiguous(), draft_probs, tokens, parents, tree_indptr, greedy,
+                    sampled_children, seeds, offsets, nodes, emitted, n_acc, 1e-3, True)
+    return AcceptResult(nodes, emitted, n_acc)
 
 
 def _is_int(x) -> bool:

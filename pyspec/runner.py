@@ -77,11 +77,20 @@ class KVPool:
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int = 16):
+    def __init__(self, model, num_blocks: int, block_size: int = 16, kv: Optional[KVPool] = None):
+        """``kv``: use this pool (e.g. views of another runner's first layers, for a drafter
+        that shares the target's KV) instead of allocating one."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1; got {num_blocks}, {block_size}")
         cfg = model.cfg
         self.model = model
+        if kv is not None:
+            want = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
+                    cfg.head_dim)
+            if tuple(kv.k.shape) != want or tuple(kv.v.shape) != want:
+                raise ValueError(f"kv pool shape {list(kv.k.shape)} does not match {list(want)}")
+            self.kv = kv
+            return
         shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         # Uninitialized: attention only reads positions below each request's prefix length, and those
         # are always materialized first.
@@ -93,7 +102,10 @@ class ModelRunner:
         return self.kv.block_size
 
     @torch.inference_mode()
-    def step(self, seqs: Sequence[SeqStep], return_hidden: bool = False) -> StepOutput:
+    def step(self, seqs: Sequence[SeqStep], return_hidden: bool = False,
+             inputs_embeds: Optional[torch.Tensor] = None) -> StepOutput:
+        """``inputs_embeds`` ``[T, hidden]``: layer-0 inputs for the flattened rows instead of
+        the token embeddings (the token ids then only size the rows)."""
         if not seqs:
             raise ValueError("a step needs at least one sequence")
         cfg = self.model.cfg
@@ -158,7 +170,7 @@ class ModelRunner:
         out = self.model.forward(input_ids, positions, plan, self.kv.k, self.kv.v, k_new, v_new,
                                  logits_rows=rows, return_hidden=return_hidden,
                                  rope_lens=torch.cat(rope_lens).to(self.model.device)
-                                 if dynamic else None)
+                                 if dynamic else None, inputs_embeds=inputs_embeds)
         logits, hidden = out if return_hidden else (out, None)
         return StepOutput(logits, logits_indptr, row_indptr, k_new, v_new, hidden)
 

@@ -147,3 +147,11 @@ def default_model_path(progress: bool = True) -> str:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return out
+
+
+def default_drafter_path() -> Optional[str]:
+    """The drafter shipped for the embedded default model (``pyspec/data/default_drafter``), or
+    None when this build ships none (``"default"`` then means n-gram drafting)."""
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
+                        "default_drafter")
+    return here if os.path.isfile(os.path.join(here, "drafter.json")) else None

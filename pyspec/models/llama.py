@@ -147,6 +147,20 @@ class LlamaForCausalLM:
         rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rot * sin
 
+    def truncated(self, num_layers: int) -> "LlamaForCausalLM":
+        """A view sharing this model's weights that runs only the first ``num_layers`` layers
+        followed by the final norm and lm_head (self-speculative layer skipping)."""
+        import copy
+        import dataclasses
+
+        if not 1 <= num_layers <= self.cfg.num_hidden_layers:
+            raise ValueError(f"num_layers must be in [1, {self.cfg.num_hidden_layers}]; got "
+                             f"{num_layers}")
+        view = copy.copy(self)
+        view.cfg = dataclasses.replace(self.cfg, num_hidden_layers=num_layers)
+        view.layers = self.layers[:num_layers]
+        return view
+
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
@@ -155,7 +169,8 @@ class LlamaForCausalLM:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan, k_pages: torch.Tensor,
                 v_pages: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                 logits_rows: Optional[torch.Tensor] = None, return_hidden: bool = False,
-                rope_lens: Optional[torch.Tensor] = None):
+                rope_lens: Optional[torch.Tensor] = None,
+                inputs_embeds: Optional[torch.Tensor] = None):
         """One step over ``T`` flattened new tokens.
 
         Args:
@@ -166,6 +181,8 @@ class LlamaForCausalLM:
             logits_rows: int64 rows whose logits are wanted (``None``: all rows).
             return_hidden: also return the final hidden states ``[T, hidden]`` (before the norm).
             rope_lens: int64 ``[T]``, dynamic-RoPE scaling length per row (see ``rope_tables``).
+            inputs_embeds: ``[T, hidden]`` layer-0 inputs used instead of the token embeddings
+                (EAGLE-style heads feed fused token + feature vectors).
 
         Returns:
             float32 logits ``[R, vocab]`` (and the hidden states when asked).
@@ -174,7 +191,7 @@ class LlamaForCausalLM:
         t = input_ids.shape[0]
         cos, sin = self.rope_tables(positions, rope_lens)
         cos, sin = cos[:, None, :], sin[:, None, :]
-        x = F.embedding(input_ids, self.embed)
+        x = F.embedding(input_ids, self.embed) if inputs_embeds is None else inputs_embeds
         qs, ks = cfg.q_size, cfg.kv_size
         for li, layer in enumerate(self.layers):
             h = self._rms(x, layer["ln1"])

@@ -1,0 +1,97 @@
+"""Draft methods behind one interface (:class:`Drafter`): n-gram / prompt lookup, an independent
+draft model, self-speculative layer skipping, Medusa heads and EAGLE heads with dynamic trees.
+
+:func:`make_drafter` turns a user-facing spec into a drafter for a target runner::
+
+    "none"                 plain decoding (returns None)
+    "ngram" | "ngram:N"    prompt lookup, n-grams up to N (default 3)
+    "layer-skip:L"         the target's first L layers + final norm + lm_head ("layer-skip": L/4)
+    "default"              the shipped default drafter of the embedded model when present, else
+                           "ngram"
+    PATH                   a folder holding drafter.json (EAGLE/Medusa heads) or config.json (an
+                           independent draft model with the target's vocabulary)
+    PATH@tree=W            ... a draft model drafting top-W dynamic trees instead of a chain
+    a Drafter instance     used as is
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Union
+
+from pyspec.drafters.base import Draft, Drafter, DraftRequest, PrefillChunk, Verified
+from pyspec.drafters.heads import EagleDrafter, MedusaDrafter, load_heads, save_heads
+from pyspec.drafters.model import LayerSkipDrafter, ModelDrafter
+from pyspec.drafters.ngram import NgramDrafter
+
+__all__ = ["Drafter", "Draft", "DraftRequest", "PrefillChunk", "Verified", "NgramDrafter",
+           "ModelDrafter", "LayerSkipDrafter", "MedusaDrafter", "EagleDrafter", "make_drafter",
+           "load_heads", "save_heads", "DRAFT_CHOICES"]
+
+DRAFT_CHOICES = "none, ngram, ngram:N, layer-skip[:L], default, or a drafter/draft-model folder"
+
+
+def _budget(d: Drafter) -> Drafter:
+    if not hasattr(d, "default_budget"):
+        if isinstance(d, MedusaDrafter):
+            d.default_budget = len(d.paths)
+        elif isinstance(d, EagleDrafter):
+            d.default_budget = d.max_nodes
+        elif isinstance(d, ModelDrafter):
+            d.default_budget = d.max_depth if d.width == 1 else min(4 * d.width, 32)
+        else:
+            d.default_budget = 5
+    return d
+
+
+def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Drafter]:
+    if spec is None or spec == "none":
+        return None
+    if isinstance(spec, Drafter):
+        return _budget(spec)
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"draft must be a string ({DRAFT_CHOICES}) or a Drafter; got {spec!r}")
+    name, _, arg = spec.partition(":")
+    if name == "default":
+        from pyspec.models.default import default_drafter_path
+
+        path = default_drafter_path()
+        return make_drafter(path if path else "ngram", target_runner)
+    if name == "ngram":
+        n = _int_arg(arg, "ngram", 3)
+        return _budget(NgramDrafter(n))
+    if name == "layer-skip":
+        total = target_runner.model.cfg.num_hidden_layers
+        n = _int_arg(arg, "layer-skip", max(1, total // 4))
+        if not 1 <= n < total:
+            raise ValueError(f"layer-skip needs 1 <= L < {total} (the target's layers); got {n}")
+        return _budget(LayerSkipDrafter(target_runner, n, max_depth=5))
+    path, _, opt = spec.partition("@")
+    path = os.path.expanduser(path)
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "drafter.json")):
+            return _budget(load_heads(path, target_runner))
+        if os.path.isfile(os.path.join(path, "config.json")):
+            from pyspec.models.llama import LlamaForCausalLM
+
+            width = 1
+            if opt:
+                key, _, val = opt.partition("=")
+                if key != "tree":
+                    raise ValueError(f"unknown draft-model option {opt!r}; allowed: tree=W")
+                width = _int_arg(val, "tree", 1)
+            tm = target_runner.model
+            model = LlamaForCausalLM.from_pretrained(path, dtype=tm.dtype)
+            return _budget(ModelDrafter(model, target_runner, width=width, max_depth=5))
+        raise ValueError(f"{path!r} holds neither drafter.json (EAGLE/Medusa heads) nor "
+                         "config.json (a draft model)")
+    raise ValueError(f"unknown drafter {spec!r}; use {DRAFT_CHOICES}")
+
+
+def _int_arg(arg: str, name: str, default: int) -> int:
+    if not arg:
+        return default
+    try:
+        return int(arg)
+    except ValueError:
+        raise ValueError(f"{name}:N needs an integer N; got {arg!r}") from None

@@ -1,0 +1,213 @@
+"""The drafter interface: every draft method proposes a token tree per request per step.
+
+The engine calls a drafter at four points of a step (DESIGN section 2):
+
+* :meth:`Drafter.prefill` after the target ran prefill chunks (with the target's hidden states
+  when :attr:`Drafter.needs_hidden`), so drafters that keep their own KV (an independent draft
+  model, an EAGLE head) fill it for the same positions and the same block ids as the target —
+  a prefix-cache hit then restores target and draft KV together.
+* :meth:`Drafter.propose` before the target's verification forward: one :class:`Draft` (a tree,
+  root first, with the draft distributions when children were sampled) per :class:`DraftRequest`.
+* :meth:`Drafter.observe` after acceptance: the tokens the target committed (root + accepted draft
+  tokens), the emitted tokens and, when asked, the target's hidden states of the accepted path.
+* :meth:`Drafter.release` when a request finishes or is preempted (its KV is gone).
+
+A drafter never affects what is generated, only how fast: the target verifies every draft with
+lossless acceptance. A drafter that raises or returns a malformed draft (bad token, bad tree,
+NaN probabilities) is caught by the engine, which decodes that request plainly from then on.
+
+Drafter KV lives in pools with the target's block geometry (same block ids). A drafter writes KV
+only at positions the target has committed (so a block entering the prefix cache holds both);
+draft-tree nodes live in per-step scratch, exactly like the target's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+from pyspec.sampling import apply_sampling_filters
+
+__all__ = ["Drafter", "DraftRequest", "Draft", "PrefillChunk", "Verified", "slots_of",
+           "filtered_probs", "top_children"]
+
+
+@dataclass
+class DraftRequest:
+    """One request to draft for. ``context[-1]`` is the root token, at position ``start``."""
+
+    request_id: int
+    context: Sequence[int]  # prompt + generated tokens (the root last)
+    start: int  # the root's position = tokens whose target KV is committed
+    block_table: Sequence[int]
+    budget: int  # most draft nodes beyond the root (>= 1)
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+    step: int = 0  # the request's decode step (fresh randomness per step)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Draft:
+    """A draft tree: node 0 is the root (``tokens[0]`` is the root token), parents before
+    children. ``draft_probs`` (float32 ``[N, vocab]``): row ``i`` is the distribution node ``i``'s
+    children were *sampled* from (without replacement); ``None`` when children are deterministic
+    (top-k), which the target verifies with the target-only walk."""
+
+    tokens: List[int]
+    parents: List[int]
+    draft_probs: Optional[torch.Tensor] = None
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.tokens) - 1
+
+
+@dataclass
+class PrefillChunk:
+    request_id: int
+    tokens: Sequence[int]  # the chunk, at positions start .. start + len - 1
+    start: int
+    block_table: Sequence[int]
+    context: Sequence[int]  # the whole prompt + generated tokens (the chunk's successors)
+    hidden: Optional[torch.Tensor] = None  # [len, hidden] target hidden states (needs_hidden)
+
+
+@dataclass
+class Verified:
+    request_id: int
+    start: int  # position of the root
+    committed: List[int]  # root + accepted draft tokens (positions start ..)
+    emitted: List[int]  # accepted draft tokens + the bonus/recovered token
+    block_table: Sequence[int]
+    hidden: Optional[torch.Tensor] = None  # [len(committed), hidden] of the accepted path
+
+
+class Drafter:
+    """Base class; subclasses override :meth:`propose` and what they need of the rest."""
+
+    name = "drafter"
+    needs_hidden = False  # wants the target's final hidden states in prefill/observe
+
+    def kv_pools(self) -> list:
+        """KV pools to keep in step with the target's (copy-on-write block copies)."""
+        return []
+
+    def prefill(self, chunks: List[PrefillChunk]) -> None:
+        pass
+
+    def propose(self, reqs: List[DraftRequest]) -> List[Draft]:
+        raise NotImplementedError
+
+    def observe(self, results: List[Verified]) -> None:
+        pass
+
+    def release(self, request_id: int) -> None:
+        pass
+
+    def describe(self) -> str:
+        return self.name
+
+
+def slots_of(block_table: Sequence[int], block_size: int, start: int, n: int) -> List[int]:
+    """Flat KV slots of positions start .. start + n - 1 under a block table."""
+    return [int(block_table[p // block_size]) * block_size + p % block_size
+            for p in range(start, start + n)]
+
+
+def filtered_probs(logits: torch.Tensor, req: DraftRequest) -> torch.Tensor:
+    """The draft's distribution under the request's sampling filters (float32 ``[R, V]``);
+    greedy requests get the plain softmax (used for ranking only)."""
+    logits = logits.float()
+    if req.greedy:
+        return torch.softmax(logits, dim=-1)
+    return apply_sampling_filters(logits.contiguous(), float(req.temperature), int(req.top_k),
+                                  float(req.top_p), float(req.min_p))
+
+
+def top_children(probs: torch.Tensor, k: int, sample: bool,
+                 gen: Optional[torch.Generator]) -> List[List[int]]:
+    """Children per row: the top ``k`` tokens, or ``k`` tokens sampled without replacement
+    (Gumbel-top-k over ``probs``; zero-probability tokens are never drawn)."""
+    k = max(1, min(k, probs.shape[-1]))
+    if not sample:
+        return probs.topk(k, dim=-1).indices.tolist()
+    u = torch.rand(probs.shape, generator=gen, dtype=torch.float64).clamp_(1e-300, 1.0)
+    keys = probs.double().log() - (-u.log()).log()  # log p + Gumbel
+    keys[probs <= 0] = float("-inf")
+    nz = int((probs > 0).sum(-1).min())
+    idx = keys.topk(max(1, min(k, nz)), dim=-1).indices
+    return idx.tolist()
+
+
+def batch_probs(logits: torch.Tensor, reqs: Sequence[DraftRequest]) -> torch.Tensor:
+    """:func:`filtered_probs` for many rows at once (row ``i`` under ``reqs[i]``'s filters)."""
+    logits = logits.float().contiguous()
+    if all(r.greedy for r in reqs):
+        return torch.softmax(logits, dim=-1)
+    temp = torch.tensor([1.0 if r.greedy else float(r.temperature) for r in reqs])
+    top_k = torch.tensor([0 if r.greedy else int(r.top_k) for r in reqs], dtype=torch.int32)
+    top_p = torch.tensor([1.0 if r.greedy else float(r.top_p) for r in reqs])
+    min_p = torch.tensor([0.0 if r.greedy else float(r.min_p) for r in reqs])
+    return apply_sampling_filters(logits, temp, top_k, top_p, min_p)
+
+
+_M64 = (1 << 64) - 1
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer on int64 tensors (wrapping arithmetic; logical shifts emulated)."""
+    def shr(v, k):
+        return (v >> k) & ((1 << (64 - k)) - 1)
+
+    x = (x ^ shr(x, 30)) * -4658895280553007687  # 0xbf58476d1ce4e5b9 as int64
+    x = (x ^ shr(x, 27)) * -7723592293110705685  # 0x94d049bb133111eb as int64
+    return x ^ shr(x, 31)
+
+
+def counter_uniform(keys: Sequence[int], n: int) -> torch.Tensor:
+    """float64 ``[len(keys), n]`` uniforms in (0, 1), a pure function of (key, column): drafts
+    sampled this way depend only on the request's seed and step, never on the batch."""
+    signed = []
+    for v in keys:
+        v = (int(v) * 0x9E3779B97F4A7C15) & _M64
+        signed.append(v - (1 << 64) if v >= (1 << 63) else v)
+    k = torch.tensor(signed, dtype=torch.int64)
+    x = _mix(k[:, None] + torch.arange(n, dtype=torch.int64)[None, :] * -7046029254386353131)
+    bits = (x >> 11) & ((1 << 53) - 1)
+    return (bits.double() + 0.5) / float(1 << 53)
+
+
+def batch_children(probs: torch.Tensor, k: int, sample: Sequence[bool],
+                   keys: Sequence[int]) -> List[List[int]]:
+    """Children for every row: the top ``k`` tokens, or for rows with ``sample[i]`` ``k`` tokens
+    drawn without replacement (Gumbel-top-k keyed by ``keys[i]``)."""
+    k = max(1, min(k, probs.shape[-1]))
+    if not any(sample):
+        return probs.topk(k, dim=-1).indices.tolist()
+    scores = probs.double().clone()
+    rows = [i for i, s in enumerate(sample) if s]
+    sub = probs[rows].double()
+    u = counter_uniform([keys[i] for i in rows], probs.shape[-1])
+    g = sub.log() - (-u.log()).log()
+    g[sub <= 0] = float("-inf")
+    # Sampled rows rank by their perturbed keys; others by probability (monotone either way).
+    scores = scores.log()
+    scores[rows] = g
+    idx = scores.topk(k, dim=-1).indices
+    out = idx.tolist()
+    for i in rows:  # never hand out zero-probability children
+        out[i] = [c for c in out[i] if float(probs[i, c]) > 0] or out[i][:1]
+    return out
+
+
+def draft_key(req: DraftRequest, node: int) -> int:
+    return (int(req.seed) * 1_000_003 + int(req.step) * 7919 + node * 104729 + 17) & _M64

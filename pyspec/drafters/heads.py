@@ -1,0 +1,408 @@
+"""Draft heads on the target's hidden states: Medusa (Cai et al. 2024) and EAGLE (Li et al. 2024).
+
+On-disk format (a folder; :func:`save_heads` writes it, :func:`load_heads` reads it)::
+
+    drafter.json          {"format": "pyspec-drafter", "format_version": 1,
+                           "method": "eagle" | "medusa", "hidden_size": H, "vocab_size": V,
+                           "eagle":  {"intermediate_size", "num_attention_heads",
+                                      "num_key_value_heads", "head_dim",
+                                      "draft_vocab_size": null | Vd},
+                           "medusa": {"num_heads": K, "tree": [[0], [1], [0, 0], ...]},
+                           "defaults": {"width": .., "max_depth": .., "max_nodes": ..},
+                           "manifest": {...free-form: version, target hash, recipe, report}}
+    drafter.safetensors   EAGLE:  fc.weight [H, 2H] (fc.bias [H] optional), norm.weight [H],
+                                  layer.{input_layernorm, post_attention_layernorm}.weight [H],
+                                  layer.self_attn.{q,k,v,o}_proj.weight,
+                                  layer.mlp.{gate,up,down}_proj.weight,
+                                  optional lm_head.weight [Vd, H] + draft_vocab int64 [Vd]
+                                  (a reduced draft vocabulary mapped back to target ids);
+                                  otherwise the target's lm_head is used.
+                          Medusa: heads.{k}.weight [H, H], heads.{k}.bias [H], k < K.
+
+EAGLE: one decoder layer over ``fc([embed(t_{p+1}); f_p])`` (f = the target's last hidden state
+before the final norm) predicts ``f_{p+1}``; ``lm_head(norm(f))`` gives the next-token draft
+distribution. Its KV (one layer) lives in a pool with the target's block geometry, filled with the
+*true* target features of committed positions; tree nodes use predicted features in scratch. Trees
+are EAGLE-2 dynamic trees (:mod:`pyspec.drafters.tree_builder`).
+
+Medusa: head ``k`` maps the target's normed hidden state ``h`` at the last committed position to
+``h + SiLU(W_k h + b_k)`` and the target's lm_head, proposing the token ``k + 2`` positions ahead
+(the root is ``k = -1``, the target's own prediction). The tree is static: a choice list of
+per-head rank paths (the Medusa paper's format), truncated to the step's node budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from pyspec import TokenTree
+from pyspec.drafters.base import Draft, Drafter, DraftRequest, PrefillChunk, Verified, slots_of
+from pyspec.drafters.tree_builder import TreeBuilder
+from pyspec.runner import ModelRunner, SeqStep
+
+FORMAT = "pyspec-drafter"
+CONFIG_NAME = "drafter.json"
+WEIGHTS_NAME = "drafter.safetensors"
+DEFAULT_MEDUSA_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [2, 0], [0, 2],
+                       [1, 1], [0, 0, 1], [0, 1, 0], [0, 0, 0, 0]]
+_LAYER_KEYS = ["input_layernorm.weight", "post_attention_layernorm.weight",
+               "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+               "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+               "mlp.down_proj.weight"]
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (w.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+
+
+def save_heads(path: str, method: str, tensors: Dict[str, torch.Tensor], config: dict) -> str:
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    cfg = dict(config, format=FORMAT, format_version=1, method=method)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, WEIGHTS_NAME))
+    with open(os.path.join(path, CONFIG_NAME), "w") as f:
+        json.dump(cfg, f, indent=1)
+    return path
+
+
+def read_heads(path: str):
+    from safetensors.torch import load_file
+
+    cfg_path = os.path.join(path, CONFIG_NAME)
+    if not os.path.isfile(cfg_path):
+        raise ValueError(f"{path!r} is not a drafter folder: {CONFIG_NAME} is missing")
+    with open(cfg_path) as f:
+        try:
+            cfg = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
+    if cfg.get("format") != FORMAT:
+        raise ValueError(f"{cfg_path}: 'format' must be {FORMAT!r}; got {cfg.get('format')!r}")
+    if cfg.get("method") not in ("eagle", "medusa"):
+        raise ValueError(f"{cfg_path}: 'method' must be 'eagle' or 'medusa'; got "
+                         f"{cfg.get('method')!r}")
+    w_path = os.path.join(path, WEIGHTS_NAME)
+    if not os.path.isfile(w_path):
+        raise ValueError(f"{path!r}: {WEIGHTS_NAME} is missing")
+    return cfg, load_file(w_path)
+
+
+def _check_target(cfg: dict, target_cfg) -> None:
+    for key, want in (("hidden_size", target_cfg.hidden_size), ("vocab_size", target_cfg.vocab_size)):
+        if cfg.get(key) != want:
+            raise ValueError(f"drafter {key} {cfg.get(key)} does not match the target's {want}")
+
+
+def _shape(t: Dict[str, torch.Tensor], name: str, shape: Sequence[int]) -> torch.Tensor:
+    if name not in t:
+        raise ValueError(f"drafter weights lack {name!r}")
+    if tuple(t[name].shape) != tuple(shape):
+        raise ValueError(f"drafter weight {name!r} has shape {list(t[name].shape)}; expected "
+                         f"{list(shape)}")
+    return t[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# Medusa
+
+
+class MedusaDrafter(Drafter):
+    name = "medusa"
+    needs_hidden = True
+
+    def __init__(self, target_runner: ModelRunner, weights: Dict[str, torch.Tensor], num_heads: int,
+                 tree: Optional[List[List[int]]] = None):
+        m = target_runner.model
+        h = m.cfg.hidden_size
+        if not isinstance(num_heads, int) or not 1 <= num_heads <= 16:
+            raise ValueError(f"num_heads must be an int in [1, 16]; got {num_heads!r}")
+        self.target = m
+        self.w = torch.stack([_shape(weights, f"heads.{k}.weight", (h, h))
+                              for k in range(num_heads)]).to(m.dtype)
+        self.b = torch.stack([_shape(weights, f"heads.{k}.bias", (h,))
+                              for k in range(num_heads)]).to(m.dtype)
+        tree = [list(p) for p in (tree or DEFAULT_MEDUSA_TREE)]
+        if any(len(p) > num_heads or len(p) == 0 for p in tree):
+            raise ValueError(f"every Medusa tree path needs 1..{num_heads} ranks (one per head)")
+        self.paths = sorted(tree, key=lambda p: (len(p), p))
+        TokenTree.from_paths(self.paths)  # validates closure
+        self.num_heads = num_heads
+        self.max_rank = max(max(p) for p in self.paths) + 1
+        self._last: Dict[int, torch.Tensor] = {}  # request -> hidden of its last committed token
+
+    def prefill(self, chunks: List[PrefillChunk]) -> None:
+        for c in chunks:
+            self._last[c.request_id] = c.hidden[-1]
+
+    def observe(self, results: List[Verified]) -> None:
+        for v in results:
+            self._last[v.request_id] = v.hidden[-1]
+
+    def release(self, request_id: int) -> None:
+        self._last.pop(request_id, None)
+
+    @torch.inference_mode()
+    def propose(self, reqs: List[DraftRequest]) -> List[Draft]:
+        have = [r for r in reqs if r.request_id in self._last]
+        ranked = {}
+        if have:
+            m = self.target
+            h = _rms(torch.stack([self._last[r.request_id] for r in have]), m.norm,
+                     m.cfg.rms_norm_eps)  # [B, H]
+            z = torch.einsum("bh,koh->bko", h, self.w) + self.b  # [B, K, H]
+            hk = h[:, None, :] + F.silu(z)
+            logits = m.linear(hk.reshape(-1, h.shape[-1]), m.lm_head).float()
+            top = logits.topk(self.max_rank, dim=-1).indices.view(len(have), self.num_heads, -1)
+            for r, t in zip(have, top.tolist()):
+                ranked[r.request_id] = t
+        out = []
+        for r in reqs:
+            t = ranked.get(r.request_id)
+            if t is None:
+                out.append(Draft([int(r.context[-1])], [-1]))
+                continue
+            paths = self.paths[:r.budget]
+            where = {(): 0}
+            tokens, parents = [int(r.context[-1])], [-1]
+            for p in paths:
+                where[tuple(p)] = len(tokens)
+                parents.append(where[tuple(p[:-1])])
+                tokens.append(int(t[len(p) - 1][p[-1]]))
+            out.append(Draft(tokens, parents))
+        return out
+
+    @staticmethod
+    def random_weights(hidden_size: int, num_heads: int, seed: int = 0, scale: float = 0.02):
+        g = torch.Generator().manual_seed(seed)
+        t = {}
+        for k in range(num_heads):
+            t[f"heads.{k}.weight"] = scale * torch.randn(hidden_size, hidden_size, generator=g)
+            t[f"heads.{k}.bias"] = torch.zeros(hidden_size)
+        return t
+
+    def describe(self) -> str:
+        return f"medusa ({self.num_heads} heads, static tree of {len(self.paths)} nodes)"
+
+
+# ---------------------------------------------------------------------------------------------
+# EAGLE
+
+
+class EagleDrafter(Drafter):
+    name = "eagle"
+    needs_hidden = True
+
+    def __init__(self, target_runner: ModelRunner, weights: Dict[str, torch.Tensor],
+                 head_cfg: dict, *, width: int = 4, max_depth: int = 5, max_nodes: int = 24):
+        from pyspec.models.llama import LlamaForCausalLM
+
+        tm = target_runner.model
+        tc = tm.cfg
+        h = tc.hidden_size
+        for name, v, lo, hi in (("width", width, 1, 16), ("max_depth", max_depth, 1, 32),
+                                ("max_nodes", max_nodes, 1, 255)):
+            if not isinstance(v, int) or not lo <= v <= hi:
+                raise ValueError(f"{name} must be an int in [{lo}, {hi}]; got {v!r}")
+        self.width, self.max_depth, self.max_nodes = width, max_depth, max_nodes
+        inter = int(head_cfg.get("intermediate_size", tc.intermediate_size))
+        nh = int(head_cfg.get("num_attention_heads", tc.num_attention_heads))
+        nkv = int(head_cfg.get("num_key_value_heads", tc.num_key_value_heads))
+        hd = int(head_cfg.get("head_dim", tc.head_dim))
+        cfg = dataclasses.replace(tc, num_hidden_layers=1, intermediate_size=inter,
+                                  num_attention_heads=nh, num_key_value_heads=nkv, head_dim=hd,
+                                  tie_word_embeddings=False, attention_bias=False)
+        self.fc_w = _shape(weights, "fc.weight", (h, 2 * h)).to(tm.dtype)
+        self.fc_b = weights.get("fc.bias")
+        if self.fc_b is not None:
+            self.fc_b = _shape(weights, "fc.bias", (h,)).to(tm.dtype)
+        self.vocab_map = None
+        lm_head = tm.lm_head
+        if "lm_head.weight" in weights:
+            if "draft_vocab" not in weights:
+                raise ValueError("a drafter with its own lm_head.weight needs draft_vocab (its "
+                                 "rows' target token ids)")
+            dv = weights["draft_vocab"].to(torch.int64)
+            if dv.dim() != 1 or bool((dv < 0).any()) or bool((dv >= tc.vocab_size).any()):
+                raise ValueError(f"draft_vocab must be 1-D target ids in [0, {tc.vocab_size})")
+            lm_head = _shape(weights, "lm_head.weight", (dv.numel(), h)).to(tm.dtype)
+            self.vocab_map = dv
+        w = {"model.embed_tokens.weight": tm.embed, "lm_head.weight": lm_head,
+             "model.norm.weight": _shape(weights, "norm.weight", (h,)).to(tm.dtype)}
+        shapes = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+                  "self_attn.q_proj.weight": (nh * hd, h), "self_attn.k_proj.weight": (nkv * hd, h),
+                  "self_attn.v_proj.weight": (nkv * hd, h), "self_attn.o_proj.weight": (h, nh * hd),
+                  "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
+                  "mlp.down_proj.weight": (h, inter)}
+        for k, s in shapes.items():
+            w["model.layers.0." + k] = _shape(weights, "layer." + k, s).to(tm.dtype)
+        self.head = LlamaForCausalLM(cfg, w, tm.dtype, str(tm.device))
+        self.target = tm
+        self.vocab_size = tc.vocab_size
+        self.block_size = target_runner.block_size
+        self.runner = ModelRunner(self.head, target_runner.kv.num_blocks, self.block_size)
+        # Per request: entries (f_p, t_{p+1}) for positions dc .. not yet in the head's pages.
+        self._dc: Dict[int, int] = {}
+        self._feat: Dict[int, List[torch.Tensor]] = {}
+        self._next: Dict[int, List[int]] = {}
+
+    def kv_pools(self) -> list:
+        return [self.runner.kv]
+
+    def _push(self, rid: int, start: int, feats: torch.Tensor, next_tokens: Sequence[int]) -> None:
+        dc = self._dc.get(rid)
+        have = len(self._feat.get(rid, ()))
+        if dc is None or dc + have != start:  # first chunk, or a gap (e.g. after a cache hit)
+            self._dc[rid] = start
+            self._feat[rid], self._next[rid] = [], []
+        self._feat[rid].extend(feats.unbind(0))
+        self._next[rid].extend(int(t) for t in next_tokens)
+
+    def prefill(self, chunks: List[PrefillChunk]) -> None:
+        for c in chunks:
+            n = len(c.tokens)
+            nxt = list(c.context[c.start + 1:c.start + n + 1])
+            if len(nxt) < n:  # nothing follows the last prompt token yet
+                n = len(nxt)
+            self._push(c.request_id, c.start, c.hidden[:n], nxt)
+
+    def observe(self, results: List[Verified]) -> None:
+        for v in results:
+            self._push(v.request_id, v.start, v.hidden, v.emitted)
+
+    def release(self, request_id: int) -> None:
+        for d in (self._dc, self._feat, self._next):
+            d.pop(request_id, None)
+
+    def _embed(self, tokens: List[int], feats: torch.Tensor) -> torch.Tensor:
+        e = F.embedding(torch.tensor(tokens, dtype=torch.int64), self.target.embed)
+        return F.linear(torch.cat([e, feats.to(e.dtype)], dim=-1), self.fc_w, self.fc_b)
+
+    @torch.inference_mode()
+    def propose(self, reqs: List[DraftRequest]) -> List[Draft]:
+        out: List[Optional[Draft]] = [None] * len(reqs)
+        work = []  # (index, builder, pending entries excluding the root entry)
+        for i, r in enumerate(reqs):
+            rid = r.request_id
+            dc, feats, nxt = self._dc.get(rid), self._feat.get(rid, []), self._next.get(rid, [])
+            # The root entry is (f_{start-1}, root): entries must reach start - 1.
+            if dc is None or r.start < 1 or dc + len(feats) != r.start or \
+                    not feats or nxt[-1] != int(r.context[-1]):
+                out[i] = Draft([int(r.context[-1])], [-1])
+                continue
+            depth = min(r.budget, self.max_depth)
+            b = TreeBuilder(int(r.context[-1]), width=self.width, depth=depth,
+                            budget=min(r.budget, self.max_nodes), sample=False,
+                            vocab_map=self.vocab_map)
+            work.append((i, b, len(feats) - 1))
+        first = True
+        fhat: Dict[int, Dict[int, torch.Tensor]] = {i: {} for i, _, _ in work}
+        while True:
+            active = [(i, b, m) for i, b, m in work if not b.done]
+            if not active:
+                break
+            seqs, embeds = [], []
+            for i, b, m in active:
+                r = reqs[i]
+                rid = r.request_id
+                mm = m if first else 0
+                feats = self._feat[rid]
+                run = b.run
+                # Pending entries (committed, true features), then the root entry, then nodes
+                # whose inputs are their parents' predicted features.
+                ent_tok = self._next[rid][len(feats) - 1 - mm:]
+                ent_feat = torch.stack(feats[len(feats) - 1 - mm:])
+                node_feat = [fhat[i][b.parents[n]] for n in run[1:]]
+                toks = ent_tok + [b.tokens[n] for n in run[1:]]
+                x = ent_feat if not node_feat else torch.cat([ent_feat, torch.stack(node_feat)])
+                embeds.append(self._embed(toks, x))
+                parents = list(range(-1, mm)) + [p + mm for p in b.run_parents()[1:]]
+                seqs.append(SeqStep(toks, r.start - 1 - mm, r.block_table, TokenTree(parents),
+                                    "all"))
+            res = self.runner.step(seqs, return_hidden=True, inputs_embeds=torch.cat(embeds))
+            if first:
+                src, dst = [], []
+                for j, (i, b, m) in enumerate(active):
+                    r = reqs[i]
+                    base = res.row_indptr[j]
+                    src.extend(range(base, base + m + 1))
+                    dst.extend(slots_of(r.block_table, self.block_size, r.start - 1 - m, m + 1))
+                    rid = r.request_id
+                    self._dc[rid] = r.start
+                    self._feat[rid] = self._feat[rid][-1:]  # the root entry stays for next levels
+                    self._next[rid] = self._next[rid][-1:]
+                self.runner.commit_kv(res, 0, src, dst)
+            for j, (i, b, m) in enumerate(active):
+                mm = m if first else 0
+                base = res.row_indptr[j]
+                for k, n in enumerate(b.run):
+                    fhat[i][n] = res.hidden[base + mm + k]
+                rows = torch.tensor([mm + k for k in b.frontier_rows()], dtype=torch.int64)
+                b.expand(torch.softmax(res.logits_of(j).index_select(0, rows), dim=-1))
+            first = False
+        for i, b, _ in work:
+            out[i] = b.draft(self.vocab_size)
+        for i, _, _ in work:
+            # The root entry was written to the pages: keep only what follows it.
+            rid = reqs[i].request_id
+            self._feat[rid], self._next[rid] = [], []
+        return out
+
+    @staticmethod
+    def random_weights(target_cfg, seed: int = 0, intermediate_size: Optional[int] = None,
+                       draft_vocab: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        h = target_cfg.hidden_size
+        inter = intermediate_size or target_cfg.intermediate_size
+        qs = target_cfg.num_attention_heads * target_cfg.head_dim
+        kv = target_cfg.num_key_value_heads * target_cfg.head_dim
+
+        def mat(o, i):
+            return torch.randn(o, i, generator=g) / math.sqrt(i)
+
+        t = {"fc.weight": mat(h, 2 * h), "norm.weight": torch.ones(h),
+             "layer.input_layernorm.weight": torch.ones(h),
+             "layer.post_attention_layernorm.weight": torch.ones(h),
+             "layer.self_attn.q_proj.weight": mat(qs, h), "layer.self_attn.k_proj.weight": mat(kv, h),
+             "layer.self_attn.v_proj.weight": mat(kv, h), "layer.self_attn.o_proj.weight": mat(h, qs),
+             "layer.mlp.gate_proj.weight": mat(inter, h), "layer.mlp.up_proj.weight": mat(inter, h),
+             "layer.mlp.down_proj.weight": mat(h, inter)}
+        if draft_vocab is not None:
+            t["draft_vocab"] = draft_vocab.to(torch.int64)
+            t["lm_head.weight"] = mat(draft_vocab.numel(), h)
+        return t
+
+    def describe(self) -> str:
+        return (f"eagle (1-layer head, dynamic tree: width {self.width}, depth {self.max_depth}, "
+                f"<= {self.max_nodes} nodes)")
+
+
+def load_heads(path: str, target_runner: ModelRunner, **overrides) -> Drafter:
+    """Load a Medusa/EAGLE drafter folder against a target (shape mismatches are errors)."""
+    cfg, tensors = read_heads(path)
+    _check_target(cfg, target_runner.model.cfg)
+    defaults = dict(cfg.get("defaults") or {})
+    if cfg["method"] == "medusa":
+        mc = cfg.get("medusa") or {}
+        d = MedusaDrafter(target_runner, tensors, int(mc.get("num_heads", 0)),
+                          overrides.pop("tree", None) or mc.get("tree"))
+    else:
+        defaults.update({k: v for k, v in overrides.items() if v is not None})
+        allowed = {"width", "max_depth", "max_nodes"}
+        d = EagleDrafter(target_runner, tensors, cfg.get("eagle") or {},
+                         **{k: v for k, v in defaults.items() if k in allowed})
+    d.manifest = cfg.get("manifest") or {}
+    d.path = path
+    return d

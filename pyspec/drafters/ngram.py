@@ -1,0 +1,33 @@
+"""N-gram / prompt-lookup drafting (no weights): the tokens that followed the latest earlier
+occurrence of the context's last n tokens, n = max_ngram .. min_ngram (Saxena 2023, "prompt lookup
+decoding"; HF transformers' ``prompt_lookup_num_tokens``). Drafts are deterministic chains, so the
+target verifies them with the target-only walk when sampling."""
+
+from __future__ import annotations
+
+from typing import List
+
+from pyspec.decode import prompt_lookup_drafter
+from pyspec.drafters.base import Draft, Drafter, DraftRequest
+
+
+class NgramDrafter(Drafter):
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3):
+        if not isinstance(max_ngram, int) or not 1 <= max_ngram <= 16:
+            raise ValueError(f"max_ngram must be an int in [1, 16]; got {max_ngram!r}")
+        self.max_ngram = max_ngram
+        self._lookup = prompt_lookup_drafter(max_ngram)
+
+    def propose(self, reqs: List[DraftRequest]) -> List[Draft]:
+        out = []
+        for r in reqs:
+            ctx = r.context if isinstance(r.context, list) else list(r.context)
+            chain = self._lookup(ctx, r.budget)
+            out.append(Draft([int(ctx[-1])] + [int(t) for t in chain],
+                             list(range(-1, len(chain)))))
+        return out
+
+    def describe(self) -> str:
+        return f"ngram (prompt lookup, n <= {self.max_ngram})"

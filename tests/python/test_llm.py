@@ -1,0 +1,200 @@
+"""pyspec.LLM / pyspec.generate / the CLI on a tiny random model folder (byte-level BPE tokenizer,
+random Llama weights): every drafter spec, prompts as text or ids, chat, streaming, stop strings,
+n samples, errors."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+import pyspec
+from pyspec import cli
+from pyspec.decode import decode_one
+from pyspec.models.config import ModelConfig
+from pyspec.models.llama import LlamaForCausalLM
+from pyspec.models.loader import expected_shapes
+from pyspec.runner import ModelRunner
+
+from test_tokenizer import write_byte_bpe
+
+VOCAB = 259  # 3 specials + 256 bytes
+
+
+def write_tiny_model(path, layers=2, seed=0):
+    from safetensors.torch import save_file
+
+    conf = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=VOCAB,
+                hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+                max_position_embeddings=1024, tie_word_embeddings=False, eos_token_id=2)
+    write_byte_bpe(str(path), model_config=conf)
+    cfg = ModelConfig.from_dict(conf)
+    g = torch.Generator().manual_seed(seed)
+    w = {}
+    for name, shape in expected_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            w[name] = torch.ones(shape)
+        elif name == "model.embed_tokens.weight":
+            w[name] = torch.randn(shape, generator=g)
+        else:
+            w[name] = torch.randn(shape, generator=g) * (2.0 / math.sqrt(shape[-1]))
+    save_file(w, os.path.join(str(path), "model.safetensors"))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return pyspec.LLM(model_dir, draft="ngram", kv_cache_tokens=4096)
+
+
+def plain_ref(llm, ids, n):
+    runner = ModelRunner(llm.model, num_blocks=64, block_size=16)
+    return decode_one(runner, ids, n, eos_token_ids=llm.tokenizer.eos_token_ids).tokens
+
+
+PROMPTS = ["the cat sat on the mat. the cat sat on the", "abc abc abc abc", "x"]
+
+
+@pytest.mark.parametrize("draft", ["ngram", "none", "layer-skip:1", "default"])
+def test_generate_matches_plain_greedy(model_dir, draft):
+    llm = pyspec.LLM(model_dir, draft=draft, kv_cache_tokens=4096)
+    outs = llm.generate(PROMPTS, pyspec.SamplingParams(max_tokens=20))
+    assert len(outs) == len(PROMPTS)
+    for p, o in zip(PROMPTS, outs):
+        ids = llm.tokenizer.encode(p)
+        assert o.prompt == p and o.prompt_token_ids == ids
+        assert o.token_ids == plain_ref(llm, ids, 20)
+        assert o.text == llm.tokenizer.decode(o.token_ids, skip_special_tokens=True)
+        assert o.finish_reason in ("length", "stop")
+        assert o.seconds > 0 and o.time_to_first_token is not None
+        if draft == "none":
+            assert o.stats.draft_tokens == 0
+    if draft != "none":
+        assert sum(o.stats.draft_tokens for o in outs) > 0
+
+
+def test_token_id_prompts_and_single_prompt(llm):
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    a = llm.generate(ids, {"max_tokens": 8})
+    b = llm.generate([ids], [{"max_tokens": 8}])
+    c = llm.generate(PROMPTS[0], {"max_tokens": 8})
+    assert len(a) == len(b) == len(c) == 1
+    assert a[0].token_ids == b[0].token_ids == c[0].token_ids
+
+
+def test_stop_strings_and_eos(llm):
+    full = llm.generate(PROMPTS[0], {"max_tokens": 30, "ignore_eos": True})[0]
+    text = full.text
+    assert len(text) > 6
+    stop = text[3:6]
+    cut = llm.generate(PROMPTS[0], {"max_tokens": 30, "ignore_eos": True, "stop": [stop, "\x00zz"]})[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == text[:text.find(stop)]
+    assert stop not in cut.text
+    # The engine is idle again: no request left holding KV.
+    s = llm.engine.scheduler
+    assert not s.has_unfinished and s.num_free_blocks == s.num_total_blocks
+
+
+def test_n_samples_and_seeds(llm):
+    p = pyspec.SamplingParams(max_tokens=12, temperature=1.0, seed=7, n=3)
+    a = llm.generate(PROMPTS[1], p)[0]
+    b = llm.generate(PROMPTS[1], p)[0]
+    assert len(a.outputs) == 3
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]  # seeded
+    assert len({tuple(o.token_ids) for o in a.outputs}) > 1  # different samples
+    assert a.token_ids == a.outputs[0].token_ids
+
+
+def test_chat_and_stream(llm):
+    msgs = [{"role": "user", "content": "hello there"}]
+    one = llm.chat(msgs, {"max_tokens": 10, "ignore_eos": True})
+    two = llm.chat([msgs, msgs], {"max_tokens": 10, "ignore_eos": True})
+    assert isinstance(two, list) and two[0].token_ids == one.token_ids == two[1].token_ids
+    chunks = list(llm.stream(msgs, {"max_tokens": 10, "ignore_eos": True}, chat=True))
+    assert chunks[-1].finished and chunks[-1].stats is not None
+    assert [t for c in chunks for t in c.token_ids] == one.token_ids
+    assert "".join(c.text for c in chunks) == one.text
+
+
+def test_stream_closed_early_frees_kv(llm):
+    s = llm.engine.scheduler
+    it = llm.stream(PROMPTS[0], {"max_tokens": 50, "ignore_eos": True})
+    next(it)
+    assert s.has_unfinished
+    it.close()
+    assert not s.has_unfinished and s.num_running == 0
+
+
+@pytest.mark.parametrize("params, match", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"n": 0}, "n must"),
+    ({"stop": [""]}, "stop"),
+    ({"bogus": 1}, "unknown sampling"),
+    ({"max_tokens": 5000}, "context|KV pool"),
+])
+def test_bad_params(llm, params, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(PROMPTS[:2], params)
+    assert not llm.engine.scheduler.has_unfinished  # nothing left queued
+
+
+def test_bad_prompts_and_config(llm, model_dir, tmp_path):
+    for bad in ([], "", [1.5], [VOCAB + 3], None):
+        with pytest.raises(ValueError):
+            llm.generate(bad if bad != [] else [[]], {"max_tokens": 2})
+    with pytest.raises(ValueError, match="messages"):
+        llm.chat([{"role": "user"}])
+    with pytest.raises(ValueError, match="not a directory"):
+        pyspec.LLM(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="unknown drafter"):
+        pyspec.LLM(model_dir, draft="medusa-please")
+    with pytest.raises(ValueError, match="device"):
+        pyspec.LLM(model_dir, device="cuda")
+    with pytest.raises(ValueError, match="ewma_window"):
+        pyspec.LLM(model_dir, spec=pyspec.SpecConfig(ewma_window=0))
+
+
+def test_draft_model_folder(model_dir, tmp_path):
+    draft_dir = write_tiny_model(tmp_path / "draft", layers=1, seed=3)
+    llm = pyspec.LLM(model_dir, draft=draft_dir, kv_cache_tokens=4096)
+    out = llm.generate(PROMPTS, {"max_tokens": 16})
+    for p, o in zip(PROMPTS, out):
+        assert o.token_ids == plain_ref(llm, llm.tokenizer.encode(p), 16)
+    tree = pyspec.LLM(model_dir, draft=draft_dir + "@tree=3", kv_cache_tokens=4096)
+    out2 = tree.generate(PROMPTS, {"max_tokens": 16})
+    assert [o.token_ids for o in out2] == [o.token_ids for o in out]
+    # A draft model with another vocabulary is refused at load.
+    conf = json.load(open(os.path.join(draft_dir, "config.json")))
+    conf["vocab_size"] = 300
+    other = tmp_path / "other"
+    os.makedirs(other)
+    json.dump(conf, open(other / "config.json", "w"))
+    with pytest.raises(ValueError):
+        pyspec.LLM(model_dir, draft=str(other))
+
+
+def test_generate_shortcut(model_dir):
+    out = pyspec.generate("abc abc abc", model=model_dir, draft="ngram", max_tokens=6)
+    assert isinstance(out, pyspec.GenerationOutput) and len(out.token_ids) <= 6
+
+
+def test_cli_generate_compare(model_dir, capsys):
+    rc = cli.main(["generate", "abc abc abc abc", "--model", model_dir, "--draft", "ngram",
+                   "--max-tokens", "16", "--compare", "--ignore-eos"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "acceptance length" in out and "speedup" in out
+    assert "outputs identical: True" in out
+    rc = cli.main(["generate", "x", "--model", model_dir, "--draft", "nonsense"])
+    assert rc == 2
+    assert "unknown drafter" in capsys.readouterr().err
