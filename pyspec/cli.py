@@ -155,6 +155,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gamma", type=int, default=6, help="draft chain length (0 = plain only)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_smoke)
+    from pyspec.train.cli import add_parser as add_train
+    from pyspec.train.evaluate import add_parser as add_eval
+
+    from pyspec.serve.cli import add_parser as add_serve
+
+    add_train(sub)
+    add_eval(sub)
+    add_serve(sub)
     p = sub.add_parser("convert-gguf", help="convert a llama GGUF file into a safetensors folder")
     p.add_argument("file", help="the .gguf file")
     p.add_argument("out_dir", help="output folder (must not exist, or be empty)")

@@ -118,6 +118,7 @@ class _Track:
         stop = params.stop
         self.stops = [stop] if isinstance(stop, str) else list(stop or [])
         self.text = ""
+        self.sent = 0  # characters of text handed out so far
         self.tokens: List[int] = []
         self.finished = False
         self.reason: Optional[str] = None
@@ -126,32 +127,40 @@ class _Track:
         self.t_end: Optional[float] = None
 
     def push(self, new: List[int], finished: bool, reason: Optional[str]):
-        """Returns (text delta, token delta, stopped-by-string)."""
+        """Returns (text delta, token delta, stopped-by-string). Text that could be the start of
+        a stop string is held back until it is known not to be one (never streamed, then cut)."""
         if new and self.t_first is None:
             self.t_first = time.perf_counter()
-        delta = ""
         if self.dec is not None:
-            delta = "".join(self.dec.push(t) for t in new)
+            piece = "".join(self.dec.push(t) for t in new)
             if finished:
-                delta += self.dec.flush()
+                piece += self.dec.flush()
+            self.text += piece
         self.tokens.extend(new)
-        old = len(self.text)
-        self.text += delta
+        sent = self.sent
         if self.stops:
-            lo = max(0, old - max(len(s) for s in self.stops) + 1)
-            hits = [(self.text.find(s, lo), s) for s in self.stops]
-            hits = [(i, s) for i, s in hits if i >= 0]
+            lo = max(0, sent - max(len(s) for s in self.stops) + 1)
+            hits = [i for i in (self.text.find(s, lo) for s in self.stops) if i >= 0]
             if hits:
-                cut = min(i for i, _ in hits)
+                cut = min(hits)
                 self.text = self.text[:cut]
-                delta = self.text[old:] if cut >= old else ""
+                self.sent = cut
                 self.finished, self.reason = True, "stop"
                 self.t_end = time.perf_counter()
-                return delta, new, True
+                return self.text[sent:cut], new, True
         if finished:
             self.finished, self.reason = True, reason
             self.t_end = time.perf_counter()
-        return delta, new, False
+            self.sent = len(self.text)
+            return self.text[sent:], new, False
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        self.sent = max(sent, len(self.text) - hold)
+        return self.text[sent:self.sent], new, False
 
 
 class LLM:

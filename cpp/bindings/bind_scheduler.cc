@@ -262,6 +262,10 @@ that do not match the last step) raise ValueError.)doc")
       .def_property_readonly("finished_ids", &Scheduler::finished_ids)
       .def_property_readonly("num_steps", &Scheduler::num_steps)
       .def_property_readonly("num_preemptions", &Scheduler::num_preemptions)
+      .def_property_readonly("kv_usage_ratio",
+                             [](const Scheduler& s) { return s.block_manager().usage_ratio(); })
+      .def_property_readonly("prefix_cache_hit_ratio",
+                             [](const Scheduler& s) { return s.block_manager().hit_ratio(); })
       .def_property_readonly("num_free_blocks",
                              [](const Scheduler& s) { return s.block_manager().num_free_blocks(); })
       .def_property_readonly("num_total_blocks", [](const Scheduler& s) {

@@ -37,6 +37,7 @@ import dataclasses
 import json
 import math
 import os
+import warnings
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -405,4 +406,14 @@ def load_heads(path: str, target_runner: ModelRunner, **overrides) -> Drafter:
                          **{k: v for k, v in defaults.items() if k in allowed})
     d.manifest = cfg.get("manifest") or {}
     d.path = path
+    want = (d.manifest.get("target") or {}).get("sha256")
+    src = getattr(target_runner.model, "source_path", None)
+    if want and src:
+        from pyspec.models.loader import weights_sha256
+
+        have = weights_sha256(src)
+        if have != want:
+            warnings.warn(f"drafter {path} was trained for target weights {want[:12]}..., but the "
+                          f"target at {src} has {have[:12]}...: it will run (output stays "
+                          "lossless) but its acceptance may be much lower", stacklevel=2)
     return d

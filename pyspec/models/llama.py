@@ -83,6 +83,7 @@ class LlamaForCausalLM:
         if weights:
             raise ValueError(f"unused weights: {sorted(weights)[:5]}")
         self._inv_freq = rope_inv_freq(cfg, 0).to(self.device)
+        self.source_path: Optional[str] = None  # the checkpoint folder, when loaded from one
 
     @classmethod
     def from_pretrained(cls, path: str, dtype="float32", device: str = "cpu") -> "LlamaForCausalLM":
@@ -95,7 +96,9 @@ class LlamaForCausalLM:
                              "the CPU only (CUDA tree attention is not implemented)")
         cfg = ModelConfig.from_file(path)
         dt = resolve_dtype(dtype)
-        return cls(cfg, load_weights(path, cfg, dt, device), dt, device)
+        m = cls(cfg, load_weights(path, cfg, dt, device), dt, device)
+        m.source_path = path
+        return m
 
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0, dtype=torch.float32) -> "LlamaForCausalLM":

@@ -142,3 +142,36 @@ def default_dtype(cfg: ModelConfig, dtype: Optional[object]) -> torch.dtype:
     if dtype is not None and dtype != "auto":
         return resolve_dtype(dtype)
     return torch.float32
+
+
+def weights_sha256(path: str) -> str:
+    """sha256 over a checkpoint folder's safetensors files (names + contents): the target identity
+    drafters record. Cached in ``.pyspec-sha256.json`` next to the weights, keyed by file sizes and
+    modification times, so it costs one pass over the weights once."""
+    import hashlib
+    import json
+
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    key = [[f, os.path.getsize(os.path.join(path, f)),
+            int(os.path.getmtime(os.path.join(path, f)))] for f in files]
+    cache = os.path.join(path, ".pyspec-sha256.json")
+    try:
+        with open(cache) as fh:
+            c = json.load(fh)
+        if c.get("key") == key:
+            return c["sha256"]
+    except (OSError, ValueError, KeyError):
+        pass
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.encode())
+        with open(os.path.join(path, f), "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                h.update(block)
+    digest = h.hexdigest()
+    try:
+        with open(cache, "w") as fh:
+            json.dump({"key": key, "sha256": digest}, fh)
+    except OSError:
+        pass  # read-only folder: recompute next time
+    return digest

@@ -1,0 +1,1 @@
+"""OpenAI-compatible serving: :func:`pyspec.serve.app.create_app` and ``pyspec serve``."""

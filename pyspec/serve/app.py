@@ -1,0 +1,511 @@
+"""``pyspec serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one engine loop.
+
+All clients share one continuous-batching engine, driven by a dedicated thread: HTTP handlers
+enqueue requests and read their outputs from per-request asyncio queues; the engine thread adds
+them, steps the batch, detokenizes, applies stop strings and hands out deltas. A client that
+disconnects (or closes its stream) aborts its request; its KV is freed in the next loop turn.
+Bad requests get a 4xx with an OpenAI-style error body; they never reach the engine loop.
+"""
+
+
+import asyncio
+import json
+import queue
+import threading
+import time
+import uuid
+from dataclasses import replace
+from typing import Any, Dict, List, Optional
+
+from pyspec.engine import SamplingParams, validate_params
+from pyspec.serve.config import ServerConfig
+from pyspec.serve.metrics import Metrics
+
+
+class RequestError(Exception):
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 code: Optional[str] = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = (status, message, param,
+                                                                       code, kind)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+class _Handle:
+    """One engine request as seen by its HTTP handler."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, ids: List[int], params: SamplingParams,
+                 llm):
+        from pyspec.llm import _Track
+
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.ids = ids
+        self.params = params
+        self.rid: Optional[int] = None
+        self.t0 = time.perf_counter()
+        self.track = _Track(llm, -1, params, self.t0)
+        self.aborted = False
+        self.stats = None
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class EngineLoop:
+    """The engine thread. ``submit``/``abort`` are thread-safe; everything else runs inside."""
+
+    def __init__(self, llm, metrics: Metrics):
+        self.llm = llm
+        self.engine = llm.engine
+        self.metrics = metrics
+        self._cmds = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = False
+        self._live: Dict[int, _Handle] = {}
+        self._thread = threading.Thread(target=self._run, name="pyspec-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def submit(self, h: _Handle) -> None:
+        self._cmds.put(("add", h))
+        self._wake.set()
+
+    def abort(self, h: _Handle) -> None:
+        self._cmds.put(("abort", h))
+        self._wake.set()
+
+    def call(self, fn) -> None:
+        """Run ``fn(engine)`` in the engine thread (configuration changes)."""
+        self._cmds.put(("call", fn))
+        self._wake.set()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                kind, h = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "call":
+                try:
+                    h(self.engine)
+                except Exception:  # noqa: BLE001 - a bad reload must not stop serving
+                    import logging
+
+                    logging.getLogger("pyspec.serve").exception("engine call failed")
+                continue
+            if kind == "add":
+                if h.aborted:
+                    continue
+                try:
+                    h.rid = self.engine.add_request(h.ids, h.params)
+                except ValueError as e:
+                    h.put(("error", RequestError(400, str(e))))
+                    continue
+                self._live[h.rid] = h
+            elif kind == "abort":
+                h.aborted = True
+                if h.rid is not None and h.rid in self._live:
+                    self._finish(h, "abort", abort=True)
+
+    def _finish(self, h: _Handle, reason: Optional[str], abort: bool = False) -> None:
+        eng = self.engine
+        if abort:
+            eng.abort(h.rid)
+        res = eng.result(h.rid, pop=True)
+        self._live.pop(h.rid, None)
+        h.stats = res.stats
+        t = h.track
+        dur = time.perf_counter() - h.t0
+        ttft = (t.t_first - h.t0) if t.t_first else None
+        self.metrics.request_finished(res.stats, reason, ttft, dur, len(t.tokens))
+
+    def _run(self) -> None:
+        eng = self.engine
+        while not self._stop:
+            self._drain()
+            if not self._live:
+                self.metrics.after_step(eng)
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                outs = eng.step()
+            except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
+                import logging
+
+                logging.getLogger("pyspec.serve").exception("engine step failed")
+                for h in list(self._live.values()):
+                    try:
+                        self._finish(h, "error", abort=True)
+                    except Exception:  # noqa: BLE001
+                        self._live.pop(h.rid, None)
+                    h.put(("error", RequestError(500, f"engine error: {e}", kind="server_error")))
+                continue
+            for o in outs:
+                h = self._live.get(o.request_id)
+                if h is None:
+                    continue
+                delta, toks, stopped = h.track.push(o.new_tokens, o.finished, o.finish_reason)
+                done = h.track.finished
+                if done:
+                    self._finish(h, h.track.reason, abort=stopped and not o.finished)
+                h.put(("delta", delta, list(toks), done, h.track.reason if done else None))
+            self.metrics.after_step(eng)
+
+
+def _err(e: RequestError):
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def _get(body: dict, key: str, types, default=None, check=None, what=""):
+    if key not in body or body[key] is None:
+        return default
+    v = body[key]
+    if not isinstance(v, types) or isinstance(v, bool) and bool not in (
+            types if isinstance(types, tuple) else (types,)):
+        raise RequestError(400, f"'{key}' must be {what}; got {json.dumps(v)[:80]}", key)
+    if check is not None and not check(v):
+        raise RequestError(400, f"'{key}' must be {what}; got {json.dumps(v)[:80]}", key)
+    return v
+
+
+def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = "pyspec",
+               prompt_log: Optional[str] = None, prompt_log_ratio: float = 0.0):
+    """The ASGI app serving ``llm`` (a :class:`pyspec.LLM`). ``prompt_log``: append a sampled
+    share of served prompts to this JSONL file (``pyspec eval-draft --prompts`` replays it)."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import PlainTextResponse, StreamingResponse
+    from prometheus_client import generate_latest, CONTENT_TYPE_LATEST
+
+    state = {"config": config or ServerConfig()}
+    metrics = Metrics()
+    loop_ = EngineLoop(llm, metrics)
+    max_ctx = llm.model.cfg.max_position_embeddings
+    kv_cap = llm.runner.kv.num_blocks * llm.runner.block_size
+    el = llm.model.embed.element_size()
+    metrics.memory.labels(component="target_weights").set(
+        sum(t.numel() * t.element_size() for t in _model_tensors(llm.model)))
+    metrics.memory.labels(component="kv_pool").set(
+        2 * llm.runner.kv.k.numel() * el + sum(
+            2 * p.k.numel() * p.k.element_size() for p in llm.engine._pools))
+    metrics.memory.labels(component="draft_weights").set(_draft_bytes(llm.engine))
+    log_lock = threading.Lock()
+
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app):
+        loop_.start()
+        yield
+        loop_.stop()
+
+    app = FastAPI(title="pyspec", lifespan=lifespan)
+    app.state.engine_loop = loop_
+    app.state.metrics = metrics
+    app.state.config = state
+
+    async def read_json(request: Request) -> dict:
+        raw = await request.body()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise RequestError(400, "the request body is not valid UTF-8") from None
+        try:
+            body = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise RequestError(400, f"the request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise RequestError(400, "the request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != model_name:
+            raise RequestError(404, f"the model '{model}' does not exist; this server serves "
+                                    f"'{model_name}'", "model", "model_not_found")
+        return body
+
+    def params_from(body: dict, tenant: Optional[str], rid: str) -> SamplingParams:
+        max_tokens = _get(body, "max_tokens", int, 16, lambda v: v >= 1, "an integer >= 1")
+        if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
+            max_tokens = _get(body, "max_completion_tokens", int, 16, lambda v: v >= 1,
+                              "an integer >= 1")
+        temperature = float(_get(body, "temperature", (int, float), 1.0,
+                                 lambda v: 0 <= v <= 100, "a number in [0, 100]"))
+        top_p = float(_get(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1,
+                           "a number in (0, 1]"))
+        top_k = _get(body, "top_k", int, 0, lambda v: v >= 0, "an integer >= 0")
+        min_p = float(_get(body, "min_p", (int, float), 0.0, lambda v: 0 <= v <= 1,
+                           "a number in [0, 1]"))
+        n = _get(body, "n", int, 1, lambda v: 1 <= v <= 16, "an integer in [1, 16]")
+        seed = _get(body, "seed", int, None, lambda v: -(1 << 63) <= v < (1 << 63),
+                    "a 64-bit integer")
+        stop = body.get("stop")
+        if stop is not None:
+            if isinstance(stop, str):
+                stop = [stop]
+            if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or \
+                    len(stop) > 16:
+                raise RequestError(400, "'stop' must be a non-empty string or a list of at most "
+                                        "16 of them", "stop")
+        if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs"):
+            raise RequestError(400, "'logprobs' is not supported by this server", "logprobs")
+        settings = state["config"].for_tenant(tenant)
+        p = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                           top_k=top_k, min_p=min_p, seed=seed, stop=stop, n=n,
+                           ignore_eos=bool(body.get("ignore_eos", False)),
+                           speculative=settings.speculates(rid))
+        try:
+            validate_params(p, llm.engine.vocab_size)
+        except ValueError as e:
+            raise RequestError(400, str(e)) from None
+        return llm._params(p)
+
+    def check_prompt(ids: List[int], p: SamplingParams) -> None:
+        if not ids:
+            raise RequestError(400, "the prompt is empty", "prompt")
+        if any(not 0 <= t < llm.engine.vocab_size for t in ids):
+            raise RequestError(400, f"prompt token ids must be in [0, {llm.engine.vocab_size})",
+                               "prompt")
+        limit = min(max_ctx, kv_cap - 1)
+        if len(ids) + p.max_tokens > limit:
+            raise RequestError(400, f"this model's maximum context length is {limit} tokens; the "
+                                    f"prompt has {len(ids)} and max_tokens is {p.max_tokens}",
+                               "max_tokens", "context_length_exceeded")
+
+    def log_prompt(kind: str, payload) -> None:
+        if not prompt_log or prompt_log_ratio <= 0:
+            return
+        import random
+
+        if random.random() >= prompt_log_ratio:
+            return
+        text = payload if isinstance(payload, str) else (
+            payload[-1]["content"] if isinstance(payload, list) and payload and
+            isinstance(payload[-1], dict) else None)
+        if not isinstance(text, str):
+            return
+        with log_lock, open(prompt_log, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"category": kind, "prompt": text, "time": time.time()}) + "\n")
+
+    async def run(request: Request, ids: List[int], p: SamplingParams, stream: bool,
+                  make_chunk, make_final):
+        aloop = asyncio.get_running_loop()
+        handles = []
+        for k in range(p.n):
+            sp = replace(p, n=1, seed=None if p.seed is None else p.seed + k)
+            h = _Handle(aloop, ids, sp, llm)
+            handles.append(h)
+            loop_.submit(h)
+
+        async def next_item(h, poll: bool):
+            # Streaming: Starlette cancels the response (and runs our finally) when the client
+            # goes away; polling the request there would race with that listener. Otherwise poll.
+            if not poll:
+                return await h.queue.get()
+            while True:
+                try:
+                    return await asyncio.wait_for(h.queue.get(), timeout=0.25)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        raise ConnectionAbortedError() from None
+
+        if stream:
+            async def gen():
+                done = [False] * len(handles)
+                pending = {}
+                try:
+                    pending = {asyncio.ensure_future(next_item(h, False)): i
+                               for i, h in enumerate(handles)}
+                    while pending:
+                        finished, _ = await asyncio.wait(pending,
+                                                         return_when=asyncio.FIRST_COMPLETED)
+                        for fut in finished:
+                            i = pending.pop(fut)
+                            item = fut.result()
+                            if item[0] == "error":
+                                err = item[1]
+                                yield "data: " + json.dumps(err.body()) + "\n\n"
+                                done[i] = True
+                                continue
+                            _, delta, toks, fin, reason = item
+                            if delta or fin:
+                                yield "data: " + json.dumps(make_chunk(i, delta, reason)) + "\n\n"
+                            if fin:
+                                done[i] = True
+                            else:
+                                pending[asyncio.ensure_future(next_item(handles[i], False))] = i
+                    yield "data: [DONE]\n\n"
+                finally:
+                    for fut in list(pending):
+                        fut.cancel()
+                    for i, h in enumerate(handles):
+                        if not done[i]:
+                            loop_.abort(h)
+
+            return StreamingResponse(gen(), media_type="text/event-stream")
+
+        results = [None] * len(handles)
+        try:
+            for i, h in enumerate(handles):
+                text, toks = "", []
+                while True:
+                    item = await next_item(h, True)
+                    if item[0] == "error":
+                        raise item[1]
+                    _, delta, t, fin, reason = item
+                    text += delta
+                    toks += t
+                    if fin:
+                        results[i] = (text, toks, reason)
+                        break
+        except BaseException:
+            for h in handles:
+                loop_.abort(h)
+            raise
+        return make_final(results, handles)
+
+    def usage(n_prompt, results):
+        c = sum(len(r[1]) for r in results)
+        return {"prompt_tokens": n_prompt, "completion_tokens": c, "total_tokens": n_prompt + c}
+
+    def spec_stats(handles):
+        out = []
+        for h in handles:
+            s = h.stats
+            if s is None:
+                continue
+            out.append({"drafts": s.drafts, "draft_tokens": s.draft_tokens,
+                        "accepted_tokens": s.accepted_tokens,
+                        "acceptance_length": round(s.acceptance_length, 4)})
+        return out
+
+    @app.exception_handler(RequestError)
+    async def _on_request_error(request, exc: RequestError):
+        return _err(exc)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await read_json(request)
+        rid = "cmpl-" + uuid.uuid4().hex
+        tenant = request.headers.get("x-tenant")
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError(400, "'prompt' is empty", "prompt")
+            ids = llm.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise RequestError(400, "'prompt' must be a string or a list of token ids (one "
+                                    "prompt per request)", "prompt")
+        p = params_from(body, tenant, rid)
+        check_prompt(ids, p)
+        log_prompt("completions", prompt if isinstance(prompt, str) else None)
+        created = int(time.time())
+
+        def chunk(i, delta, reason):
+            return {"id": rid, "object": "text_completion", "created": created,
+                    "model": model_name,
+                    "choices": [{"index": i, "text": delta, "finish_reason": reason,
+                                 "logprobs": None}]}
+
+        def final(results, handles):
+            return {"id": rid, "object": "text_completion", "created": created,
+                    "model": model_name,
+                    "choices": [{"index": i, "text": r[0], "finish_reason": r[2], "logprobs": None}
+                                for i, r in enumerate(results)],
+                    "usage": usage(len(ids), results), "speculation": spec_stats(handles)}
+
+        return await run(request, ids, p, bool(body.get("stream")), chunk, final)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await read_json(request)
+        rid = "chatcmpl-" + uuid.uuid4().hex
+        tenant = request.headers.get("x-tenant")
+        msgs = body.get("messages")
+        try:
+            ids = llm.chat_prompt(msgs)
+        except ValueError as e:
+            raise RequestError(400, str(e), "messages") from None
+        p = params_from(body, tenant, rid)
+        check_prompt(ids, p)
+        log_prompt("chat", msgs)
+        created = int(time.time())
+        first = set()
+
+        def chunk(i, delta, reason):
+            d = {"content": delta}
+            if i not in first:
+                first.add(i)
+                d["role"] = "assistant"
+            return {"id": rid, "object": "chat.completion.chunk", "created": created,
+                    "model": model_name,
+                    "choices": [{"index": i, "delta": d, "finish_reason": reason}]}
+
+        def final(results, handles):
+            return {"id": rid, "object": "chat.completion", "created": created,
+                    "model": model_name,
+                    "choices": [{"index": i, "message": {"role": "assistant", "content": r[0]},
+                                 "finish_reason": r[2], "logprobs": None}
+                                for i, r in enumerate(results)],
+                    "usage": usage(len(ids), results), "speculation": spec_stats(handles)}
+
+        return await run(request, ids, p, bool(body.get("stream")), chunk, final)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model",
+                                            "created": 0, "owned_by": "pyspec"}]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prom():
+        return PlainTextResponse(generate_latest(metrics.registry).decode(),
+                                 media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _model_tensors(model):
+    seen = set()
+    for t in [model.embed, model.lm_head, model.norm] + [v for layer in model.layers
+                                                         for v in layer.values()]:
+        if t is not None and id(t) not in seen:
+            seen.add(id(t))
+            yield t
+
+
+def _draft_bytes(engine) -> int:
+    total = 0
+    for d in engine.drafters.values():
+        m = getattr(d, "model", None)
+        if m is not None and not getattr(d, "share", False):
+            total += sum(t.numel() * t.element_size() for t in _model_tensors(m))
+        head = getattr(d, "head", None)
+        if head is not None:
+            total += sum(t.numel() * t.element_size() for layer in head.layers
+                         for t in layer.values() if t is not None)
+            total += d.fc_w.numel() * d.fc_w.element_size()
+            if d.vocab_map is not None:
+                total += head.lm_head.numel() * head.lm_head.element_size()
+        w = getattr(d, "w", None)
+        if isinstance(w, __import__("torch").Tensor):
+            total += w.numel() * w.element_size()
+    return total

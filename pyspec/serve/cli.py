@@ -1,0 +1,82 @@
+"""``pyspec serve``: load the model (+ drafter) and serve it over HTTP (uvicorn)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+log = logging.getLogger("pyspec.serve")
+
+
+def build(args):
+    import pyspec
+    from pyspec.serve.app import create_app
+    from pyspec.serve.config import load_config
+
+    cfg = load_config(args.config)
+    spec = cfg.speculative
+    model = args.model or (None if spec.target_model == "default" else spec.target_model)
+    draft = args.draft or spec.draft_model
+    if spec.tree_width > 1 and "@" not in draft and draft not in ("default", "ngram", "none") \
+            and not draft.startswith(("ngram:", "layer-skip")):
+        draft = f"{draft}@tree={spec.tree_width}"
+    sc = pyspec.SpecConfig(num_speculative_tokens=spec.gamma, adaptive=spec.adaptive,
+                           fallback_on_alpha_below=spec.fallback_on_alpha_below)
+    llm = pyspec.LLM(model, draft, sc, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens)
+    app = create_app(llm, cfg, model_name=args.served_model_name,
+                     prompt_log=args.prompt_log, prompt_log_ratio=args.prompt_log_ratio)
+    return llm, app
+
+
+def reload_config(app, path) -> bool:
+    """SIGHUP: validate the file again and apply it to new requests (running requests keep their
+    settings). The model and the drafter need a restart to change."""
+    from pyspec.serve.config import ConfigError, load_config
+
+    try:
+        new = load_config(path)
+    except ConfigError as e:
+        log.error("config reload failed, keeping the old config: %s", e)
+        return False
+    old = app.state.config["config"]
+    if (new.speculative.target_model, new.speculative.draft_model) != (
+            old.speculative.target_model, old.speculative.draft_model):
+        log.error("config reload: target_model/draft_model changes need a restart; the rest "
+                  "is applied")
+        new.speculative.target_model = old.speculative.target_model
+        new.speculative.draft_model = old.speculative.draft_model
+    app.state.config["config"] = new
+    log.info("config reloaded from %s", path)
+    return True
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    if not 0 <= args.prompt_log_ratio <= 1:
+        raise ValueError("--prompt-log-ratio must be in [0, 1]")
+    logging.basicConfig(level=logging.INFO)
+    llm, app = build(args)
+    if args.config:
+        signal.signal(signal.SIGHUP, lambda *_: reload_config(app, args.config))
+    print(f"serving {llm.model_path} as '{args.served_model_name}' with drafter "
+          f"{llm.drafter_name} on http://{args.host}:{args.port}", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def add_parser(sub):
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching)")
+    p.add_argument("--config", default=None, help="YAML config (see README); SIGHUP reloads it")
+    p.add_argument("--model", default=None, help="model folder (default: config / embedded)")
+    p.add_argument("--draft", default=None, help="drafter spec (default: config / 'default')")
+    p.add_argument("--served-model-name", default="pyspec")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-tokens", type=int, default=16384)
+    p.add_argument("--prompt-log", default=None,
+                   help="append a sampled share of prompts to this JSONL (eval-draft replays it)")
+    p.add_argument("--prompt-log-ratio", type=float, default=0.0)
+    p.set_defaults(func=cmd_serve)
+    return p

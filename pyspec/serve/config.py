@@ -1,0 +1,163 @@
+"""The server's YAML configuration: validated with errors that name the bad key.
+
+    speculative:
+      enabled_ratio: 0.1        # share of requests that use speculation (deterministic by request id)
+      draft_model: "..."        # a drafter spec: ngram, layer-skip:L, a drafter/draft-model folder
+      target_model: "..."       # a model folder, or "default" (the embedded model)
+      gamma: 5                  # most draft tokens per step
+      tree_width: 3             # draft-model drafting: 1 = chain, > 1 = dynamic top-W trees
+      adaptive: true
+      fallback_on_alpha_below: 0.3
+      quality_gate:
+        kl_threshold: 0.05
+        rollback_on_violation: true
+    tenants:                    # optional: per-tenant overrides (header X-Tenant)
+      batch-jobs:
+        speculative: {enabled_ratio: 0.0}
+
+Everything under ``speculative`` is optional (defaults below). Tenant overrides may set
+``enabled_ratio`` (the other settings belong to the shared engine: model, drafter, draft length
+bounds and adaptivity are the same for every tenant).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, Optional
+
+SPEC_KEYS = {"enabled_ratio", "draft_model", "target_model", "gamma", "tree_width", "adaptive",
+             "fallback_on_alpha_below", "quality_gate"}
+GATE_KEYS = {"kl_threshold", "rollback_on_violation", "sample_ratio"}
+TENANT_KEYS = {"enabled_ratio"}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class QualityGate:
+    kl_threshold: float = 0.05
+    rollback_on_violation: bool = True
+    sample_ratio: float = 0.05  # share of requests also scored by the target alone
+
+
+@dataclass
+class SpecSettings:
+    enabled_ratio: float = 1.0
+    draft_model: str = "default"
+    target_model: str = "default"
+    gamma: Optional[int] = None
+    tree_width: int = 1
+    adaptive: bool = True
+    fallback_on_alpha_below: float = 0.3
+    quality_gate: QualityGate = field(default_factory=QualityGate)
+
+    def speculates(self, request_id: str) -> bool:
+        """Deterministic by request id: the same id always gets the same answer."""
+        if self.enabled_ratio >= 1.0:
+            return True
+        if self.enabled_ratio <= 0.0:
+            return False
+        h = int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "big")
+        return h / float(1 << 64) < self.enabled_ratio
+
+
+@dataclass
+class ServerConfig:
+    speculative: SpecSettings = field(default_factory=SpecSettings)
+    tenants: Dict[str, SpecSettings] = field(default_factory=dict)
+
+    def for_tenant(self, tenant: Optional[str]) -> SpecSettings:
+        return self.tenants.get(tenant or "", self.speculative)
+
+
+def _num(v, key, lo, hi, integer=False):
+    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+    if isinstance(v, bool) or not ok or not lo <= v <= hi:
+        kind = "an integer" if integer else "a number"
+        raise ConfigError(f"{key} must be {kind} in [{lo}, {hi}]; got {v!r}")
+    return v
+
+
+def _bool(v, key):
+    if not isinstance(v, bool):
+        raise ConfigError(f"{key} must be true or false; got {v!r}")
+    return v
+
+
+def _spec(d: Any, where: str, base: SpecSettings, allowed) -> SpecSettings:
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where} must be a mapping; got {type(d).__name__}")
+    unknown = set(d) - allowed
+    if unknown:
+        raise ConfigError(f"unknown key {where}.{sorted(unknown)[0]}; allowed: {sorted(allowed)}")
+    s = replace(base, quality_gate=replace(base.quality_gate))
+    for k, v in d.items():
+        key = f"{where}.{k}"
+        if k == "enabled_ratio":
+            s.enabled_ratio = float(_num(v, key, 0.0, 1.0))
+        elif k in ("draft_model", "target_model"):
+            if not isinstance(v, str) or not v:
+                raise ConfigError(f"{key} must be a non-empty string; got {v!r}")
+            setattr(s, k, v)
+        elif k == "gamma":
+            s.gamma = _num(v, key, 1, 64, integer=True)
+        elif k == "tree_width":
+            s.tree_width = _num(v, key, 1, 16, integer=True)
+        elif k == "adaptive":
+            s.adaptive = _bool(v, key)
+        elif k == "fallback_on_alpha_below":
+            s.fallback_on_alpha_below = float(_num(v, key, 0.0, 0.99))
+        elif k == "quality_gate":
+            if not isinstance(v, dict):
+                raise ConfigError(f"{key} must be a mapping")
+            bad = set(v) - GATE_KEYS
+            if bad:
+                raise ConfigError(f"unknown key {key}.{sorted(bad)[0]}; allowed: {sorted(GATE_KEYS)}")
+            g = s.quality_gate
+            if "kl_threshold" in v:
+                g.kl_threshold = float(_num(v["kl_threshold"], key + ".kl_threshold", 0.0, 100.0))
+            if "rollback_on_violation" in v:
+                g.rollback_on_violation = _bool(v["rollback_on_violation"],
+                                                key + ".rollback_on_violation")
+            if "sample_ratio" in v:
+                g.sample_ratio = float(_num(v["sample_ratio"], key + ".sample_ratio", 0.0, 1.0))
+    return s
+
+
+def parse_config(d: Any) -> ServerConfig:
+    if d is None:
+        return ServerConfig()
+    if not isinstance(d, dict):
+        raise ConfigError(f"the config must be a mapping at the top level; got {type(d).__name__}")
+    unknown = set(d) - {"speculative", "tenants"}
+    if unknown:
+        raise ConfigError(f"unknown key {sorted(unknown)[0]}; allowed: speculative, tenants")
+    spec = _spec(d.get("speculative") or {}, "speculative", SpecSettings(), SPEC_KEYS)
+    tenants = {}
+    t = d.get("tenants") or {}
+    if not isinstance(t, dict):
+        raise ConfigError("tenants must be a mapping of tenant name -> overrides")
+    for name, over in t.items():
+        if not isinstance(over, dict) or set(over) - {"speculative"}:
+            raise ConfigError(f"tenants.{name} may only hold 'speculative'")
+        tenants[str(name)] = _spec(over.get("speculative") or {}, f"tenants.{name}.speculative",
+                                   spec, TENANT_KEYS)
+    return ServerConfig(spec, tenants)
+
+
+def load_config(path: Optional[str]) -> ServerConfig:
+    if path is None:
+        return ServerConfig()
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path!r}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({e})") from None
+    return parse_config(data)

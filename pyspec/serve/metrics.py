@@ -1,0 +1,107 @@
+"""Prometheus metrics of one server (its own registry: two servers in a process do not mix).
+
+Speculative statistics live under ``pyspec_`` (OpenTelemetry owns ``gen_ai.`` and defines none);
+request latencies use the OpenTelemetry GenAI server metric names.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Fine enough for sub-10 ms tokens, up to minutes for whole requests.
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
+                 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
+                   320.0)
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        p = "pyspec_spec_decode_"
+        self.drafts = Counter(p + "num_drafts", "Speculative steps that verified draft tokens",
+                              registry=r)
+        self.draft_tokens = Counter(p + "num_draft_tokens", "Draft tokens verified", registry=r)
+        self.accepted = Counter(p + "num_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.accepted_pos = Counter(p + "num_accepted_tokens_per_pos",
+                                    "Speculative steps whose accepted path reached this draft "
+                                    "position (1-based)", ["position"], registry=r)
+        self.fallbacks = Counter(p + "fallbacks", "Requests moved to plain decoding", ["reason"],
+                                 registry=r)
+        self.switches = Counter(p + "drafter_switches", "Requests moved to another drafter",
+                                ["reason"], registry=r)
+        self.acceptance_ewma = Gauge(p + "acceptance_ewma",
+                                     "Deployment-wide EWMA of accepted / drafted per step",
+                                     registry=r)
+        self.running = Gauge("pyspec_num_requests_running", "Requests holding KV", registry=r)
+        self.waiting = Gauge("pyspec_num_requests_waiting", "Requests queued", registry=r)
+        self.kv_usage = Gauge("pyspec_kv_cache_usage_ratio", "Share of KV blocks in use",
+                              registry=r)
+        self.prefix_hit = Gauge("pyspec_prefix_cache_hit_ratio",
+                                "Prompt tokens served from the prefix cache / looked up",
+                                registry=r)
+        self.memory = Gauge("pyspec_memory_bytes", "Memory held, by component", ["component"],
+                            registry=r)
+        self.ttft = Histogram("gen_ai_server_time_to_first_token_seconds",
+                              "Time from request arrival to its first output token",
+                              buckets=REQUEST_BUCKETS, registry=r)
+        self.tpot = Histogram("gen_ai_server_time_per_output_token_seconds",
+                              "Decode time per output token after the first",
+                              buckets=TOKEN_BUCKETS, registry=r)
+        self.duration = Histogram("gen_ai_server_request_duration_seconds",
+                                  "Time from request arrival to its last token",
+                                  buckets=REQUEST_BUCKETS, registry=r)
+        self.draft_latency = Histogram("pyspec_spec_decode_draft_seconds",
+                                       "Drafting time per engine step", buckets=TOKEN_BUCKETS,
+                                       registry=r)
+        self.verify_latency = Histogram("pyspec_spec_decode_verify_seconds",
+                                        "Target (verification) forward time per engine step",
+                                        buckets=TOKEN_BUCKETS, registry=r)
+        self.requests = Counter("pyspec_requests", "Finished requests by finish reason",
+                                ["finish_reason"], registry=r)
+        self._last = None
+
+    def after_step(self, engine) -> None:
+        """Counter deltas from the engine's cumulative stats, gauges from the scheduler."""
+        st = engine.stats
+        cur = (st.drafts, st.draft_tokens, st.accepted_tokens, list(st.accepted_per_position),
+               dict(st.switches), dict(st.fallbacks), st.draft_seconds, st.verify_seconds)
+        last = self._last or (0, 0, 0, [], {}, {}, 0.0, 0.0)
+        self.drafts.inc(cur[0] - last[0])
+        self.draft_tokens.inc(cur[1] - last[1])
+        self.accepted.inc(cur[2] - last[2])
+        for i, c in enumerate(cur[3]):
+            prev = last[3][i] if i < len(last[3]) else 0
+            if c > prev:
+                self.accepted_pos.labels(position=str(i + 1)).inc(c - prev)
+        for k, v in cur[4].items():
+            if v > last[4].get(k, 0):
+                self.switches.labels(reason=k).inc(v - last[4].get(k, 0))
+        for k, v in cur[5].items():
+            if v > last[5].get(k, 0):
+                self.fallbacks.labels(reason=k).inc(v - last[5].get(k, 0))
+        if cur[6] > last[6]:
+            self.draft_latency.observe(cur[6] - last[6])
+        if cur[7] > last[7]:
+            self.verify_latency.observe(cur[7] - last[7])
+        self._last = cur
+        if st.acceptance_ewma is not None:
+            self.acceptance_ewma.set(st.acceptance_ewma)
+        s = engine.scheduler
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting)
+        self.kv_usage.set(s.kv_usage_ratio)
+        self.prefix_hit.set(s.prefix_cache_hit_ratio)
+
+    def request_finished(self, stats, reason, ttft, duration, n_tokens) -> None:
+        """Per-request observations (the scheduler's fallbacks are known once it finished)."""
+        self.requests.labels(finish_reason=reason or "unknown").inc()
+        for k in ("low_acceptance", "cost_model"):
+            n = stats.fallbacks.get(k, 0) if stats is not None else 0
+            if n:
+                self.fallbacks.labels(reason=k).inc(n)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+            if n_tokens > 1:
+                self.tpot.observe((duration - ttft) / (n_tokens - 1))
+        self.duration.observe(duration)

@@ -1,0 +1,1 @@
+"""Drafter training (``pyspec train-draft``) and evaluation (``pyspec eval-draft``)."""

@@ -1,0 +1,95 @@
+"""``pyspec train-draft``: self-distill a drafter for a target on the CPU, resumably."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+
+import torch
+
+METHODS = ("eagle",)
+
+
+def train_draft(args) -> str:
+    import pyspec
+    from pyspec.train import data as D
+    from pyspec.train import eagle as E
+
+    if args.method not in METHODS:
+        raise ValueError(f"--method {args.method!r} is not available; implemented: "
+                         f"{', '.join(METHODS)} (medusa and draft-model training are not built yet)")
+    for name in ("prompts", "max_tokens", "batch", "epochs", "draft_vocab", "intermediate_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    t0 = time.time()
+    os.makedirs(args.out, exist_ok=True)
+    torch.manual_seed(args.seed)
+    gen = pyspec.LLM(args.target, draft="none", dtype=args.gen_dtype, kv_cache_tokens=1024,
+                     progress=True)
+    data_path = os.path.join(args.out, "data.pt")
+    if os.path.isfile(data_path):
+        seqs = torch.load(data_path, weights_only=False)
+        print(f"loaded {len(seqs)} generated sequences from {data_path}")
+    else:
+        prompts = D.seed_prompts(args.prompts, seed=args.seed)
+        seqs = D.generate_corpus(gen, prompts, max_tokens=args.max_tokens, batch=args.batch,
+                                 seed=args.seed)
+        torch.save(seqs, data_path)
+    n_tok = sum(len(s.tokens) for s in seqs)
+    n_gen = sum(len(s.tokens) - s.num_prompt for s in seqs)
+    t_data = time.time() - t0
+    print(f"data: {len(seqs)} sequences, {n_tok} tokens ({n_gen} generated) in {t_data:.0f}s")
+    eos = [int(e) for e in gen.tokenizer.eos_token_ids]
+    vocab = D.draft_vocabulary(seqs, gen.model.cfg.vocab_size, args.draft_vocab, always=eos)
+    covered = float(D.token_counts(seqs, gen.model.cfg.vocab_size)[vocab].sum()) / max(n_tok, 1)
+    # Train against the target in float32 (its features were recorded from the generation run).
+    target = pyspec.LLM(args.target, draft="none", dtype="float32", kv_cache_tokens=1024,
+                        progress=False)
+    head = E.train(target, seqs, args.out, draft_vocab=vocab,
+                   intermediate_size=args.intermediate_size, epochs=args.epochs, lr=args.lr,
+                   seed=args.seed)
+    t_total = time.time() - t0
+    manifest = {
+        "drafter_version": args.version,
+        "method": "eagle",
+        "target": {"path_name": os.path.basename(target.model_path.rstrip("/")),
+                   "sha256": E.target_hash(target.model_path)},
+        "recipe": {"command": "pyspec train-draft " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in sorted(vars(args).items())
+            if k not in ("func", "command", "out") and v is not None),
+            "seed_prompts": args.prompts, "max_tokens": args.max_tokens,
+            "sequences": len(seqs), "tokens": n_tok, "generated_tokens": n_gen,
+            "draft_vocab": int(vocab.numel()), "draft_vocab_token_coverage": round(covered, 4),
+            "epochs": args.epochs, "lr": args.lr, "intermediate_size": args.intermediate_size,
+            "gen_dtype": args.gen_dtype},
+        "training_seconds": round(t_total, 1), "data_seconds": round(t_data, 1),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
+    }
+    out = E.write_drafter(head, args.out, manifest=manifest, width=args.tree_width,
+                          max_depth=args.tree_depth, max_nodes=args.tree_nodes)
+    print(f"wrote {out} ({t_total / 60:.1f} min)")
+    return out
+
+
+def add_parser(sub):
+    p = sub.add_parser("train-draft", help="train a drafter for a target by self-distillation")
+    p.add_argument("--target", default=None, help="target model folder (default: the embedded)")
+    p.add_argument("--method", default="eagle", help="eagle (medusa, draft-model: not yet)")
+    p.add_argument("--out", required=True, help="output drafter folder (resumes if present)")
+    p.add_argument("--prompts", type=int, default=2400, help="seed prompts to generate from")
+    p.add_argument("--max-tokens", type=int, default=192)
+    p.add_argument("--batch", type=int, default=64, help="generation batch size")
+    p.add_argument("--gen-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--draft-vocab", type=int, default=8192, help="reduced draft vocabulary size")
+    p.add_argument("--intermediate-size", type=int, default=1024)
+    p.add_argument("--tree-width", type=int, default=4)
+    p.add_argument("--tree-depth", type=int, default=5)
+    p.add_argument("--tree-nodes", type=int, default=24)
+    p.add_argument("--version", default="1")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=lambda a: (train_draft(a), 0)[1])
+    return p

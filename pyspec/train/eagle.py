@@ -1,0 +1,230 @@
+"""Training an EAGLE-style draft head by self-distillation (Li et al. 2024), on the CPU.
+
+Data: :func:`pyspec.train.data.generate_corpus` (the target's own outputs + its hidden states).
+Head: ``fc([embed(t_{p+1}); f_p])`` -> one Llama decoder layer (causal over positions) ->
+``f_hat_{p+1}``; draft logits = ``lm_head_d(norm(f_hat))`` over a reduced draft vocabulary (the most
+frequent target tokens; ids mapped back at inference). Loss per position: cross-entropy against the
+*target's own distribution* at the next position, computed on the fly from the recorded feature
+(``lm_head(norm(f_{p+1}))`` restricted to the draft vocabulary: knowledge distillation without
+storing logits), plus a smooth-L1 feature regression ``f_hat_{p+1} ~ f_{p+1}`` (normalized by the
+features' scale) that keeps deeper tree levels, which run on predicted features, on track. Inputs
+get small uniform feature noise (EAGLE's robustness trick).
+
+The trained head is written in the drafter format of :mod:`pyspec.drafters.heads`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import List, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pyspec.drafters.heads import save_heads
+
+
+def target_hash(model_path: str) -> str:
+    from pyspec.models.loader import weights_sha256
+
+    return weights_sha256(model_path)
+
+
+def _rms(x, w, eps):
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class EagleHead(nn.Module):
+    def __init__(self, target, draft_vocab: torch.Tensor, intermediate_size: int):
+        super().__init__()
+        cfg = target.cfg
+        h = cfg.hidden_size
+        self.cfg = cfg
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.ln1 = nn.Parameter(torch.ones(h))
+        self.ln2 = nn.Parameter(torch.ones(h))
+        self.q = nn.Linear(h, self.nh * self.hd, bias=False)
+        self.k = nn.Linear(h, self.nkv * self.hd, bias=False)
+        self.v = nn.Linear(h, self.nkv * self.hd, bias=False)
+        self.o = nn.Linear(self.nh * self.hd, h, bias=False)
+        self.gate = nn.Linear(h, intermediate_size, bias=False)
+        self.up = nn.Linear(h, intermediate_size, bias=False)
+        self.down = nn.Linear(intermediate_size, h, bias=False)
+        self.norm = nn.Parameter(target.norm.detach().float().clone())
+        lm = target.lm_head.detach().float()
+        self.lm_head = nn.Parameter(lm[draft_vocab].clone())
+        self.register_buffer("embed", target.embed.detach().float().clone(), persistent=False)
+        self.register_buffer("teacher_head", lm[draft_vocab].clone(), persistent=False)
+        self.register_buffer("teacher_norm", target.norm.detach().float().clone(), persistent=False)
+        self.draft_vocab = draft_vocab
+        self.target = target
+        with torch.no_grad():  # small residual branches at the start
+            self.o.weight.mul_(0.1)
+            self.down.weight.mul_(0.1)
+
+    def rope(self, t: int):
+        cos, sin = self.target.rope_tables(torch.arange(t))
+        return cos.float(), sin.float()
+
+    def forward(self, next_tokens, feats, cos, sin):
+        b, t, _ = feats.shape
+        x = self.fc(torch.cat([F.embedding(next_tokens, self.embed), feats], dim=-1))
+        hx = _rms(x, self.ln1, self.eps)
+        q = self.q(hx).view(b, t, self.nh, self.hd).transpose(1, 2)
+        k = self.k(hx).view(b, t, self.nkv, self.hd).transpose(1, 2)
+        v = self.v(hx).view(b, t, self.nkv, self.hd).transpose(1, 2)
+        half = self.hd // 2
+
+        def rot(z):
+            r = torch.cat([-z[..., half:], z[..., :half]], dim=-1)
+            return z * cos[None, None] + r * sin[None, None]
+
+        q, k = rot(q), rot(k)
+        if self.nkv != self.nh:
+            k = k.repeat_interleave(self.nh // self.nkv, dim=1)
+            v = v.repeat_interleave(self.nh // self.nkv, dim=1)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, self.nh * self.hd))
+        hx = _rms(x, self.ln2, self.eps)
+        x = x + self.down(F.silu(self.gate(hx)) * self.up(hx))
+        logits = F.linear(_rms(x, self.norm, self.eps), self.lm_head)
+        return x, logits
+
+    def export(self) -> dict:
+        p = {k: v.detach().float().contiguous() for k, v in self.state_dict().items()}
+        return {
+            "fc.weight": p["fc.weight"], "norm.weight": p["norm"],
+            "layer.input_layernorm.weight": p["ln1"],
+            "layer.post_attention_layernorm.weight": p["ln2"],
+            "layer.self_attn.q_proj.weight": p["q.weight"],
+            "layer.self_attn.k_proj.weight": p["k.weight"],
+            "layer.self_attn.v_proj.weight": p["v.weight"],
+            "layer.self_attn.o_proj.weight": p["o.weight"],
+            "layer.mlp.gate_proj.weight": p["gate.weight"],
+            "layer.mlp.up_proj.weight": p["up.weight"],
+            "layer.mlp.down_proj.weight": p["down.weight"],
+            "lm_head.weight": p["lm_head"], "draft_vocab": self.draft_vocab.to(torch.int64),
+        }
+
+
+def _batches(seqs, max_entries: int, max_len: int, rng: torch.Generator):
+    """Index batches of sequences with similar lengths (<= max_entries padded entries each)."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].tokens))
+    out, cur, cur_max = [], [], 0
+    for i in order:
+        n = min(len(seqs[i].tokens) - 2, max_len)
+        if n < 1:
+            continue
+        if cur and max(cur_max, n) * (len(cur) + 1) > max_entries:
+            out.append(cur)
+            cur, cur_max = [], 0
+        cur.append(i)
+        cur_max = max(cur_max, n)
+    if cur:
+        out.append(cur)
+    perm = torch.randperm(len(out), generator=rng).tolist()
+    return [out[k] for k in perm]
+
+
+def _tensors(seqs, idx, max_len):
+    n = [min(len(seqs[i].tokens) - 2, max_len) for i in idx]
+    t = max(n)
+    h = seqs[idx[0]].hidden.shape[-1]
+    nxt = torch.zeros(len(idx), t, dtype=torch.int64)
+    feats = torch.zeros(len(idx), t, h)
+    tgt = torch.zeros(len(idx), t, h)
+    mask = torch.zeros(len(idx), t, dtype=torch.bool)
+    for b, (i, m) in enumerate(zip(idx, n)):
+        s = seqs[i]
+        nxt[b, :m] = torch.tensor(s.tokens[1:m + 1])
+        feats[b, :m] = s.hidden[:m].float()
+        tgt[b, :m] = s.hidden[1:m + 1].float()
+        mask[b, :m] = True
+    return nxt, feats, tgt, mask
+
+
+def train(llm, seqs, out_dir: str, *, draft_vocab: torch.Tensor, intermediate_size: int = 1024,
+          epochs: int = 4, lr: float = 1e-3, max_entries: int = 6144, max_len: int = 512,
+          reg_weight: float = 0.5, noise: float = 0.05, seed: int = 0, progress: bool = True,
+          log=print) -> EagleHead:
+    """Train (resuming from ``out_dir/checkpoint.pt`` when present) and return the head."""
+    from tqdm import tqdm
+
+    torch.manual_seed(seed)
+    head = EagleHead(llm.model, draft_vocab, intermediate_size)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+    rng = torch.Generator().manual_seed(seed)
+    plan = [_batches(seqs, max_entries, max_len, rng) for _ in range(epochs)]
+    total = sum(len(p) for p in plan)
+    ckpt = os.path.join(out_dir, "checkpoint.pt")
+    start_epoch = 0
+    if os.path.isfile(ckpt):
+        state = torch.load(ckpt, weights_only=False)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        start_epoch = state["epoch"]
+        log(f"resumed from {ckpt} after epoch {start_epoch}")
+    scale = torch.cat([s.hidden[:64].float() for s in seqs[:256]]).std().item() or 1.0
+    cos_full, sin_full = head.rope(max_len)
+    step = sum(len(p) for p in plan[:start_epoch])
+    for ep in range(start_epoch, epochs):
+        bar = tqdm(plan[ep], desc=f"epoch {ep + 1}/{epochs}", disable=not progress)
+        agg = [0.0, 0.0, 0.0, 0]
+        for idx in bar:
+            nxt, feats, tgt, mask = _tensors(seqs, idx, max_len)
+            t = feats.shape[1]
+            frac = step / max(total, 1)
+            for g in opt.param_groups:  # warmup 3%, cosine decay
+                g["lr"] = lr * min(1.0, frac / 0.03) * 0.5 * (1 + math.cos(math.pi * frac))
+            if noise > 0:
+                feats = feats + (torch.rand(feats.shape, generator=rng) - 0.5) * (2 * noise * scale)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                fhat, logits = head(nxt, feats, cos_full[:t], sin_full[:t])
+            with torch.no_grad():
+                teacher = F.linear(_rms(tgt, head.teacher_norm, head.eps), head.teacher_head)
+                tprob = torch.softmax(teacher.float(), dim=-1)
+            m = mask.reshape(-1)
+            lp = torch.log_softmax(logits.float(), dim=-1).reshape(-1, logits.shape[-1])[m]
+            ce = -(tprob.reshape(-1, tprob.shape[-1])[m] * lp).sum(-1).mean()
+            reg = F.smooth_l1_loss(fhat.float().reshape(-1, fhat.shape[-1])[m] / scale,
+                                   tgt.reshape(-1, tgt.shape[-1])[m] / scale)
+            loss = ce + reg_weight * reg
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            step += 1
+            with torch.no_grad():
+                top1 = (lp.argmax(-1) == tprob.reshape(-1, tprob.shape[-1])[m].argmax(-1)).float()
+            agg[0] += ce.item()
+            agg[1] += reg.item()
+            agg[2] += float(top1.mean())
+            agg[3] += 1
+            bar.set_postfix(ce=f"{agg[0] / agg[3]:.3f}", reg=f"{agg[1] / agg[3]:.3f}",
+                            top1=f"{agg[2] / agg[3]:.3f}")
+        log(f"epoch {ep + 1}: ce {agg[0] / max(agg[3], 1):.4f} reg {agg[1] / max(agg[3], 1):.4f} "
+            f"top1 {agg[2] / max(agg[3], 1):.4f}")
+        os.makedirs(out_dir, exist_ok=True)
+        torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "epoch": ep + 1}, ckpt)
+    return head
+
+
+def write_drafter(head: EagleHead, out_dir: str, *, manifest: dict, width: int = 4,
+                  max_depth: int = 5, max_nodes: int = 24, dtype=torch.bfloat16) -> str:
+    cfg = head.cfg
+    tensors = {k: (v if k == "draft_vocab" else v.to(dtype)) for k, v in head.export().items()}
+    conf = {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+            "eagle": {"intermediate_size": head.gate.out_features,
+                      "num_attention_heads": head.nh, "num_key_value_heads": head.nkv,
+                      "head_dim": head.hd, "draft_vocab_size": int(head.draft_vocab.numel())},
+            "defaults": {"width": width, "max_depth": max_depth, "max_nodes": max_nodes},
+            "manifest": manifest}
+    return save_heads(out_dir, "eagle", tensors, conf)

@@ -1,0 +1,243 @@
+"""``pyspec eval-draft``: a drafter's acceptance report, and the promotion gate between versions.
+
+For every prompt (batch 1, greedy unless --temperature), in one process: the target decodes plainly
+and with each drafter (the drafter under test and, with --baseline, the other version), both
+through the same engine settings a user gets. The report holds, overall and per category:
+acceptance length (1 + accepted / speculative steps), tokens per target step, per-position
+acceptance, the draft / verify time split and the speedup over plain decoding measured in the same
+run. Written as JSON, markdown and a PNG.
+
+Gate (--baseline): exits 1 when a tracked metric of the candidate is worse than the baseline's by
+more than --threshold (relative; default 5%). Tracked: acceptance length and tokens per target step
+overall and per category (deterministic for greedy decoding, so the gate is not fooled by timing
+noise); speedup is tracked too with --gate-speedup.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Dict, List, Optional
+
+TRACKED = ("acceptance_length", "tokens_per_target_step")
+
+
+def read_prompts(path: str, limit: Optional[int] = None):
+    """JSONL rows: MT-bench style ``{"category", "turns": [...]}`` or ``{"prompt", "category"?}``
+    (also what ``pyspec serve``'s prompt sampling writes)."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--prompts: {path!r} is not a file")
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for k, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{k}: not valid JSON ({e})") from None
+            text = (row.get("turns") or [None])[0] if "turns" in row else row.get(
+                "prompt", row.get("text"))
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"{path}:{k}: needs 'turns' (a list of strings) or 'prompt'")
+            out.append((str(row.get("category", "all")), text))
+    if not out:
+        raise ValueError(f"{path}: no prompts")
+    return out[:limit] if limit else out
+
+
+def _summary(rows: List[dict]) -> dict:
+    tok = sum(r["tokens"] for r in rows)
+    steps = sum(r["steps"] for r in rows)
+    drafts = sum(r["drafts"] for r in rows)
+    acc = sum(r["accepted"] for r in rows)
+    secs = sum(r["seconds"] for r in rows)
+    plain = sum(r["plain_seconds"] for r in rows)
+    pos: List[int] = []
+    for r in rows:
+        for i, c in enumerate(r["accepted_per_position"]):
+            if i >= len(pos):
+                pos.append(0)
+            pos[i] += c
+    return dict(prompts=len(rows), tokens=tok,
+                acceptance_length=1 + acc / drafts if drafts else 1.0,
+                tokens_per_target_step=tok / steps if steps else 0.0,
+                per_position_acceptance=[c / drafts for c in pos] if drafts else [],
+                tokens_per_second=tok / secs if secs else 0.0,
+                plain_tokens_per_second=sum(r["tokens"] for r in rows) / plain if plain else 0.0,
+                speedup=plain / secs if secs else 0.0,
+                draft_seconds=sum(r["draft_seconds"] for r in rows),
+                verify_seconds=sum(r["verify_seconds"] for r in rows),
+                identical_to_plain=sum(r["identical"] for r in rows))
+
+
+def evaluate(target: Optional[str], drafts: Dict[str, str], prompts, *, max_tokens: int = 128,
+             temperature: float = 0.0, dtype: str = "float32", progress: bool = True) -> dict:
+    import pyspec
+    from tqdm import tqdm
+
+    from pyspec.engine import Engine, SamplingParams
+    from pyspec.runner import ModelRunner
+
+    base = pyspec.LLM(target, draft="none", dtype=dtype, kv_cache_tokens=1024, progress=progress)
+    blocks = 8 + (max(len(base.chat_prompt([{"role": "user", "content": p}])) for _, p in prompts)
+                  + max_tokens + 64) // 16
+
+    def engine(spec):
+        return Engine(ModelRunner(base.model, num_blocks=blocks, block_size=16), drafter=spec,
+                      max_num_seqs=1)
+
+    plain = engine("none")
+    engines = {name: engine(spec) for name, spec in drafts.items()}
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0)
+    enc = [base.chat_prompt([{"role": "user", "content": p}]) for _, p in prompts]
+    for e in [plain, *engines.values()]:  # warm-up outside the timings
+        e.generate([enc[0][:16]], SamplingParams(max_tokens=4))
+    rows: Dict[str, List[dict]] = {n: [] for n in engines}
+    for (cat, _), ids in tqdm(list(zip(prompts, enc)), desc="evaluating", disable=not progress):
+        t0 = time.perf_counter()
+        ref = plain.generate([ids], params)[0]
+        t_plain = time.perf_counter() - t0
+        for name, e in engines.items():
+            d0, v0 = e.stats.draft_seconds, e.stats.verify_seconds
+            t0 = time.perf_counter()
+            r = e.generate([ids], params)[0]
+            secs = time.perf_counter() - t0
+            st = r.stats
+            rows[name].append(dict(
+                category=cat, tokens=len(r.token_ids), steps=st.steps, drafts=st.drafts,
+                draft_tokens=st.draft_tokens, accepted=st.accepted_tokens,
+                accepted_per_position=st.accepted_per_position, seconds=secs,
+                plain_seconds=t_plain * len(r.token_ids) / max(len(ref.token_ids), 1),
+                draft_seconds=e.stats.draft_seconds - d0, verify_seconds=e.stats.verify_seconds - v0,
+                identical=r.token_ids == ref.token_ids, fallbacks=st.fallbacks))
+    report = dict(target=base.model_path, max_tokens=max_tokens, temperature=temperature,
+                  dtype=dtype, drafters={})
+    for name, rs in rows.items():
+        s = _summary(rs)
+        s["spec"] = drafts[name]
+        d = engines[name].drafters.get(engines[name].default_drafter or "")
+        s["manifest"] = getattr(d, "manifest", None)
+        s["per_category"] = {c: _summary([r for r in rs if r["category"] == c])
+                             for c in dict.fromkeys(r["category"] for r in rs)}
+        report["drafters"][name] = s
+    return report
+
+
+def gate(report: dict, candidate: str, baseline: str, threshold: float,
+         speedup: bool = False) -> List[str]:
+    """Tracked metrics where the candidate is worse than the baseline by more than threshold."""
+    c, b = report["drafters"][candidate], report["drafters"][baseline]
+    keys = TRACKED + (("speedup",) if speedup else ())
+    bad = []
+    scopes = [("overall", c, b)] + [(f"category {k}", c["per_category"][k], b["per_category"][k])
+                                    for k in c["per_category"] if k in b["per_category"]]
+    for scope, cs, bs in scopes:
+        for k in keys:
+            if bs[k] > 0 and cs[k] < bs[k] * (1 - threshold):
+                bad.append(f"{scope}: {k} {cs[k]:.3f} < baseline {bs[k]:.3f} "
+                           f"(-{100 * (1 - cs[k] / bs[k]):.1f}% > {100 * threshold:.0f}%)")
+    return bad
+
+
+def write_report(report: dict, out_dir: str) -> List[str]:
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, "report.json"), os.path.join(out_dir, "report.md")]
+    with open(paths[0], "w") as f:
+        json.dump(report, f, indent=1)
+    lines = [f"# Drafter acceptance report", "",
+             f"target `{report['target']}`, {report['max_tokens']} new tokens, temperature "
+             f"{report['temperature']}, {report['dtype']}, batch 1, same run as plain decoding", ""]
+    for name, s in report["drafters"].items():
+        lines += [f"## {name} (`{s['spec']}`)", "",
+                  f"- acceptance length **{s['acceptance_length']:.2f}**, tokens per target step "
+                  f"{s['tokens_per_target_step']:.2f}",
+                  f"- speedup over plain **{s['speedup']:.2f}x** ({s['tokens_per_second']:.1f} vs "
+                  f"{s['plain_tokens_per_second']:.1f} tok/s)",
+                  f"- draft / verify time: {s['draft_seconds']:.1f}s / {s['verify_seconds']:.1f}s",
+                  f"- per-position acceptance: " + ", ".join(
+                      f"{p:.2f}" for p in s["per_position_acceptance"][:8]),
+                  f"- identical to plain: {s['identical_to_plain']}/{s['prompts']}", "",
+                  "| category | prompts | acceptance length | tokens/step | speedup |",
+                  "|---|---|---|---|---|"]
+        for c, cs in s["per_category"].items():
+            lines.append(f"| {c} | {cs['prompts']} | {cs['acceptance_length']:.2f} | "
+                         f"{cs['tokens_per_target_step']:.2f} | {cs['speedup']:.2f}x |")
+        lines.append("")
+    with open(paths[1], "w") as f:
+        f.write("\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+        names = list(report["drafters"])
+        cats = list(report["drafters"][names[0]]["per_category"])
+        w = 0.8 / len(names)
+        for k, n in enumerate(names):
+            s = report["drafters"][n]
+            axes[0].bar([i + k * w for i in range(len(cats))],
+                        [s["per_category"][c]["acceptance_length"] for c in cats], w, label=n)
+            axes[1].plot(range(1, len(s["per_position_acceptance"]) + 1),
+                         s["per_position_acceptance"], marker="o", label=n)
+        axes[0].set_xticks([i + 0.4 - w / 2 for i in range(len(cats))])
+        axes[0].set_xticklabels(cats, rotation=30, fontsize=8)
+        axes[0].set_ylabel("acceptance length")
+        axes[1].set_xlabel("draft position")
+        axes[1].set_ylabel("share of speculative steps accepting it")
+        axes[0].legend(fontsize=7)
+        fig.tight_layout()
+        p = os.path.join(out_dir, "report.png")
+        fig.savefig(p, dpi=100)
+        paths.append(p)
+    except ImportError:
+        pass
+    return paths
+
+
+def add_parser(sub):
+    p = sub.add_parser("eval-draft", help="acceptance report for a drafter (and a promotion gate)")
+    p.add_argument("--target", default=None, help="target model folder (default: the embedded)")
+    p.add_argument("--draft", default="default", help="drafter spec (see pyspec generate --draft)")
+    p.add_argument("--prompts", required=True, help="JSONL prompts (MT-bench format or 'prompt')")
+    p.add_argument("--limit", type=int, default=None, help="first N prompts only")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--baseline", default=None, help="another drafter to compare (promotion gate)")
+    p.add_argument("--threshold", type=float, default=0.05)
+    p.add_argument("--gate-speedup", action="store_true", help="also gate on measured speedup")
+    p.add_argument("--out", default="eval-draft", help="report folder")
+    p.set_defaults(func=_cmd)
+    return p
+
+
+def _cmd(args) -> int:
+    if args.max_tokens < 1:
+        raise ValueError("--max-tokens must be >= 1")
+    if not 0 < args.threshold < 1:
+        raise ValueError("--threshold must be in (0, 1)")
+    prompts = read_prompts(args.prompts, args.limit)
+    drafts = {"candidate": args.draft}
+    if args.baseline:
+        drafts["baseline"] = args.baseline
+    report = evaluate(args.target, drafts, prompts, max_tokens=args.max_tokens,
+                      temperature=args.temperature, dtype=args.dtype)
+    paths = write_report(report, args.out)
+    for name, s in report["drafters"].items():
+        print(f"{name}: acceptance length {s['acceptance_length']:.2f}, tokens/step "
+              f"{s['tokens_per_target_step']:.2f}, speedup {s['speedup']:.2f}x "
+              f"({s['identical_to_plain']}/{s['prompts']} identical to plain)")
+    print("wrote " + ", ".join(paths))
+    if args.baseline:
+        bad = gate(report, "candidate", "baseline", args.threshold, args.gate_speedup)
+        if bad:
+            print("promotion gate: FAILED")
+            for b in bad:
+                print("  " + b)
+            return 1
+        print("promotion gate: passed")
+    return 0

@@ -1,0 +1,247 @@
+"""pyspec serve on 127.0.0.1 with a tiny random model, driven by the real `openai` client: chat and
+completions, streaming, stop sequences, 16 concurrent mixed requests each equal (greedy) to running
+it alone, a mid-stream disconnect freeing its KV, bad requests (4xx with an OpenAI error body) while
+the server keeps serving, config validation and the metrics endpoint."""
+
+import concurrent.futures as cf
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+from helpers import require_module
+from test_llm import write_tiny_model
+
+require_module("fastapi")
+require_module("uvicorn")
+require_module("openai")
+require_module("prometheus_client")
+require_module("httpx")
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+
+import pyspec  # noqa: E402
+from pyspec.serve.app import create_app  # noqa: E402
+from pyspec.serve.config import ConfigError, parse_config  # noqa: E402
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    import uvicorn
+
+    path = write_tiny_model(tmp_path_factory.mktemp("serve-model"))
+    llm = pyspec.LLM(path, draft="ngram", kv_cache_tokens=8192)
+    app = create_app(llm, parse_config({"speculative": {"enabled_ratio": 0.5}}))
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    for _ in range(200):
+        if srv.started:
+            break
+        time.sleep(0.05)
+    base = f"http://127.0.0.1:{port}"
+    yield dict(llm=llm, app=app, base=base, path=path,
+               client=openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0))
+    srv.should_exit = True
+    th.join(timeout=10)
+
+
+def metric(base, name):
+    text = httpx.get(base + "/metrics").text
+    for line in text.splitlines():
+        if line.startswith(name + " ") or ("{" not in name and line.startswith(name + "{")):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not exported")
+
+
+def metric_or_zero(base, name):
+    try:
+        return metric(base, name)
+    except AssertionError:
+        return 0.0
+
+
+def alone(llm, prompt, max_tokens, chat=False):
+    ref = pyspec.LLM(llm.model_path, draft="none", kv_cache_tokens=2048)
+    p = {"max_tokens": max_tokens}
+    if chat:
+        return ref.chat([{"role": "user", "content": prompt}], p).text
+    return ref.generate(prompt, p)[0].text
+
+
+def test_models_health_and_completion(server):
+    c = server["client"]
+    assert [m.id for m in c.models.list().data] == ["pyspec"]
+    assert httpx.get(server["base"] + "/health").json() == {"status": "ok"}
+    r = c.completions.create(model="pyspec", prompt="abc abc abc", max_tokens=12, temperature=0)
+    assert r.choices[0].text == alone(server["llm"], "abc abc abc", 12)
+    assert r.usage.completion_tokens <= 12 and r.usage.prompt_tokens > 0
+
+
+def test_chat_stream_and_stop(server):
+    c = server["client"]
+    full = c.chat.completions.create(model="pyspec", temperature=0, max_tokens=16,
+                                     messages=[{"role": "user", "content": "hello"}])
+    text = full.choices[0].message.content
+    assert text == alone(server["llm"], "hello", 16, chat=True)
+    chunks = list(c.chat.completions.create(model="pyspec", temperature=0, max_tokens=16,
+                                            stream=True,
+                                            messages=[{"role": "user", "content": "hello"}]))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == text
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    if len(text) > 4:
+        stop = text[2:4]
+        cut = c.chat.completions.create(model="pyspec", temperature=0, max_tokens=16, stop=[stop],
+                                        messages=[{"role": "user", "content": "hello"}])
+        assert cut.choices[0].message.content == text[:text.find(stop)]
+        assert cut.choices[0].finish_reason == "stop"
+
+
+def test_sixteen_concurrent_mixed_requests_equal_alone(server):
+    c = server["client"]
+    prompts = [f"item {i} item {i} item" for i in range(16)]
+
+    def one(i):
+        if i % 4 == 3:  # sampled requests mixed in
+            r = c.completions.create(model="pyspec", prompt=prompts[i], max_tokens=10,
+                                     temperature=0.9, top_p=0.8, seed=i)
+            return None, r
+        return prompts[i], c.completions.create(model="pyspec", prompt=prompts[i],
+                                                max_tokens=8 + i % 5, temperature=0)
+
+    with cf.ThreadPoolExecutor(16) as ex:
+        res = list(ex.map(one, range(16)))
+    for i, (p, r) in enumerate(res):
+        if p is not None:
+            assert r.choices[0].text == alone(server["llm"], p, 8 + i % 5), i
+
+
+def test_disconnect_mid_stream_frees_kv(server, monkeypatch):
+    base = server["base"]
+    idle = metric(base, "pyspec_kv_cache_usage_ratio")
+    eng = server["llm"].engine
+    real_step = eng.step
+
+    def slow_step():  # keep the request running long enough to disconnect in the middle
+        time.sleep(0.01)
+        return real_step()
+
+    monkeypatch.setattr(eng, "step", slow_step)
+    aborted = metric_or_zero(base, 'pyspec_requests_total{finish_reason="abort"}')
+    with httpx.stream("POST", base + "/v1/completions",
+                      json={"model": "pyspec", "prompt": "abc abc", "max_tokens": 500,
+                            "stream": True, "temperature": 0, "ignore_eos": True}) as r:
+        lines = r.iter_lines()  # (closing this iterator would already close the connection)
+        line = next(lines)
+        while not line.startswith("data: "):
+            line = next(lines)
+        assert '"text"' in line, line
+        assert metric(base, "pyspec_num_requests_running") >= 1  # still generating
+    # The connection is closed here, mid-stream: the server aborts the request.
+    for _ in range(100):
+        if metric(base, "pyspec_num_requests_running") == 0:
+            break
+        time.sleep(0.05)
+    assert metric(base, "pyspec_num_requests_running") == 0
+    assert metric(base, "pyspec_kv_cache_usage_ratio") == idle
+    assert metric(base, 'pyspec_requests_total{finish_reason="abort"}') == aborted + 1
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (b"{not json", 400, None),
+    (b'{"model": "gpt-99", "prompt": "x"}', 404, "model"),
+    (b'{"prompt": "x", "max_tokens": -3}', 400, "max_tokens"),
+    (b'{"prompt": "x", "temperature": -0.5}', 400, "temperature"),
+    (b'{"prompt": "x", "max_tokens": 100000}', 400, "max_tokens"),
+    (b'{"prompt": "\xff\xfe bad utf8"}', 400, None),
+    (b'{"prompt": ""}', 400, "prompt"),
+    (b'{"prompt": [1, 2, 99999]}', 400, "prompt"),
+    (b'{"prompt": "x", "logprobs": 3}', 400, "logprobs"),
+    (b'{"prompt": "x", "stop": [""]}', 400, "stop"),
+    (b'[1, 2]', 400, None),
+])
+def test_bad_requests_get_4xx_and_server_keeps_serving(server, body, status, param):
+    r = httpx.post(server["base"] + "/v1/completions", content=body,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    assert err["param"] == param
+    ok = server["client"].completions.create(model="pyspec", prompt="x", max_tokens=2)
+    assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_long_prompt_rejected_via_client(server):
+    with pytest.raises(openai.BadRequestError):
+        server["client"].completions.create(model="pyspec", prompt="word " * 3000, max_tokens=5)
+
+
+def test_metrics_exported(server):
+    text = httpx.get(server["base"] + "/metrics").text
+    for name in ["pyspec_spec_decode_num_drafts_total", "pyspec_spec_decode_num_draft_tokens_total",
+                 "pyspec_spec_decode_num_accepted_tokens_total",
+                 "pyspec_spec_decode_acceptance_ewma", "pyspec_num_requests_running",
+                 "pyspec_num_requests_waiting", "pyspec_kv_cache_usage_ratio",
+                 "pyspec_prefix_cache_hit_ratio", "gen_ai_server_time_to_first_token_seconds",
+                 "gen_ai_server_time_per_output_token_seconds",
+                 "gen_ai_server_request_duration_seconds", "pyspec_memory_bytes"]:
+        assert name in text, name
+    assert metric(server["base"], "pyspec_spec_decode_num_drafts_total") > 0
+    assert 'pyspec_memory_bytes{component="target_weights"}' in text
+    assert "gen_ai_server_time_per_output_token_seconds_bucket{le=\"0.005\"}" in text
+    assert "gen_ai.pyspec" not in text and "gen_ai_server_spec" not in text
+
+
+@pytest.mark.parametrize("cfg, key", [
+    ({"speculative": {"enabled_ratio": 2}}, "speculative.enabled_ratio"),
+    ({"speculative": {"gamma": 0}}, "speculative.gamma"),
+    ({"speculative": {"bogus": 1}}, "speculative.bogus"),
+    ({"speculative": {"quality_gate": {"kl_threshold": "x"}}}, "quality_gate.kl_threshold"),
+    ({"speculative": {"quality_gate": {"nope": 1}}}, "quality_gate.nope"),
+    ({"tenants": {"a": {"speculative": {"gamma": 3}}}}, "tenants.a.speculative.gamma"),
+    ({"other": 1}, "other"),
+])
+def test_config_errors_name_the_key(cfg, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        parse_config(cfg)
+
+
+def test_config_shape_and_ratio_is_deterministic():
+    cfg = parse_config({"speculative": {
+        "enabled_ratio": 0.1, "draft_model": "ngram", "target_model": "default", "gamma": 5,
+        "tree_width": 3, "adaptive": True, "fallback_on_alpha_below": 0.3,
+        "quality_gate": {"kl_threshold": 0.05, "rollback_on_violation": True}},
+        "tenants": {"batch": {"speculative": {"enabled_ratio": 0.0}}}})
+    s = cfg.speculative
+    assert s.gamma == 5 and s.tree_width == 3 and s.quality_gate.kl_threshold == 0.05
+    ids = [f"req-{i}" for i in range(4000)]
+    share = sum(s.speculates(i) for i in ids) / len(ids)
+    assert 0.08 < share < 0.12
+    assert [s.speculates(i) for i in ids[:50]] == [s.speculates(i) for i in ids[:50]]
+    assert not any(cfg.for_tenant("batch").speculates(i) for i in ids[:100])
+    assert cfg.for_tenant("unknown") is s
+
+
+def test_sighup_reload_applies_new_config(server, tmp_path):
+    from pyspec.serve.cli import reload_config
+
+    app = server["app"]
+    old = app.state.config["config"]
+    p = tmp_path / "c.yaml"
+    p.write_text("speculative:\n  enabled_ratio: 0.0\n")
+    assert reload_config(app, str(p))
+    assert app.state.config["config"].speculative.enabled_ratio == 0.0
+    p.write_text("speculative:\n  enabled_ratio: 7\n")
+    assert not reload_config(app, str(p))  # invalid: the old config stays
+    assert app.state.config["config"].speculative.enabled_ratio == 0.0
+    app.state.config["config"] = old

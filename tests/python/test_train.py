@@ -1,0 +1,113 @@
+"""train-draft on a tiny model (a few steps), drafter manifests, eval-draft reports and the promotion
+gate (a worse drafter fails it)."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from pyspec import cli
+from test_llm import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-target"))
+
+
+def _train(target, out, seed=0, epochs=1):
+    rc = cli.main(["train-draft", "--target", target, "--out", out, "--prompts", "12",
+                   "--max-tokens", "12", "--batch", "6", "--epochs", str(epochs), "--draft-vocab",
+                   "80", "--intermediate-size", "32", "--tree-nodes", "8", "--seed", str(seed)])
+    assert rc == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(tiny, tmp_path_factory):
+    return _train(tiny, str(tmp_path_factory.mktemp("drafter") / "d"))
+
+
+def test_train_writes_a_loadable_drafter_with_manifest(tiny, trained):
+    import pyspec
+    from pyspec.models.loader import weights_sha256
+
+    conf = json.load(open(os.path.join(trained, "drafter.json")))
+    assert conf["method"] == "eagle" and conf["format"] == "pyspec-drafter"
+    man = conf["manifest"]
+    assert man["target"]["sha256"] == weights_sha256(tiny)
+    assert man["recipe"]["sequences"] == 12 and man["recipe"]["draft_vocab"] == 80
+    assert "pyspec train-draft" in man["recipe"]["command"]
+    assert conf["eagle"]["draft_vocab_size"] == 80
+    llm = pyspec.LLM(tiny, draft=trained, kv_cache_tokens=2048)
+    ref = pyspec.LLM(tiny, draft="none", kv_cache_tokens=2048)
+    p = ["the cat sat on the mat", "abc abc"]
+    a = llm.generate(p, {"max_tokens": 12})
+    b = ref.generate(p, {"max_tokens": 12})
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+
+
+def test_training_is_deterministic_and_resumable(tiny, trained, tmp_path):
+    from safetensors.torch import load_file
+
+    again = _train(tiny, str(tmp_path / "again"))
+    x = load_file(os.path.join(trained, "drafter.safetensors"))
+    y = load_file(os.path.join(again, "drafter.safetensors"))
+    assert x.keys() == y.keys()
+    for k in x:
+        assert torch.equal(x[k], y[k]), k
+    # A second run in the same folder reuses the generated data and resumes after epoch 1.
+    more = _train(tiny, again, epochs=2)
+    conf = json.load(open(os.path.join(more, "drafter.json")))
+    assert conf["manifest"]["recipe"]["epochs"] == 2
+
+
+def test_target_mismatch_warns_vocab_mismatch_fails(trained, tmp_path):
+    import pyspec
+
+    other = write_tiny_model(tmp_path / "other", seed=5)
+    with pytest.warns(UserWarning, match="trained for target"):
+        pyspec.LLM(other, draft=trained, kv_cache_tokens=1024)
+    bad = str(tmp_path / "badvocab")
+    shutil.copytree(trained, bad)
+    conf = json.load(open(os.path.join(bad, "drafter.json")))
+    conf["vocab_size"] = 999
+    json.dump(conf, open(os.path.join(bad, "drafter.json"), "w"))
+    with pytest.raises(ValueError, match="vocab_size"):
+        pyspec.LLM(other, draft=bad, kv_cache_tokens=1024)
+
+
+def test_train_bad_arguments(tiny, tmp_path):
+    assert cli.main(["train-draft", "--target", tiny, "--out", str(tmp_path / "x"),
+                     "--method", "medusa"]) == 2
+    assert cli.main(["train-draft", "--target", tiny, "--out", str(tmp_path / "x"),
+                     "--epochs", "0"]) == 2
+
+
+def test_eval_draft_report_and_promotion_gate(tiny, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    with open(prompts, "w") as f:
+        for i, t in enumerate(["the cat sat on the mat", "one two three", "abc abc abc",
+                               "hello world"]):
+            f.write(json.dumps({"category": "a" if i % 2 else "b", "turns": [t, "x"]}) + "\n")
+    good = str(tmp_path / "good")
+    shutil.copytree(tiny, good)  # the target itself as a draft model: everything is accepted
+    out = str(tmp_path / "rep")
+    rc = cli.main(["eval-draft", "--target", tiny, "--draft", good, "--baseline", "ngram",
+                   "--prompts", str(prompts), "--max-tokens", "16", "--out", out])
+    assert rc == 0, capsys.readouterr().out
+    rep = json.load(open(os.path.join(out, "report.json")))
+    c = rep["drafters"]["candidate"]
+    assert c["acceptance_length"] > rep["drafters"]["baseline"]["acceptance_length"]
+    assert c["identical_to_plain"] == 4 and set(c["per_category"]) == {"a", "b"}
+    assert c["per_position_acceptance"][0] == 1.0
+    assert os.path.isfile(os.path.join(out, "report.md"))
+    assert "promotion gate: passed" in capsys.readouterr().out
+    # The worse drafter as the candidate fails the gate (exit 1) and says which metric.
+    rc = cli.main(["eval-draft", "--target", tiny, "--draft", "ngram", "--baseline", good,
+                   "--prompts", str(prompts), "--max-tokens", "16", "--out", out])
+    text = capsys.readouterr().out
+    assert rc == 1 and "FAILED" in text and "acceptance_length" in text
+    assert cli.main(["eval-draft", "--target", tiny, "--prompts", str(tmp_path / "none.jsonl")]) == 2
