@@ -9,7 +9,7 @@ import time
 
 import torch
 
-METHODS = ("eagle",)
+METHODS = ("eagle", "draft-model")
 
 
 def train_draft(args) -> str:
@@ -19,8 +19,9 @@ def train_draft(args) -> str:
 
     if args.method not in METHODS:
         raise ValueError(f"--method {args.method!r} is not available; implemented: "
-                         f"{', '.join(METHODS)} (medusa and draft-model training are not built yet)")
-    for name in ("prompts", "max_tokens", "batch", "epochs", "draft_vocab", "intermediate_size"):
+                         f"{', '.join(METHODS)} (medusa training is not built yet)")
+    for name in ("prompts", "max_tokens", "batch", "epochs", "draft_vocab", "intermediate_size",
+                 "draft_layers"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     t0 = time.time()
@@ -28,7 +29,9 @@ def train_draft(args) -> str:
     torch.manual_seed(args.seed)
     gen = pyspec.LLM(args.target, draft="none", dtype=args.gen_dtype, kv_cache_tokens=1024,
                      progress=True)
-    data_path = os.path.join(args.out, "data.pt")
+    data_path = args.data or os.path.join(args.out, "data.pt")
+    if args.data and not os.path.isfile(args.data):
+        raise ValueError(f"--data {args.data!r} is not a file")
     if os.path.isfile(data_path):
         seqs = torch.load(data_path, weights_only=False)
         print(f"loaded {len(seqs)} generated sequences from {data_path}")
@@ -41,32 +44,42 @@ def train_draft(args) -> str:
     n_gen = sum(len(s.tokens) - s.num_prompt for s in seqs)
     t_data = time.time() - t0
     print(f"data: {len(seqs)} sequences, {n_tok} tokens ({n_gen} generated) in {t_data:.0f}s")
-    eos = [int(e) for e in gen.tokenizer.eos_token_ids]
-    vocab = D.draft_vocabulary(seqs, gen.model.cfg.vocab_size, args.draft_vocab, always=eos)
-    covered = float(D.token_counts(seqs, gen.model.cfg.vocab_size)[vocab].sum()) / max(n_tok, 1)
     # Train against the target in float32 (its features were recorded from the generation run).
     target = pyspec.LLM(args.target, draft="none", dtype="float32", kv_cache_tokens=1024,
                         progress=False)
+    recipe = {"command": "pyspec train-draft " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in sorted(vars(args).items())
+        if k not in ("func", "command", "out") and v is not None),
+        "seed_prompts": args.prompts, "max_tokens": args.max_tokens, "sequences": len(seqs),
+        "tokens": n_tok, "generated_tokens": n_gen, "epochs": args.epochs, "lr": args.lr,
+        "gen_dtype": args.gen_dtype}
+    manifest = {"drafter_version": args.version, "method": args.method,
+                "target": {"path_name": os.path.basename(target.model_path.rstrip("/")),
+                           "sha256": E.target_hash(target.model_path)},
+                "recipe": recipe,
+                "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"}
+    if args.method == "draft-model":
+        from pyspec.train import draft_model as DM
+
+        model = DM.train(target, seqs, args.out, num_layers=args.draft_layers, epochs=args.epochs,
+                         lr=args.lr, seed=args.seed)
+        out = model.save_pretrained(target.model_path, args.out)
+        recipe["draft_layers"] = args.draft_layers
+        manifest.update(training_seconds=round(time.time() - t0, 1), data_seconds=round(t_data, 1))
+        with open(os.path.join(out, "pyspec_manifest.json"), "w") as f:
+            json.dump(manifest, f, indent=1)
+        print(f"wrote {out} ({(time.time() - t0) / 60:.1f} min)")
+        return out
+    eos = [int(e) for e in gen.tokenizer.eos_token_ids]
+    vocab = D.draft_vocabulary(seqs, gen.model.cfg.vocab_size, args.draft_vocab, always=eos)
+    covered = float(D.token_counts(seqs, gen.model.cfg.vocab_size)[vocab].sum()) / max(n_tok, 1)
     head = E.train(target, seqs, args.out, draft_vocab=vocab,
                    intermediate_size=args.intermediate_size, epochs=args.epochs, lr=args.lr,
                    seed=args.seed)
+    recipe.update(draft_vocab=int(vocab.numel()), draft_vocab_token_coverage=round(covered, 4),
+                  intermediate_size=args.intermediate_size)
     t_total = time.time() - t0
-    manifest = {
-        "drafter_version": args.version,
-        "method": "eagle",
-        "target": {"path_name": os.path.basename(target.model_path.rstrip("/")),
-                   "sha256": E.target_hash(target.model_path)},
-        "recipe": {"command": "pyspec train-draft " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in sorted(vars(args).items())
-            if k not in ("func", "command", "out") and v is not None),
-            "seed_prompts": args.prompts, "max_tokens": args.max_tokens,
-            "sequences": len(seqs), "tokens": n_tok, "generated_tokens": n_gen,
-            "draft_vocab": int(vocab.numel()), "draft_vocab_token_coverage": round(covered, 4),
-            "epochs": args.epochs, "lr": args.lr, "intermediate_size": args.intermediate_size,
-            "gen_dtype": args.gen_dtype},
-        "training_seconds": round(t_total, 1), "data_seconds": round(t_data, 1),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
-    }
+    manifest.update(training_seconds=round(t_total, 1), data_seconds=round(t_data, 1))
     out = E.write_drafter(head, args.out, manifest=manifest, width=args.tree_width,
                           max_depth=args.tree_depth, max_nodes=args.tree_nodes)
     print(f"wrote {out} ({t_total / 60:.1f} min)")
@@ -76,9 +89,12 @@ def train_draft(args) -> str:
 def add_parser(sub):
     p = sub.add_parser("train-draft", help="train a drafter for a target by self-distillation")
     p.add_argument("--target", default=None, help="target model folder (default: the embedded)")
-    p.add_argument("--method", default="eagle", help="eagle (medusa, draft-model: not yet)")
+    p.add_argument("--method", default="eagle", help="eagle | draft-model (medusa: not yet)")
+    p.add_argument("--draft-layers", type=int, default=4, help="draft-model: layers")
     p.add_argument("--out", required=True, help="output drafter folder (resumes if present)")
     p.add_argument("--prompts", type=int, default=2400, help="seed prompts to generate from")
+    p.add_argument("--data", default=None,
+                   help="reuse the generated corpus (data.pt) of an earlier run for this target")
     p.add_argument("--max-tokens", type=int, default=192)
     p.add_argument("--batch", type=int, default=64, help="generation batch size")
     p.add_argument("--gen-dtype", default="bfloat16", choices=["float32", "bfloat16"])

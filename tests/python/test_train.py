@@ -111,3 +111,22 @@ def test_eval_draft_report_and_promotion_gate(tiny, tmp_path, capsys):
     text = capsys.readouterr().out
     assert rc == 1 and "FAILED" in text and "acceptance_length" in text
     assert cli.main(["eval-draft", "--target", tiny, "--prompts", str(tmp_path / "none.jsonl")]) == 2
+
+
+def test_train_draft_model_method(tiny, trained, tmp_path):
+    import pyspec
+
+    out = str(tmp_path / "dm")
+    rc = cli.main(["train-draft", "--target", tiny, "--out", out, "--method", "draft-model",
+                   "--data", os.path.join(trained, "data.pt"), "--draft-layers", "1",
+                   "--epochs", "1"])
+    assert rc == 0
+    man = json.load(open(os.path.join(out, "pyspec_manifest.json")))
+    assert man["method"] == "draft-model" and man["recipe"]["draft_layers"] == 1
+    assert json.load(open(os.path.join(out, "config.json")))["num_hidden_layers"] == 1
+    llm = pyspec.LLM(tiny, draft=out, kv_cache_tokens=2048)
+    ref = pyspec.LLM(tiny, draft="none", kv_cache_tokens=2048)
+    p = ["the cat sat on the mat", "abc abc"]
+    assert [o.token_ids for o in llm.generate(p, {"max_tokens": 10})] == \
+        [o.token_ids for o in ref.generate(p, {"max_tokens": 10})]
+    assert "draft model" in llm.drafter_name

@@ -1,0 +1,168 @@
+"""Training a small independent draft model (same tokenizer) by distillation, on the CPU.
+
+The draft model is a Llama with the target's vocabulary and ``num_layers`` layers, initialised from
+the target's first layers, its final norm and (tied) embeddings; the layers and the final norm are
+trained to match the target's next-token distribution at every position of the self-generated
+corpus (full-vocabulary KL; the teacher's logits come from the recorded hidden states, so the
+target never runs during training). The result is an ordinary Hugging Face checkpoint folder
+(config.json, model.safetensors, tokenizer files): pyspec's draft-model path and transformers'
+assisted generation load the same files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from typing import List
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pyspec.train.eagle import _batches, _rms
+
+
+class DraftLM(nn.Module):
+    def __init__(self, target, num_layers: int):
+        super().__init__()
+        cfg = target.cfg
+        self.cfg = cfg
+        self.target = target
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        self.inter = cfg.intermediate_size
+        self.layers = nn.ModuleList()
+        qs, ks = cfg.q_size, cfg.kv_size
+        for layer in target.layers[:num_layers]:
+            m = nn.Module()
+            m.ln1 = nn.Parameter(layer["ln1"].detach().float().clone())
+            m.ln2 = nn.Parameter(layer["ln2"].detach().float().clone())
+            w = layer["wqkv"].detach().float()
+            m.q = nn.Parameter(w[:qs].clone())
+            m.k = nn.Parameter(w[qs:qs + ks].clone())
+            m.v = nn.Parameter(w[qs + ks:].clone())
+            m.o = nn.Parameter(layer["wo"].detach().float().clone())
+            gu = layer["wgu"].detach().float()
+            m.gate = nn.Parameter(gu[:self.inter].clone())
+            m.up = nn.Parameter(gu[self.inter:].clone())
+            m.down = nn.Parameter(layer["wd"].detach().float().clone())
+            self.layers.append(m)
+        self.norm = nn.Parameter(target.norm.detach().float().clone())
+        self.register_buffer("embed", target.embed.detach().float().clone(), persistent=False)
+        self.register_buffer("lm_head", target.lm_head.detach().float().clone(), persistent=False)
+        self.register_buffer("teacher_norm", target.norm.detach().float().clone(),
+                             persistent=False)
+
+    def forward(self, tokens, cos, sin):
+        b, t = tokens.shape
+        x = F.embedding(tokens, self.embed)
+        half = self.hd // 2
+
+        def rot(z):
+            r = torch.cat([-z[..., half:], z[..., :half]], dim=-1)
+            return z * cos[None, None] + r * sin[None, None]
+
+        for m in self.layers:
+            h = _rms(x, m.ln1, self.eps)
+            q = F.linear(h, m.q).view(b, t, self.nh, self.hd).transpose(1, 2)
+            k = F.linear(h, m.k).view(b, t, self.nkv, self.hd).transpose(1, 2)
+            v = F.linear(h, m.v).view(b, t, self.nkv, self.hd).transpose(1, 2)
+            q, k = rot(q), rot(k)
+            if self.nkv != self.nh:
+                k = k.repeat_interleave(self.nh // self.nkv, dim=1)
+                v = v.repeat_interleave(self.nh // self.nkv, dim=1)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + F.linear(a.transpose(1, 2).reshape(b, t, self.nh * self.hd), m.o)
+            h = _rms(x, m.ln2, self.eps)
+            x = x + F.linear(F.silu(F.linear(h, m.gate)) * F.linear(h, m.up), m.down)
+        return F.linear(_rms(x, self.norm, self.eps), self.lm_head)
+
+    def save_pretrained(self, target_path: str, out_dir: str) -> str:
+        from safetensors.torch import save_file
+
+        os.makedirs(out_dir, exist_ok=True)
+        conf = json.load(open(os.path.join(target_path, "config.json")))
+        conf["num_hidden_layers"] = len(self.layers)
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(conf, f, indent=1)
+        w = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm.detach()}
+        if not self.cfg.tie_word_embeddings:
+            w["lm_head.weight"] = self.lm_head
+        for i, m in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            w.update({p + "input_layernorm.weight": m.ln1, p + "post_attention_layernorm.weight":
+                      m.ln2, p + "self_attn.q_proj.weight": m.q, p + "self_attn.k_proj.weight": m.k,
+                      p + "self_attn.v_proj.weight": m.v, p + "self_attn.o_proj.weight": m.o,
+                      p + "mlp.gate_proj.weight": m.gate, p + "mlp.up_proj.weight": m.up,
+                      p + "mlp.down_proj.weight": m.down})
+        save_file({k: v.detach().float().contiguous() for k, v in w.items()},
+                  os.path.join(out_dir, "model.safetensors"))
+        for f in os.listdir(target_path):
+            if f.startswith("tokenizer") or f in ("generation_config.json", "chat_template.jinja",
+                                                  "special_tokens_map.json"):
+                shutil.copy(os.path.join(target_path, f), os.path.join(out_dir, f))
+        return out_dir
+
+
+def train(llm, seqs, out_dir: str, *, num_layers: int = 4, epochs: int = 2, lr: float = 2e-4,
+          max_entries: int = 2048, max_len: int = 512, seed: int = 0, progress: bool = True,
+          log=print) -> DraftLM:
+    from tqdm import tqdm
+
+    torch.manual_seed(seed)
+    model = DraftLM(llm.model, num_layers)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+    rng = torch.Generator().manual_seed(seed)
+    plan = [_batches(seqs, max_entries, max_len, rng) for _ in range(epochs)]
+    total = sum(len(p) for p in plan)
+    ckpt = os.path.join(out_dir, "checkpoint-draft-model.pt")
+    start_epoch = 0
+    if os.path.isfile(ckpt):
+        state = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start_epoch = state["epoch"]
+        log(f"resumed from {ckpt} after epoch {start_epoch}")
+    cos_full, sin_full = llm.model.rope_tables(torch.arange(max_len + 1))
+    step = sum(len(p) for p in plan[:start_epoch])
+    for ep in range(start_epoch, epochs):
+        bar = tqdm(plan[ep], desc=f"epoch {ep + 1}/{epochs}", disable=not progress)
+        agg = [0.0, 0.0, 0]
+        for idx in bar:
+            n = [min(len(seqs[i].tokens) - 2, max_len) for i in idx]
+            t = max(n) + 1
+            toks = torch.zeros(len(idx), t, dtype=torch.int64)
+            feats = torch.zeros(len(idx), t, seqs[idx[0]].hidden.shape[-1])
+            mask = torch.zeros(len(idx), t, dtype=torch.bool)
+            for b, (i, m) in enumerate(zip(idx, n)):
+                toks[b, :m + 1] = torch.tensor(seqs[i].tokens[:m + 1])
+                feats[b, :m + 1] = seqs[i].hidden[:m + 1].float()
+                mask[b, :m + 1] = True
+            frac = step / max(total, 1)
+            for g in opt.param_groups:
+                g["lr"] = lr * min(1.0, frac / 0.03) * 0.5 * (1 + math.cos(math.pi * frac))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model(toks, cos_full[:t].float(), sin_full[:t].float())
+            with torch.no_grad():
+                teacher = F.linear(_rms(feats, model.teacher_norm, model.eps), model.lm_head)
+                tlp = torch.log_softmax(teacher.float(), dim=-1)[mask]
+            lp = torch.log_softmax(logits.float(), dim=-1)[mask]
+            kl = (tlp.exp() * (tlp - lp)).sum(-1).mean()
+            opt.zero_grad(set_to_none=True)
+            kl.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            step += 1
+            with torch.no_grad():
+                top1 = (lp.argmax(-1) == tlp.argmax(-1)).float().mean().item()
+            agg[0] += kl.item()
+            agg[1] += top1
+            agg[2] += 1
+            bar.set_postfix(kl=f"{agg[0] / agg[2]:.3f}", top1=f"{agg[1] / agg[2]:.3f}")
+        log(f"epoch {ep + 1}: kl {agg[0] / max(agg[2], 1):.4f} top1 {agg[1] / max(agg[2], 1):.4f}")
+        os.makedirs(out_dir, exist_ok=True)
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "epoch": ep + 1}, ckpt)
+    return model
