@@ -319,6 +319,9 @@ class Engine:
         self._fit = [0.0] * 5  # n, sx, sy, sxx, sxy (exponentially weighted)
         self._draft_time: Dict[str, List[float]] = {}  # drafter -> [seconds, tokens] EWMA sums
         self.debug_skip_residual = False  # tests only: a deliberately broken acceptance rule
+        # Requests whose served distributions are kept (quality gate): id -> list of logits rows,
+        # row j = the target logits the request's emitted token j was drawn from.
+        self._record: Dict[int, List[torch.Tensor]] = {}
 
     # ---- requests ----
 
@@ -367,6 +370,22 @@ class Engine:
         self._reqs[rid] = r
         return rid
 
+    def record_logits(self, request_id: int) -> None:
+        """Keep the target logits each emitted token of this request was drawn from (the
+        speculative verification's rows), for :meth:`recorded_logits`."""
+        if request_id not in self._reqs:
+            raise ValueError(f"unknown request id {request_id}")
+        self._record.setdefault(request_id, [])
+
+    def recorded_logits(self, request_id: int) -> Optional[torch.Tensor]:
+        """float32 ``[generated, vocab]`` recorded for the request (and forgotten), or None."""
+        rows = self._record.pop(request_id, None)
+        if rows is None:
+            return None
+        r = self._reqs.get(request_id)
+        t = torch.cat(rows) if rows else torch.empty(0, self.vocab_size)
+        return t[:len(r.generated)] if r is not None else t
+
     def abort(self, request_id: int) -> bool:
         """Finish a request with 'abort', freeing its KV now. False if it had already finished."""
         r = self._reqs.get(request_id)
@@ -391,12 +410,15 @@ class Engine:
             if not r.finished:
                 raise ValueError(f"request {request_id} has not finished")
             del self._reqs[request_id]
+            self._record.pop(request_id, None)
         st = RequestStats(**{k: (list(v) if isinstance(v, list) else
                                  dict(v) if isinstance(v, dict) else v)
                              for k, v in vars(r.stats).items()})
         return GenerationResult(request_id, list(r.generated), r.finish_reason, st)
 
     def _finish(self, rid: int, r: _Req, reason: Optional[str]) -> None:
+        if reason == "abort":
+            self._record.pop(rid, None)
         r.finished = True
         r.finish_reason = reason
         self._release_drafters(rid)
@@ -584,6 +606,9 @@ class Engine:
             st.steps += 1
             if nd:
                 self._count_spec(r, nd, a)
+            rec = self._record.get(rid)
+            if rec is not None:
+                rec.append(out.logits[[out.logits_indptr[i] + n for n in path]].clone())
             if r.drafter is not None and not r.failed:
                 verified.setdefault(r.drafter, []).append(Verified(
                     rid, starts[i], [dr.tokens[n] for n in path], emitted[j][:a + 1], tables[i],

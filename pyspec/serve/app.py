@@ -50,6 +50,7 @@ class _Handle:
         self.track = _Track(llm, -1, params, self.t0)
         self.aborted = False
         self.stats = None
+        self.score = False  # quality gate: also score this request with the target alone
 
     def put(self, item) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -58,7 +59,8 @@ class _Handle:
 class EngineLoop:
     """The engine thread. ``submit``/``abort`` are thread-safe; everything else runs inside."""
 
-    def __init__(self, llm, metrics: Metrics):
+    def __init__(self, llm, metrics: Metrics, gate=None):
+        self.gate = gate
         self.llm = llm
         self.engine = llm.engine
         self.metrics = metrics
@@ -112,6 +114,8 @@ class EngineLoop:
                     h.put(("error", RequestError(400, str(e))))
                     continue
                 self._live[h.rid] = h
+                if h.score:
+                    self.engine.record_logits(h.rid)
             elif kind == "abort":
                 h.aborted = True
                 if h.rid is not None and h.rid in self._live:
@@ -121,6 +125,11 @@ class EngineLoop:
         eng = self.engine
         if abort:
             eng.abort(h.rid)
+        if h.score and self.gate is not None and not (abort and reason == "abort"):
+            served = eng.recorded_logits(h.rid)
+            if served is not None:
+                gen = eng.result(h.rid).token_ids
+                self.gate.score(self.llm.runner, h.ids, gen, served, h.params.temperature)
         res = eng.result(h.rid, pop=True)
         self._live.pop(h.rid, None)
         h.stats = res.stats
@@ -191,7 +200,10 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
 
     state = {"config": config or ServerConfig()}
     metrics = Metrics()
-    loop_ = EngineLoop(llm, metrics)
+    from pyspec.serve.quality import QualityGate
+
+    gate = QualityGate(metrics, state)
+    loop_ = EngineLoop(llm, metrics, gate)
     max_ctx = llm.model.cfg.max_position_embeddings
     kv_cap = llm.runner.kv.num_blocks * llm.runner.block_size
     el = llm.model.embed.element_size()
@@ -215,6 +227,7 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
     app.state.engine_loop = loop_
     app.state.metrics = metrics
     app.state.config = state
+    app.state.quality_gate = gate
 
     async def read_json(request: Request) -> dict:
         raw = await request.body()
@@ -298,12 +311,13 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
             f.write(json.dumps({"category": kind, "prompt": text, "time": time.time()}) + "\n")
 
     async def run(request: Request, ids: List[int], p: SamplingParams, stream: bool,
-                  make_chunk, make_final):
+                  make_chunk, make_final, req_id: str):
         aloop = asyncio.get_running_loop()
         handles = []
         for k in range(p.n):
             sp = replace(p, n=1, seed=None if p.seed is None else p.seed + k)
             h = _Handle(aloop, ids, sp, llm)
+            h.score = gate.wants(f"{req_id}-{k}", sp.speculative)
             handles.append(h)
             loop_.submit(h)
 
@@ -429,7 +443,7 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
                                 for i, r in enumerate(results)],
                     "usage": usage(len(ids), results), "speculation": spec_stats(handles)}
 
-        return await run(request, ids, p, bool(body.get("stream")), chunk, final)
+        return await run(request, ids, p, bool(body.get("stream")), chunk, final, rid)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -464,7 +478,7 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
                                 for i, r in enumerate(results)],
                     "usage": usage(len(ids), results), "speculation": spec_stats(handles)}
 
-        return await run(request, ids, p, bool(body.get("stream")), chunk, final)
+        return await run(request, ids, p, bool(body.get("stream")), chunk, final, rid)
 
     @app.get("/v1/models")
     async def models():

@@ -46,6 +46,9 @@ def reload_config(app, path) -> bool:
         new.speculative.target_model = old.speculative.target_model
         new.speculative.draft_model = old.speculative.draft_model
     app.state.config["config"] = new
+    gate = getattr(app.state, "quality_gate", None)
+    if gate is not None:
+        gate.rolled_back = False  # a new config decides again
     log.info("config reloaded from %s", path)
     return True
 

@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from helpers import require_module
 from test_llm import write_tiny_model
@@ -245,3 +246,51 @@ def test_sighup_reload_applies_new_config(server, tmp_path):
     assert not reload_config(app, str(p))  # invalid: the old config stays
     assert app.state.config["config"].speculative.enabled_ratio == 0.0
     app.state.config["config"] = old
+
+
+def _start(app):
+    import uvicorn
+
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    for _ in range(200):
+        if srv.started:
+            break
+        time.sleep(0.05)
+    return srv, th, f"http://127.0.0.1:{port}"
+
+
+def test_quality_gate_scores_and_rolls_back(server, monkeypatch):
+    llm = pyspec.LLM(server["path"], draft="ngram", kv_cache_tokens=4096)
+    app = create_app(llm, parse_config({"speculative": {"enabled_ratio": 1.0, "quality_gate": {
+        "kl_threshold": 0.05, "rollback_on_violation": True, "sample_ratio": 1.0}}}))
+    srv, th, base = _start(app)
+    try:
+        body = {"model": "pyspec", "prompt": "abc abc abc abc", "max_tokens": 24,
+                "temperature": 0.8, "seed": 3}
+        r = httpx.post(base + "/v1/completions", json=body, timeout=30).json()
+        assert r["speculation"][0]["drafts"] > 0
+        assert metric(base, "pyspec_quality_gate_checks_total") == 1
+        kl = metric(base, "pyspec_quality_gate_kl")
+        assert 0 <= kl < 1e-4  # a correct engine: rounding noise only
+        assert metric(base, "pyspec_quality_gate_violations_total") == 0
+        # Corrupt what the engine served (a broken verification path): the gate must notice
+        # and switch speculation off for new requests.
+        real = llm.engine.recorded_logits
+
+        def broken(rid):
+            x = real(rid)
+            return None if x is None else x + 3.0 * torch.randn_like(x)
+
+        monkeypatch.setattr(llm.engine, "recorded_logits", broken)
+        httpx.post(base + "/v1/completions", json=body, timeout=30)
+        assert metric(base, "pyspec_quality_gate_violations_total") == 1
+        assert metric(base, "pyspec_quality_gate_rollbacks_total") == 1
+        assert app.state.config["config"].speculative.enabled_ratio == 0.0
+        after = httpx.post(base + "/v1/completions", json=body, timeout=30).json()
+        assert after["speculation"][0]["drafts"] == 0  # plain decoding now
+    finally:
+        srv.should_exit = True
+        th.join(timeout=10)
