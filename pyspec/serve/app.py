@@ -311,7 +311,8 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
             f.write(json.dumps({"category": kind, "prompt": text, "time": time.time()}) + "\n")
 
     async def run(request: Request, ids: List[int], p: SamplingParams, stream: bool,
-                  make_chunk, make_final, req_id: str):
+                  make_chunk, make_final, req_id: str, include_usage: bool = False,
+                  usage_chunk=None):
         aloop = asyncio.get_running_loop()
         handles = []
         for k in range(p.n):
@@ -358,6 +359,11 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
                                 done[i] = True
                             else:
                                 pending[asyncio.ensure_future(next_item(handles[i], False))] = i
+                    if include_usage:
+                        n_out = sum(len(h.track.tokens) for h in handles)
+                        yield "data: " + json.dumps(usage_chunk(
+                            {"prompt_tokens": len(ids), "completion_tokens": n_out,
+                             "total_tokens": len(ids) + n_out})) + "\n\n"
                     yield "data: [DONE]\n\n"
                 finally:
                     for fut in list(pending):
@@ -387,6 +393,15 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
                 loop_.abort(h)
             raise
         return make_final(results, handles)
+
+    def stream_usage(body) -> bool:
+        so = body.get("stream_options")
+        if so is None:
+            return False
+        if not isinstance(so, dict) or not isinstance(so.get("include_usage", False), bool):
+            raise RequestError(400, "'stream_options' must be an object like "
+                                    "{\"include_usage\": true}", "stream_options")
+        return bool(so.get("include_usage"))
 
     def usage(n_prompt, results):
         c = sum(len(r[1]) for r in results)
@@ -443,7 +458,10 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
                                 for i, r in enumerate(results)],
                     "usage": usage(len(ids), results), "speculation": spec_stats(handles)}
 
-        return await run(request, ids, p, bool(body.get("stream")), chunk, final, rid)
+        return await run(request, ids, p, bool(body.get("stream")), chunk, final, rid,
+                         stream_usage(body),
+                         lambda u: {"id": rid, "object": "text_completion", "created": created,
+                                    "model": model_name, "choices": [], "usage": u})
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -478,7 +496,10 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
                                 for i, r in enumerate(results)],
                     "usage": usage(len(ids), results), "speculation": spec_stats(handles)}
 
-        return await run(request, ids, p, bool(body.get("stream")), chunk, final, rid)
+        return await run(request, ids, p, bool(body.get("stream")), chunk, final, rid,
+                         stream_usage(body),
+                         lambda u: {"id": rid, "object": "chat.completion.chunk", "created": created,
+                                    "model": model_name, "choices": [], "usage": u})
 
     @app.get("/v1/models")
     async def models():

@@ -42,6 +42,10 @@ class Metrics:
                                 registry=r)
         self.memory = Gauge("pyspec_memory_bytes", "Memory held, by component", ["component"],
                             registry=r)
+        self.memory_limit = Gauge("pyspec_memory_limit_bytes",
+                                  "Memory available to the process (cgroup limit or RAM)",
+                                  registry=r)
+        self.memory_limit.set(memory_limit())
         self.ttft = Histogram("gen_ai_server_time_to_first_token_seconds",
                               "Time from request arrival to its first output token",
                               buckets=REQUEST_BUCKETS, registry=r)
@@ -105,3 +109,21 @@ class Metrics:
             if n_tokens > 1:
                 self.tpot.observe((duration - ttft) / (n_tokens - 1))
         self.duration.observe(duration)
+
+
+def memory_limit() -> int:
+    """The cgroup (v2 or v1) memory limit when one is set, else physical RAM."""
+    import os
+
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                v = f.read().strip()
+            if v.isdigit() and int(v) < (1 << 60):
+                return int(v)
+        except OSError:
+            pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0

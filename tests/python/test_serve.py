@@ -99,6 +99,10 @@ def test_chat_stream_and_stop(server):
                                             stream=True,
                                             messages=[{"role": "user", "content": "hello"}]))
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == text
+    with_usage = list(c.chat.completions.create(
+        model="pyspec", temperature=0, max_tokens=16, stream=True,
+        stream_options={"include_usage": True}, messages=[{"role": "user", "content": "hello"}]))
+    assert with_usage[-1].usage.completion_tokens == full.usage.completion_tokens
     assert chunks[-1].choices[0].finish_reason in ("length", "stop")
     if len(text) > 4:
         stop = text[2:4]
@@ -294,3 +298,28 @@ def test_quality_gate_scores_and_rolls_back(server, monkeypatch):
     finally:
         srv.should_exit = True
         th.join(timeout=10)
+
+
+def test_dashboard_and_alert_rules_use_exported_metrics(server):
+    import os
+    import re
+
+    import yaml
+
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "deploy")
+    dash = json.load(open(os.path.join(root, "grafana-dashboard.json")))
+    rules = yaml.safe_load(open(os.path.join(root, "prometheus-alerts.yaml")))
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    exprs += [r["expr"] for g in rules["groups"] for r in g["rules"]]
+    assert len(exprs) > 10 and all(r.get("alert") for g in rules["groups"] for r in g["rules"])
+    # Every metric the files query is one the server exports (gate metrics included).
+    llm = server["llm"]
+    text = httpx.get(server["base"] + "/metrics").text
+    exported = set(re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)", text, re.M))
+    for name, kind in re.findall(r"^# TYPE (\S+) (\S+)", text, re.M):  # labelled, no samples yet
+        exported |= {name, name + "_total"} if kind == "counter" else {
+            name, name + "_bucket", name + "_sum", name + "_count"}
+    for e in exprs:
+        assert e.count("(") == e.count(")"), e
+        for name in re.findall(r"\b((?:pyspec|gen_ai)_[a-z0-9_]+)", e):
+            assert name in exported, (name, e)
