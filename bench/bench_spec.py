@@ -13,9 +13,9 @@ prompt, interleaved so machine-load drift hits every engine alike:
 End-to-end tokens/s (prefill included), acceptance length (1 + accepted / speculative steps) and
 greedy agreement with pyspec plain, per engine and per MT-bench category; JSON + PNG.
 
-The draft model: until a trained small draft model exists (drafter-training issue), the
-"independent draft model" is the target's first --draft-layers layers saved as a separate
-checkpoint (own weights file, own KV), the same for pyspec and for HF assisted generation.
+The draft model (--draft-model, e.g. trained by ``pyspec train-draft --method draft-model``; default:
+the target's first --draft-layers layers saved as a separate checkpoint with its own weights file and
+KV) is the same for pyspec's draft-model path and for HF assisted generation.
 
     python bench/bench_spec.py --prompts 24 --out bench/results/spec.json
 """
@@ -47,33 +47,17 @@ def load_prompts(n):
     return [(r["category"], r["turns"][0]) for r in rows]
 
 
-def write_draft_model(src, dst, layers):
-    from safetensors.torch import load_file, save_file
-
-    os.makedirs(dst, exist_ok=True)
-    conf = json.load(open(os.path.join(src, "config.json")))
-    conf["num_hidden_layers"] = layers
-    json.dump(conf, open(os.path.join(dst, "config.json"), "w"))
-    w = {}
-    for f in os.listdir(src):
-        if f.endswith(".safetensors"):
-            for k, v in load_file(os.path.join(src, f)).items():
-                if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers:
-                    w[k] = v
-        elif f.startswith("tokenizer") or f in ("generation_config.json", "chat_template.jinja"):
-            with open(os.path.join(src, f), "rb") as a, open(os.path.join(dst, f), "wb") as b:
-                b.write(a.read())
-    save_file(w, os.path.join(dst, "model.safetensors"))
-    return dst
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=24, help="MT-bench prompts (80 = all)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--drafters", default="ngram,layer-skip:6,draft-model")
+    ap.add_argument("--drafters", default="default,ngram,layer-skip:6,draft-model",
+                    help="comma-separated drafter specs, each optionally NAME=SPEC")
     ap.add_argument("--draft-layers", type=int, default=6)
+    ap.add_argument("--draft-model", default=None,
+                    help="draft-model folder (e.g. from train-draft --method draft-model); "
+                         "default: the target's first --draft-layers layers")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "spec.json"))
@@ -86,7 +70,13 @@ def main(argv=None):
     prompts = load_prompts(args.prompts)
     base = pyspec.LLM(None, draft="none", dtype=args.dtype, progress=False, kv_cache_tokens=1024)
     tmp = tempfile.mkdtemp(prefix="pyspec-bench-")
-    draft_dir = write_draft_model(base.model_path, os.path.join(tmp, "draft"), args.draft_layers)
+    if args.draft_model:
+        draft_dir = args.draft_model
+    else:
+        from pyspec.models.loader import write_truncated_checkpoint
+
+        draft_dir = write_truncated_checkpoint(base.model_path, os.path.join(tmp, "draft"),
+                                               args.draft_layers)
     enc = [base.chat_prompt([{"role": "user", "content": p}]) for _, p in prompts]
 
     engines = {}
@@ -97,7 +87,8 @@ def main(argv=None):
 
     engines["pyspec plain"] = make("none")
     for d in args.drafters.split(","):
-        engines[f"pyspec {d}"] = make(draft_dir if d == "draft-model" else d)
+        name, _, spec = d.partition("=") if "=" in d else (d, "", d)
+        engines[f"pyspec {name}"] = make(draft_dir if spec == "draft-model" else spec)
 
     def run_pyspec(eng, ids):
         t0 = time.perf_counter()

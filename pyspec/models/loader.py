@@ -175,3 +175,35 @@ def weights_sha256(path: str) -> str:
     except OSError:
         pass  # read-only folder: recompute next time
     return digest
+
+
+def write_truncated_checkpoint(src: str, dst: str, num_layers: int) -> str:
+    """A checkpoint folder holding ``src``'s first ``num_layers`` layers, embeddings, final norm,
+    lm_head and tokenizer files: an independent draft model made from a target (its own weights
+    file and, in pyspec, its own KV), loadable by pyspec and transformers alike."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(dst, exist_ok=True)
+    with open(os.path.join(src, "config.json")) as f:
+        conf = json.load(f)
+    if not 1 <= num_layers <= int(conf.get("num_hidden_layers", 0)):
+        raise ValueError(f"num_layers must be in [1, {conf.get('num_hidden_layers')}]; got "
+                         f"{num_layers}")
+    conf["num_hidden_layers"] = num_layers
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(conf, f, indent=1)
+    w = {}
+    for name in sorted(os.listdir(src)):
+        if name.endswith(".safetensors"):
+            for k, v in load_file(os.path.join(src, name)).items():
+                if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers:
+                    w[k] = v
+        elif name.startswith("tokenizer") or name in ("generation_config.json",
+                                                      "chat_template.jinja",
+                                                      "special_tokens_map.json"):
+            shutil.copy(os.path.join(src, name), os.path.join(dst, name))
+    save_file(w, os.path.join(dst, "model.safetensors"))
+    return dst

@@ -52,20 +52,9 @@ def reference(target):
 
 def _draft_model_dir(llm, path, layers=6):
     """An independent draft model: the target's first layers saved as their own checkpoint."""
-    from safetensors.torch import load_file, save_file
+    from pyspec.models.loader import write_truncated_checkpoint
 
-    os.makedirs(path, exist_ok=True)
-    conf = json.load(open(os.path.join(llm.model_path, "config.json")))
-    conf["num_hidden_layers"] = layers
-    json.dump(conf, open(os.path.join(path, "config.json"), "w"))
-    w = {}
-    for f in os.listdir(llm.model_path):
-        if f.endswith(".safetensors"):
-            for k, v in load_file(os.path.join(llm.model_path, f)).items():
-                if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers:
-                    w[k] = v
-    save_file(w, os.path.join(path, "model.safetensors"))
-    return path
+    return write_truncated_checkpoint(llm.model_path, path, layers)
 
 
 def _heads_dir(llm, path, method):

@@ -35,13 +35,9 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def _start(app):
     import uvicorn
 
-    path = write_tiny_model(tmp_path_factory.mktemp("serve-model"))
-    llm = pyspec.LLM(path, draft="ngram", kv_cache_tokens=8192)
-    app = create_app(llm, parse_config({"speculative": {"enabled_ratio": 0.5}}))
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     th = threading.Thread(target=srv.run, daemon=True)
@@ -50,7 +46,15 @@ def server(tmp_path_factory):
         if srv.started:
             break
         time.sleep(0.05)
-    base = f"http://127.0.0.1:{port}"
+    return srv, th, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = write_tiny_model(tmp_path_factory.mktemp("serve-model"))
+    llm = pyspec.LLM(path, draft="ngram", kv_cache_tokens=8192)
+    app = create_app(llm, parse_config({"speculative": {"enabled_ratio": 0.5}}))
+    srv, th, base = _start(app)
     yield dict(llm=llm, app=app, base=base, path=path,
                client=openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0))
     srv.should_exit = True
@@ -250,20 +254,6 @@ def test_sighup_reload_applies_new_config(server, tmp_path):
     assert not reload_config(app, str(p))  # invalid: the old config stays
     assert app.state.config["config"].speculative.enabled_ratio == 0.0
     app.state.config["config"] = old
-
-
-def _start(app):
-    import uvicorn
-
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    for _ in range(200):
-        if srv.started:
-            break
-        time.sleep(0.05)
-    return srv, th, f"http://127.0.0.1:{port}"
 
 
 def test_quality_gate_scores_and_rolls_back(server, monkeypatch):
