@@ -90,10 +90,24 @@ class ModelDrafter(Drafter):
             if self.share:
                 pend.append([])
             else:
-                dc = self._dc.get(r.request_id, r.start)
-                if dc > r.start:  # cannot happen unless the KV was dropped: start over
-                    dc = r.start
+                # Unknown (e.g. the request was switched to this drafter): recompute everything.
+                dc = self._dc.get(r.request_id, 0)
+                if dc > r.start:
+                    dc = 0
                 pend.append([int(t) for t in r.context[dc:r.start]])
+        # Long catch-ups run first as causal chunks (a tree holds at most 256 nodes).
+        long_ = [i for i, p in enumerate(pend) if len(p) > 16]
+        if long_:
+            seqs = [SeqStep(pend[i], reqs[i].start - len(pend[i]), reqs[i].block_table, None,
+                            "none") for i in long_]
+            out = self.runner.step(seqs)
+            dst: List[int] = []
+            for i in long_:
+                dst.extend(slots_of(reqs[i].block_table, self.block_size,
+                                    reqs[i].start - len(pend[i]), len(pend[i])))
+                self._dc[reqs[i].request_id] = reqs[i].start
+                pend[i] = []
+            self.runner.commit_kv(out, 0, range(len(dst)), dst)
         first = True
         while True:
             active = [i for i, b in enumerate(builders) if not b.done]
