@@ -46,7 +46,7 @@ from pyspec.runner import ModelRunner, SeqStep
 from pyspec.sampling import accept, apply_sampling_filters
 
 __all__ = ["Engine", "SamplingParams", "RequestOutput", "GenerationResult", "RequestStats",
-           "Router", "EngineStats"]
+           "Router", "EngineStats", "StepTrace"]
 
 
 @dataclass
@@ -141,6 +141,20 @@ class EngineStats:
     verify_seconds: float = 0.0
     draft_cost: float = 0.0  # measured, relative to a plain decode step
     verify_cost: float = 0.0
+
+
+@dataclass
+class StepTrace:
+    """What one step did, for tracing (built only when ``Engine.trace_hook`` is set). Times are
+    ``time.perf_counter()`` seconds."""
+
+    start: float
+    end: float = 0.0
+    drafts: List[tuple] = field(default_factory=list)  # (drafter, t0, t1, [request ids])
+    verify: tuple = (0.0, 0.0)  # the target forward
+    prefill: Dict[int, int] = field(default_factory=dict)  # request -> chunk tokens
+    # request -> (draft nodes, tree depth, accepted draft tokens, emitted tokens)
+    decisions: Dict[int, tuple] = field(default_factory=dict)
 
 
 @dataclass
@@ -319,6 +333,8 @@ class Engine:
         self._fit = [0.0] * 5  # n, sx, sy, sxx, sxy (exponentially weighted)
         self._draft_time: Dict[str, List[float]] = {}  # drafter -> [seconds, tokens] EWMA sums
         self.debug_skip_residual = False  # tests only: a deliberately broken acceptance rule
+        # Called with a StepTrace after every step that ran a forward (None: no tracing cost).
+        self.trace_hook: Optional[Callable[[StepTrace], None]] = None
         # Requests whose served distributions are kept (quality gate): id -> list of logits rows,
         # row j = the target logits the request's emitted token j was drawn from.
         self._record: Dict[int, List[torch.Tensor]] = {}
@@ -508,6 +524,7 @@ class Engine:
     def step(self) -> List[RequestOutput]:
         """Run one scheduler step over the whole batch; returns the requests that progressed."""
         sched, runner = self.scheduler, self.runner
+        trace = StepTrace(time.perf_counter()) if self.trace_hook is not None else None
         so = sched.step()
         for rid in so.preempted_ids:
             self._release_drafters(rid)  # its KV is gone: drafters start over at its prefill
@@ -542,7 +559,10 @@ class Engine:
         for name, reqs in groups.items():
             t0 = time.perf_counter()
             drafts.update(self._draft_group(self.drafters[name], reqs))
-            dt = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            dt = t1 - t0
+            if trace is not None:
+                trace.drafts.append((name, t0, t1, [q.request_id for q in reqs]))
             self.stats.draft_seconds += dt
             acc = self._draft_time.setdefault(name, [0.0, 0.0])
             acc[0] = 0.9 * acc[0] + dt
@@ -567,6 +587,8 @@ class Engine:
         t0 = time.perf_counter()
         out = runner.step(seqs, return_hidden=self._need_hidden)
         t_fwd = time.perf_counter() - t0
+        if trace is not None:
+            trace.verify = (t0, t0 + t_fwd)
         self.stats.verify_seconds += t_fwd
         self._observe_step_time(len(dec_idx), sum(len(s.token_ids) for s in seqs), t_fwd)
 
@@ -588,6 +610,8 @@ class Engine:
                 src_rows.extend(range(base, base + n))
                 dst_slots.extend(all_slots[slot_ptr[i]:slot_ptr[i] + n])
                 result.add_prefill(rid, n)
+                if trace is not None:
+                    trace.prefill[rid] = n
                 if r.drafter is not None and not r.failed:
                     chunks.setdefault(r.drafter, []).append(PrefillChunk(
                         rid, all_tokens[tok_ptr[i]:tok_ptr[i + 1]], starts[i], tables[i],
@@ -602,6 +626,14 @@ class Engine:
             dst_slots.extend(all_slots[slot_ptr[i]:slot_ptr[i] + a + 1])
             nd = len(dr.tokens) - 1
             result.add_decode(rid, emitted[j][:a + 1], nd, a)
+            if trace is not None:
+                depth = 0
+                if nd:
+                    d = [0] * len(dr.parents)
+                    for k in range(1, len(dr.parents)):
+                        d[k] = d[dr.parents[k]] + 1
+                    depth = max(d)
+                trace.decisions[rid] = (nd, depth, a, a + 1)
             st = r.stats
             st.steps += 1
             if nd:
@@ -627,6 +659,9 @@ class Engine:
         outs = self._apply(sched.update(result))
         if self.switch_below > 0:
             self._maybe_switch(dec_idx, so.ids)
+        if trace is not None:
+            trace.end = time.perf_counter()
+            self.trace_hook(trace)
         return outs
 
     def _notify(self, name: str, what: str, items) -> None:

@@ -51,6 +51,7 @@ class _Handle:
         self.aborted = False
         self.stats = None
         self.score = False  # quality gate: also score this request with the target alone
+        self.span = None  # OpenTelemetry request span, when tracing
 
     def put(self, item) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -59,8 +60,14 @@ class _Handle:
 class EngineLoop:
     """The engine thread. ``submit``/``abort`` are thread-safe; everything else runs inside."""
 
-    def __init__(self, llm, metrics: Metrics, gate=None):
+    def __init__(self, llm, metrics: Metrics, gate=None, tracer=None):
         self.gate = gate
+        self.tracer = None
+        if tracer is not None:
+            from pyspec.serve.tracing import RequestTracer
+
+            self.tracer = RequestTracer(tracer)
+            llm.engine.trace_hook = lambda st: self.tracer.step(st, self._live)
         self.llm = llm
         self.engine = llm.engine
         self.metrics = metrics
@@ -114,6 +121,12 @@ class EngineLoop:
                     h.put(("error", RequestError(400, str(e))))
                     continue
                 self._live[h.rid] = h
+                if self.tracer is not None:
+                    self.tracer.start(h, {"pyspec.request_id": h.rid,
+                                          "pyspec.prompt_tokens": len(h.ids),
+                                          "pyspec.speculative": bool(h.params.speculative),
+                                          "gen_ai.request.max_tokens": h.params.max_tokens,
+                                          "gen_ai.request.temperature": h.params.temperature})
                 if h.score:
                     self.engine.record_logits(h.rid)
             elif kind == "abort":
@@ -137,6 +150,8 @@ class EngineLoop:
         dur = time.perf_counter() - h.t0
         ttft = (t.t_first - h.t0) if t.t_first else None
         self.metrics.request_finished(res.stats, reason, ttft, dur, len(t.tokens))
+        if self.tracer is not None:
+            self.tracer.finish(h, reason, len(t.tokens))
 
     def _run(self) -> None:
         eng = self.engine
@@ -191,9 +206,10 @@ def _get(body: dict, key: str, types, default=None, check=None, what=""):
 
 
 def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = "pyspec",
-               prompt_log: Optional[str] = None, prompt_log_ratio: float = 0.0):
+               prompt_log: Optional[str] = None, prompt_log_ratio: float = 0.0, tracer=None):
     """The ASGI app serving ``llm`` (a :class:`pyspec.LLM`). ``prompt_log``: append a sampled
-    share of served prompts to this JSONL file (``pyspec eval-draft --prompts`` replays it)."""
+    share of served prompts to this JSONL file (``pyspec eval-draft --prompts`` replays it).
+    ``tracer``: an OpenTelemetry tracer (see :mod:`pyspec.serve.tracing`); None: no tracing."""
     from fastapi import FastAPI, Request
     from fastapi.responses import PlainTextResponse, StreamingResponse
     from prometheus_client import generate_latest, CONTENT_TYPE_LATEST
@@ -203,7 +219,7 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
     from pyspec.serve.quality import QualityGate
 
     gate = QualityGate(metrics, state)
-    loop_ = EngineLoop(llm, metrics, gate)
+    loop_ = EngineLoop(llm, metrics, gate, tracer)
     max_ctx = llm.model.cfg.max_position_embeddings
     kv_cap = llm.runner.kv.num_blocks * llm.runner.block_size
     el = llm.model.embed.element_size()

@@ -23,8 +23,11 @@ def build(args):
     sc = pyspec.SpecConfig(num_speculative_tokens=spec.gamma, adaptive=spec.adaptive,
                            fallback_on_alpha_below=spec.fallback_on_alpha_below)
     llm = pyspec.LLM(model, draft, sc, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens)
+    from pyspec.serve.tracing import tracer_from_env
+
     app = create_app(llm, cfg, model_name=args.served_model_name,
-                     prompt_log=args.prompt_log, prompt_log_ratio=args.prompt_log_ratio)
+                     prompt_log=args.prompt_log, prompt_log_ratio=args.prompt_log_ratio,
+                     tracer=tracer_from_env(args.otlp_endpoint))
     return llm, app
 
 
@@ -81,5 +84,8 @@ def add_parser(sub):
     p.add_argument("--prompt-log", default=None,
                    help="append a sampled share of prompts to this JSONL (eval-draft replays it)")
     p.add_argument("--prompt-log-ratio", type=float, default=0.0)
+    p.add_argument("--otlp-endpoint", default=None,
+                   help="export OpenTelemetry traces here (default: OTEL_EXPORTER_OTLP_ENDPOINT; "
+                        "unset = no tracing)")
     p.set_defaults(func=cmd_serve)
     return p
