@@ -52,6 +52,7 @@ class _Handle:
         self.stats = None
         self.score = False  # quality gate: also score this request with the target alone
         self.span = None  # OpenTelemetry request span, when tracing
+        self.shadow_key = None  # mirrored to the shadow engine under this key
 
     def put(self, item) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -62,6 +63,7 @@ class EngineLoop:
 
     def __init__(self, llm, metrics: Metrics, gate=None, tracer=None):
         self.gate = gate
+        self.shadow = None
         self.tracer = None
         if tracer is not None:
             from pyspec.serve.tracing import RequestTracer
@@ -150,6 +152,9 @@ class EngineLoop:
         dur = time.perf_counter() - h.t0
         ttft = (t.t_first - h.t0) if t.t_first else None
         self.metrics.request_finished(res.stats, reason, ttft, dur, len(t.tokens))
+        if h.shadow_key is not None and self.shadow is not None and ttft is not None and \
+                len(t.tokens) > 1 and reason != "abort":
+            self.shadow.live_done(h.shadow_key, (dur - ttft) / (len(t.tokens) - 1))
         if self.tracer is not None:
             self.tracer.finish(h, reason, len(t.tokens))
 
@@ -206,10 +211,13 @@ def _get(body: dict, key: str, types, default=None, check=None, what=""):
 
 
 def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = "pyspec",
-               prompt_log: Optional[str] = None, prompt_log_ratio: float = 0.0, tracer=None):
+               prompt_log: Optional[str] = None, prompt_log_ratio: float = 0.0, tracer=None,
+               shadow_draft: Optional[str] = None, shadow_ratio: float = 0.1):
     """The ASGI app serving ``llm`` (a :class:`pyspec.LLM`). ``prompt_log``: append a sampled
     share of served prompts to this JSONL file (``pyspec eval-draft --prompts`` replays it).
-    ``tracer``: an OpenTelemetry tracer (see :mod:`pyspec.serve.tracing`); None: no tracing."""
+    ``tracer``: an OpenTelemetry tracer (see :mod:`pyspec.serve.tracing`); None: no tracing.
+    ``shadow_draft``: a candidate drafter run on ``shadow_ratio`` of the traffic, mirrored, its
+    acceptance and speedup exported (:mod:`pyspec.serve.shadow`)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import PlainTextResponse, StreamingResponse
     from prometheus_client import generate_latest, CONTENT_TYPE_LATEST
@@ -220,6 +228,12 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
 
     gate = QualityGate(metrics, state)
     loop_ = EngineLoop(llm, metrics, gate, tracer)
+    shadow = None
+    if shadow_draft:
+        from pyspec.serve.shadow import Shadow
+
+        shadow = Shadow(llm, shadow_draft, shadow_ratio, metrics)
+    loop_.shadow = shadow
     max_ctx = llm.model.cfg.max_position_embeddings
     kv_cap = llm.runner.kv.num_blocks * llm.runner.block_size
     el = llm.model.embed.element_size()
@@ -236,14 +250,19 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
     @asynccontextmanager
     async def lifespan(app):
         loop_.start()
+        if shadow is not None:
+            shadow.start()
         yield
         loop_.stop()
+        if shadow is not None:
+            shadow.stop()
 
     app = FastAPI(title="pyspec", lifespan=lifespan)
     app.state.engine_loop = loop_
     app.state.metrics = metrics
     app.state.config = state
     app.state.quality_gate = gate
+    app.state.shadow = shadow
 
     async def read_json(request: Request) -> dict:
         raw = await request.body()
@@ -335,6 +354,9 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
             sp = replace(p, n=1, seed=None if p.seed is None else p.seed + k)
             h = _Handle(aloop, ids, sp, llm)
             h.score = gate.wants(f"{req_id}-{k}", sp.speculative)
+            if shadow is not None and shadow.wants(f"{req_id}-{k}"):
+                h.shadow_key = f"{req_id}-{k}"
+                shadow.mirror(h.shadow_key, ids, sp)
             handles.append(h)
             loop_.submit(h)
 

@@ -27,7 +27,8 @@ def build(args):
 
     app = create_app(llm, cfg, model_name=args.served_model_name,
                      prompt_log=args.prompt_log, prompt_log_ratio=args.prompt_log_ratio,
-                     tracer=tracer_from_env(args.otlp_endpoint))
+                     tracer=tracer_from_env(args.otlp_endpoint), shadow_draft=args.shadow_draft,
+                     shadow_ratio=args.shadow_ratio)
     return llm, app
 
 
@@ -84,6 +85,10 @@ def add_parser(sub):
     p.add_argument("--prompt-log", default=None,
                    help="append a sampled share of prompts to this JSONL (eval-draft replays it)")
     p.add_argument("--prompt-log-ratio", type=float, default=0.0)
+    p.add_argument("--shadow-draft", default=None,
+                   help="shadow mode: a candidate drafter run on mirrored traffic (responses "
+                        "untouched); metrics labelled drafter=\"candidate\"")
+    p.add_argument("--shadow-ratio", type=float, default=0.1, help="share of traffic mirrored")
     p.add_argument("--otlp-endpoint", default=None,
                    help="export OpenTelemetry traces here (default: OTEL_EXPORTER_OTLP_ENDPOINT; "
                         "unset = no tracing)")

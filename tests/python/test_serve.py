@@ -350,3 +350,39 @@ def test_traces_have_request_draft_verify_accept_spans(server):
         "pyspec.completion_tokens"]
     assert all(s.start_time >= root.start_time and s.end_time <= root.end_time for s in kids)
     assert root.attributes["pyspec.finish_reason"] in ("length", "stop")
+
+
+def test_shadow_mode_mirrors_without_touching_responses(server, tmp_path):
+    """A candidate drafter (the target itself as a draft model: everything accepted) runs on all
+    mirrored traffic; responses stay those of the live engine; its metrics carry a label."""
+    import shutil
+
+    cand = str(tmp_path / "cand")
+    shutil.copytree(server["path"], cand)
+    llm = pyspec.LLM(server["path"], draft="none", kv_cache_tokens=4096)
+    app = create_app(llm, shadow_draft=cand, shadow_ratio=1.0)
+    srv, th, base = _start(app)
+    try:
+        texts = []
+        for p in ("abc abc abc", "hello world", "one two three"):
+            r = httpx.post(base + "/v1/completions", json={"prompt": p, "max_tokens": 16,
+                                                             "temperature": 0}, timeout=30).json()
+            assert r["speculation"][0]["drafts"] == 0  # the live engine decodes plainly
+            texts.append(r["choices"][0]["text"])
+            assert texts[-1] == alone(llm, p, 16)
+        for _ in range(200):
+            try:
+                if metric(base, 'pyspec_shadow_requests_total{drafter="candidate"}') >= 3:
+                    break
+            except AssertionError:
+                pass
+            time.sleep(0.05)
+        assert metric(base, 'pyspec_shadow_requests_total{drafter="candidate"}') == 3
+        drafted = metric(base, 'pyspec_shadow_num_draft_tokens_total{drafter="candidate"}')
+        assert drafted > 0
+        assert metric(base, 'pyspec_shadow_num_accepted_tokens_total{drafter="candidate"}') == drafted
+        assert metric(base, 'pyspec_shadow_acceptance_length{drafter="candidate"}') > 1.5
+        assert metric(base, 'pyspec_shadow_speedup{drafter="candidate"}') > 0
+    finally:
+        srv.should_exit = True
+        th.join(timeout=10)
