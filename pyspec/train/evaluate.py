@@ -198,6 +198,32 @@ def write_report(report: dict, out_dir: str) -> List[str]:
     return paths
 
 
+def record_in_manifest(draft_dir: str, report: dict, args) -> None:
+    cfg_path = os.path.join(draft_dir, "drafter.json")
+    if not os.path.isfile(cfg_path):
+        raise ValueError(f"--record-in-manifest needs a drafter folder; {draft_dir!r} has no "
+                         "drafter.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    c = report["drafters"]["candidate"]
+    cfg.setdefault("manifest", {})["evaluation"] = {
+        "command": f"pyspec eval-draft --draft {os.path.basename(draft_dir.rstrip('/'))} "
+                   f"--prompts {os.path.basename(args.prompts)} --max-tokens {args.max_tokens}"
+                   + (f" --limit {args.limit}" if args.limit else "")
+                   + f" --temperature {args.temperature} --dtype {args.dtype}",
+        "prompts": c["prompts"], "max_tokens": report["max_tokens"],
+        "temperature": report["temperature"], "dtype": report["dtype"],
+        "acceptance_length": round(c["acceptance_length"], 3),
+        "tokens_per_target_step": round(c["tokens_per_target_step"], 3),
+        "per_position_acceptance": [round(x, 3) for x in c["per_position_acceptance"][:8]],
+        "speedup": round(c["speedup"], 3), "identical_to_plain": c["identical_to_plain"],
+        "per_category_acceptance_length": {k: round(v["acceptance_length"], 3)
+                                           for k, v in c["per_category"].items()},
+    }
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=1)
+
+
 def add_parser(sub):
     p = sub.add_parser("eval-draft", help="acceptance report for a drafter (and a promotion gate)")
     p.add_argument("--target", default=None, help="target model folder (default: the embedded)")
@@ -211,6 +237,9 @@ def add_parser(sub):
     p.add_argument("--threshold", type=float, default=0.05)
     p.add_argument("--gate-speedup", action="store_true", help="also gate on measured speedup")
     p.add_argument("--out", default="eval-draft", help="report folder")
+    p.add_argument("--record-in-manifest", action="store_true",
+                   help="write the candidate's summary into its drafter.json manifest "
+                        "('evaluation'), for a drafter folder")
     p.set_defaults(func=_cmd)
     return p
 
@@ -227,6 +256,8 @@ def _cmd(args) -> int:
     report = evaluate(args.target, drafts, prompts, max_tokens=args.max_tokens,
                       temperature=args.temperature, dtype=args.dtype)
     paths = write_report(report, args.out)
+    if args.record_in_manifest:
+        record_in_manifest(args.draft, report, args)
     for name, s in report["drafters"].items():
         print(f"{name}: acceptance length {s['acceptance_length']:.2f}, tokens/step "
               f"{s['tokens_per_target_step']:.2f}, speedup {s['speedup']:.2f}x "

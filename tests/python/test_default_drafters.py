@@ -72,8 +72,8 @@ def _heads_dir(llm, path, method):
     return save_heads(path, method, t, conf)
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "layer-skip:8", "draft-model", "draft-model-tree",
-                                     "medusa", "eagle"])
+@pytest.mark.parametrize("drafter", ["default", "ngram", "layer-skip:8", "draft-model",
+                                     "draft-model-tree", "medusa", "eagle"])
 def test_every_drafter_is_greedy_lossless_on_mt_bench(target, reference, drafter, tmp_path):
     from pyspec.engine import Engine, SamplingParams
     from pyspec.runner import ModelRunner
@@ -104,3 +104,29 @@ def test_every_drafter_is_greedy_lossless_on_mt_bench(target, reference, drafter
     assert sum(r.stats.draft_tokens for r in res) > 0
     if drafter in ("ngram", "layer-skip:8", "draft-model", "draft-model-tree"):
         assert sum(r.stats.accepted_tokens for r in res) > 0
+
+
+def test_shipped_drafter_matches_the_embedded_model(target):
+    """The drafter shipped in the package was trained for these exact weights (manifest hash),
+    loads without a warning, and its manifest carries the recipe and evaluation report."""
+    import json
+    import warnings
+
+    from pyspec.models.default import default_drafter_path
+    from pyspec.models.loader import weights_sha256
+
+    path = default_drafter_path()
+    if path is None:
+        pytest.skip("this build ships no default drafter")
+    llm, _ = target
+    conf = json.load(open(os.path.join(path, "drafter.json")))
+    man = conf["manifest"]
+    assert man["target"]["sha256"] == weights_sha256(llm.model_path)
+    assert "pyspec train-draft" in man["recipe"]["command"]
+    assert man["evaluation"]["acceptance_length"] > 1.0
+    import pyspec
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        d = pyspec.LLM(None, draft="default", kv_cache_tokens=1024, progress=False)
+    assert d.drafter_name.startswith("eagle")

@@ -111,6 +111,21 @@ def test_eval_draft_report_and_promotion_gate(tiny, tmp_path, capsys):
     text = capsys.readouterr().out
     assert rc == 1 and "FAILED" in text and "acceptance_length" in text
     assert cli.main(["eval-draft", "--target", tiny, "--prompts", str(tmp_path / "none.jsonl")]) == 2
+    assert cli.main(["eval-draft", "--target", tiny, "--draft", "ngram", "--prompts",
+                     str(prompts), "--record-in-manifest", "--out", out]) == 2
+
+
+def test_eval_records_into_manifest(tiny, trained, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "abc abc abc", "category": "x"}) + "\n")
+    d = str(tmp_path / "copy")
+    shutil.copytree(trained, d)
+    assert cli.main(["eval-draft", "--target", tiny, "--draft", d, "--prompts", str(prompts),
+                     "--max-tokens", "8", "--out", str(tmp_path / "r"),
+                     "--record-in-manifest"]) == 0
+    ev = json.load(open(os.path.join(d, "drafter.json")))["manifest"]["evaluation"]
+    assert ev["prompts"] == 1 and ev["acceptance_length"] >= 1.0 and "x" in ev[
+        "per_category_acceptance_length"]
 
 
 def test_train_draft_model_method(tiny, trained, tmp_path):
