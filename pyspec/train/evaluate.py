@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 TRACKED = ("acceptance_length", "tokens_per_target_step")
 
 
-def read_prompts(path: str, limit: Optional[int] = None):
+def read_prompts(path: str, limit: Optional[int] = None, per_category: Optional[int] = None):
     """JSONL rows: MT-bench style ``{"category", "turns": [...]}`` or ``{"prompt", "category"?}``
     (also what ``pyspec serve``'s prompt sampling writes)."""
     if not os.path.isfile(path):
@@ -44,6 +44,14 @@ def read_prompts(path: str, limit: Optional[int] = None):
             out.append((str(row.get("category", "all")), text))
     if not out:
         raise ValueError(f"{path}: no prompts")
+    if per_category:
+        seen: Dict[str, int] = {}
+        kept = []
+        for c, t in out:
+            if seen.get(c, 0) < per_category:
+                seen[c] = seen.get(c, 0) + 1
+                kept.append((c, t))
+        out = kept
     return out[:limit] if limit else out
 
 
@@ -210,6 +218,7 @@ def record_in_manifest(draft_dir: str, report: dict, args) -> None:
         "command": f"pyspec eval-draft --draft {os.path.basename(draft_dir.rstrip('/'))} "
                    f"--prompts {os.path.basename(args.prompts)} --max-tokens {args.max_tokens}"
                    + (f" --limit {args.limit}" if args.limit else "")
+                   + (f" --per-category {args.per_category}" if args.per_category else "")
                    + f" --temperature {args.temperature} --dtype {args.dtype}",
         "prompts": c["prompts"], "max_tokens": report["max_tokens"],
         "temperature": report["temperature"], "dtype": report["dtype"],
@@ -230,6 +239,8 @@ def add_parser(sub):
     p.add_argument("--draft", default="default", help="drafter spec (see pyspec generate --draft)")
     p.add_argument("--prompts", required=True, help="JSONL prompts (MT-bench format or 'prompt')")
     p.add_argument("--limit", type=int, default=None, help="first N prompts only")
+    p.add_argument("--per-category", type=int, default=None,
+                   help="at most N prompts of each category (in file order)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -249,7 +260,7 @@ def _cmd(args) -> int:
         raise ValueError("--max-tokens must be >= 1")
     if not 0 < args.threshold < 1:
         raise ValueError("--threshold must be in (0, 1)")
-    prompts = read_prompts(args.prompts, args.limit)
+    prompts = read_prompts(args.prompts, args.limit, args.per_category)
     drafts = {"candidate": args.draft}
     if args.baseline:
         drafts["baseline"] = args.baseline
