@@ -11,6 +11,7 @@ draft model, self-speculative layer skipping, Medusa heads and EAGLE heads with 
     PATH                   a folder holding drafter.json (EAGLE/Medusa heads) or config.json (an
                            independent draft model with the target's vocabulary)
     PATH@tree=W            ... a draft model drafting top-W dynamic trees instead of a chain
+    PATH@width=W,depth=D,nodes=N   ... an EAGLE drafter with another tree shape
     a Drafter instance     used as is
 """
 
@@ -70,7 +71,15 @@ def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Dra
     path = os.path.expanduser(path)
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, "drafter.json")):
-            return _budget(load_heads(path, target_runner))
+            over = {}
+            for item in filter(None, opt.split(",")):
+                key, _, val = item.partition("=")
+                names = {"width": "width", "depth": "max_depth", "nodes": "max_nodes"}
+                if key not in names:
+                    raise ValueError(f"unknown drafter option {key!r}; allowed: width=, depth=, "
+                                     "nodes= (EAGLE trees)")
+                over[names[key]] = _int_arg(val, key, 0)
+            return _budget(load_heads(path, target_runner, **over))
         if os.path.isfile(os.path.join(path, "config.json")):
             from pyspec.models.llama import LlamaForCausalLM
 

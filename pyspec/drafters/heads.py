@@ -396,6 +396,9 @@ def load_heads(path: str, target_runner: ModelRunner, **overrides) -> Drafter:
     _check_target(cfg, target_runner.model.cfg)
     defaults = dict(cfg.get("defaults") or {})
     if cfg["method"] == "medusa":
+        if any(k in overrides for k in ("width", "max_depth", "max_nodes")):
+            raise ValueError("width/depth/nodes options apply to EAGLE drafters; a Medusa tree "
+                             "comes from its choice list")
         mc = cfg.get("medusa") or {}
         d = MedusaDrafter(target_runner, tensors, int(mc.get("num_heads", 0)),
                           overrides.pop("tree", None) or mc.get("tree"))

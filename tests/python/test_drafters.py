@@ -203,6 +203,8 @@ def test_heads_files_and_errors(model, tmp_path):
     assert isinstance(make_drafter(d, runner), EagleDrafter)
     m = _heads_dir(str(tmp_path), model, "medusa")
     assert isinstance(make_drafter(m, runner), MedusaDrafter)
+    e = make_drafter(d + "@width=2,depth=3,nodes=7", runner)
+    assert (e.width, e.max_depth, e.max_nodes, e.default_budget) == (2, 3, 7, 7)
     # A target of another width: shape mismatch is a clear error.
     other = LlamaForCausalLM.random(dataclasses.replace(model.cfg, hidden_size=128,
                                                         num_attention_heads=2), seed=0)
@@ -216,7 +218,8 @@ def test_heads_files_and_errors(model, tmp_path):
         load_heads(d, runner)
     with pytest.raises(ValueError, match="drafter.json"):
         load_heads(str(tmp_path), runner)
-    for bad in ("bogus", "layer-skip:9", "layer-skip:x", "ngram:0", str(tmp_path / "nothing")):
+    for bad in ("bogus", "layer-skip:9", "layer-skip:x", "ngram:0", str(tmp_path / "nothing"),
+                d + "@size=3", m + "@width=2"):
         with pytest.raises(ValueError):
             make_drafter(bad, runner)
     wrong_vocab = LlamaForCausalLM.random(tiny_config(vocab=97), seed=0)
