@@ -52,7 +52,10 @@ def main(argv=None):
 
     rows = [json.loads(x) for x in open(os.path.join(HERE, "data", "mt_bench_questions.jsonl"))]
     prompts = [r["turns"][0] for r in rows]
-    llm = pyspec.LLM(args.model, draft=args.draft, dtype=args.dtype, progress=False)
+    # No prefix cache: every level sends the same prompts, and later levels must not get their
+    # prefills for free.
+    llm = pyspec.LLM(args.model, draft=args.draft, dtype=args.dtype, progress=False,
+                     enable_prefix_cache=False)
     app = create_app(llm, parse_config({"speculative": {"enabled_ratio": 1.0}}))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
