@@ -134,7 +134,7 @@ class EngineStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: List[int] = field(default_factory=list)
-    acceptance_ewma: Optional[float] = None  # EWMA of per-step accepted / drafted
+    acceptance_ewma: Optional[float] = None  # EWMA of per-step accepted / drafted depth
     fallbacks: Dict[str, int] = field(default_factory=dict)
     switches: Dict[str, int] = field(default_factory=dict)
     draft_seconds: float = 0.0
@@ -304,8 +304,10 @@ class Engine:
                 if name is not None and name not in self.drafters:
                     raise ValueError(f"the router names drafter {name!r}; the engine has "
                                      f"{sorted(self.drafters)}")
-        budgets = [getattr(d, "default_budget", 5) for d in self.drafters.values()]
-        self.gamma = int(gamma) if gamma is not None else (max(budgets) if budgets else 0)
+        # The scheduler's draft length counts tree *levels* (the KV it reserves is for the accepted
+        # path, at most depth + 1 tokens); each drafter turns a depth into its node budget.
+        depths = [int(d.max_draft_depth) for d in self.drafters.values()]
+        self.gamma = int(gamma) if gamma is not None else (max(depths) if depths else 0)
         self._speculate = bool(self.drafters) and self.gamma > 0
         self.switch_below = float(switch_below)
         self.adaptive = bool(adaptive)
@@ -331,7 +333,8 @@ class Engine:
         self.stats = EngineStats()
         # Step-time model t = base + per_token * tokens (EWMA least squares) and draft timing.
         self._fit = [0.0] * 5  # n, sx, sy, sxx, sxy (exponentially weighted)
-        self._draft_time: Dict[str, List[float]] = {}  # drafter -> [seconds, tokens] EWMA sums
+        self._draft_time: Dict[str, List[float]] = {}  # drafter -> [seconds, levels] EWMA sums
+        self._nodes_per_level = 1.0  # tree nodes verified per draft level (EWMA)
         self.debug_skip_residual = False  # tests only: a deliberately broken acceptance rule
         # Called with a StepTrace after every step that ran a forward (None: no tracing cost).
         self.trace_hook: Optional[Callable[[StepTrace], None]] = None
@@ -506,6 +509,14 @@ class Engine:
             n = len(dr.tokens)
             if n < 1 or n - 1 > q.budget or len(dr.parents) != n:
                 return False
+            depth = [0] * n
+            for k in range(1, n):
+                pk = int(dr.parents[k])
+                if not 0 <= pk < k:
+                    return False
+                depth[k] = depth[pk] + 1
+            if max(depth) > q.depth_limit:  # KV slots are reserved for depth_limit + 1 tokens
+                return False
             if int(dr.tokens[0]) != int(q.context[-1]):
                 return False
             if any(not 0 <= int(t) < self.vocab_size for t in dr.tokens):
@@ -548,13 +559,14 @@ class Engine:
             r = self._reqs[rid]
             if kinds[i] == "prefill" or r.drafter is None or r.failed:
                 continue
-            budget = min(budgets[i], self.gamma)
-            if budget <= 0:
+            depth = min(budgets[i], self.gamma)
+            if depth <= 0:
                 continue
             p = r.params
+            nodes = max(1, int(self.drafters[r.drafter].node_budget(depth)))
             groups.setdefault(r.drafter, []).append(DraftRequest(
-                rid, r.context, starts[i], table, budget, float(p.temperature), int(p.top_k),
-                float(p.top_p), float(p.min_p), r.seed, r.stats.steps))
+                rid, r.context, starts[i], table, nodes, float(p.temperature), int(p.top_k),
+                float(p.top_p), float(p.min_p), r.seed, r.stats.steps, depth))
         drafts: Dict[int, Draft] = {}
         for name, reqs in groups.items():
             t0 = time.perf_counter()
@@ -566,7 +578,7 @@ class Engine:
             self.stats.draft_seconds += dt
             acc = self._draft_time.setdefault(name, [0.0, 0.0])
             acc[0] = 0.9 * acc[0] + dt
-            acc[1] = 0.9 * acc[1] + sum(q.budget for q in reqs)
+            acc[1] = 0.9 * acc[1] + sum(q.depth_limit for q in reqs)
 
         # VERIFY: one forward for the whole batch.
         seqs: List[SeqStep] = []
@@ -625,19 +637,21 @@ class Engine:
             src_rows.extend(base + node for node in path)
             dst_slots.extend(all_slots[slot_ptr[i]:slot_ptr[i] + a + 1])
             nd = len(dr.tokens) - 1
-            result.add_decode(rid, emitted[j][:a + 1], nd, a)
+            depth = 0
+            if nd:
+                d = [0] * len(dr.parents)
+                for k in range(1, len(dr.parents)):
+                    d[k] = d[dr.parents[k]] + 1
+                depth = max(d)
+                self._nodes_per_level = 0.95 * self._nodes_per_level + 0.05 * (nd / depth)
+            # The scheduler counts levels: its acceptance rate is accepted / drafted depth.
+            result.add_decode(rid, emitted[j][:a + 1], depth, a)
             if trace is not None:
-                depth = 0
-                if nd:
-                    d = [0] * len(dr.parents)
-                    for k in range(1, len(dr.parents)):
-                        d[k] = d[dr.parents[k]] + 1
-                    depth = max(d)
                 trace.decisions[rid] = (nd, depth, a, a + 1)
             st = r.stats
             st.steps += 1
             if nd:
-                self._count_spec(r, nd, a)
+                self._count_spec(r, nd, depth, a)
             rec = self._record.get(rid)
             if rec is not None:
                 rec.append(out.logits[[out.logits_indptr[i] + n for n in path]].clone())
@@ -675,7 +689,7 @@ class Engine:
                 except Exception:  # noqa: BLE001
                     self._fail(it.request_id)
 
-    def _count_spec(self, r: _Req, nd: int, a: int) -> None:
+    def _count_spec(self, r: _Req, nd: int, depth: int, a: int) -> None:
         st, es = r.stats, self.stats
         st.drafts += 1
         st.draft_tokens += nd
@@ -688,7 +702,7 @@ class Engine:
                 lst.extend([0] * (a - len(lst)))
             for k in range(a):
                 lst[k] += 1
-        rate = a / nd
+        rate = a / depth
         es.acceptance_ewma = rate if es.acceptance_ewma is None else (
             0.98 * es.acceptance_ewma + 0.02 * rate)  # deployment window ~ 50 steps
         r.ewma = rate if r.ewma < 0 else 0.8 * r.ewma + 0.2 * rate
@@ -738,7 +752,7 @@ class Engine:
         base = max(sy / n - slope * sx / n, 1e-6)
         b = getattr(self, "_last_batch", 1)
         plain = base + slope * b  # one plain step of the current batch
-        verify = slope / plain
+        verify = slope / plain * self._nodes_per_level  # per draft level
         sec, tok = 0.0, 0.0
         for s, t in self._draft_time.values():
             sec += s

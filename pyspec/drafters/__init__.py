@@ -32,24 +32,11 @@ __all__ = ["Drafter", "Draft", "DraftRequest", "PrefillChunk", "Verified", "Ngra
 DRAFT_CHOICES = "none, ngram, ngram:N, layer-skip[:L], default, or a drafter/draft-model folder"
 
 
-def _budget(d: Drafter) -> Drafter:
-    if not hasattr(d, "default_budget"):
-        if isinstance(d, MedusaDrafter):
-            d.default_budget = len(d.paths)
-        elif isinstance(d, EagleDrafter):
-            d.default_budget = d.max_nodes
-        elif isinstance(d, ModelDrafter):
-            d.default_budget = d.max_depth if d.width == 1 else min(4 * d.width, 32)
-        else:
-            d.default_budget = 5
-    return d
-
-
 def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Drafter]:
     if spec is None or spec == "none":
         return None
     if isinstance(spec, Drafter):
-        return _budget(spec)
+        return spec
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"draft must be a string ({DRAFT_CHOICES}) or a Drafter; got {spec!r}")
     name, _, arg = spec.partition(":")
@@ -60,13 +47,13 @@ def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Dra
         return make_drafter(path if path else "ngram", target_runner)
     if name == "ngram":
         n = _int_arg(arg, "ngram", 3)
-        return _budget(NgramDrafter(n))
+        return NgramDrafter(n)
     if name == "layer-skip":
         total = target_runner.model.cfg.num_hidden_layers
         n = _int_arg(arg, "layer-skip", max(1, total // 4))
         if not 1 <= n < total:
             raise ValueError(f"layer-skip needs 1 <= L < {total} (the target's layers); got {n}")
-        return _budget(LayerSkipDrafter(target_runner, n, max_depth=5))
+        return LayerSkipDrafter(target_runner, n, max_depth=5)
     path, _, opt = spec.partition("@")
     path = os.path.expanduser(path)
     if os.path.isdir(path):
@@ -79,7 +66,7 @@ def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Dra
                     raise ValueError(f"unknown drafter option {key!r}; allowed: width=, depth=, "
                                      "nodes= (EAGLE trees)")
                 over[names[key]] = _int_arg(val, key, 0)
-            return _budget(load_heads(path, target_runner, **over))
+            return load_heads(path, target_runner, **over)
         if os.path.isfile(os.path.join(path, "config.json")):
             from pyspec.models.llama import LlamaForCausalLM
 
@@ -91,7 +78,7 @@ def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Dra
                 width = _int_arg(val, "tree", 1)
             tm = target_runner.model
             model = LlamaForCausalLM.from_pretrained(path, dtype=tm.dtype)
-            return _budget(ModelDrafter(model, target_runner, width=width, max_depth=5))
+            return ModelDrafter(model, target_runner, width=width, max_depth=5)
         raise ValueError(f"{path!r} holds neither drafter.json (EAGLE/Medusa heads) nor "
                          "config.json (a draft model)")
     raise ValueError(f"unknown drafter {spec!r}; use {DRAFT_CHOICES}")

@@ -49,6 +49,11 @@ class DraftRequest:
     min_p: float = 0.0
     seed: int = 0
     step: int = 0  # the request's decode step (fresh randomness per step)
+    max_depth: int = 0  # deepest allowed draft level (its KV slots are reserved); 0: = budget
+
+    @property
+    def depth_limit(self) -> int:
+        return self.max_depth or self.budget
 
     @property
     def greedy(self) -> bool:
@@ -96,6 +101,11 @@ class Drafter:
 
     name = "drafter"
     needs_hidden = False  # wants the target's final hidden states in prefill/observe
+    max_draft_depth = 5  # deepest tree it drafts (the scheduler's draft length is in depth units)
+
+    def node_budget(self, depth: int) -> int:
+        """Tree nodes it may propose when the scheduler allows ``depth`` levels (chains: depth)."""
+        return depth
 
     def kv_pools(self) -> list:
         """KV pools to keep in step with the target's (copy-on-write block copies)."""

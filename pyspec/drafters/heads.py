@@ -144,6 +144,13 @@ class MedusaDrafter(Drafter):
         self.max_rank = max(max(p) for p in self.paths) + 1
         self._last: Dict[int, torch.Tensor] = {}  # request -> hidden of its last committed token
 
+    @property
+    def max_draft_depth(self) -> int:
+        return max(len(p) for p in self.paths)
+
+    def node_budget(self, depth: int) -> int:
+        return sum(1 for p in self.paths if len(p) <= depth)
+
     def prefill(self, chunks: List[PrefillChunk]) -> None:
         for c in chunks:
             self._last[c.request_id] = c.hidden[-1]
@@ -175,7 +182,7 @@ class MedusaDrafter(Drafter):
             if t is None:
                 out.append(Draft([int(r.context[-1])], [-1]))
                 continue
-            paths = self.paths[:r.budget]
+            paths = [q for q in self.paths if len(q) <= r.depth_limit][:r.budget]
             where = {(): 0}
             tokens, parents = [int(r.context[-1])], [-1]
             for p in paths:
@@ -262,6 +269,15 @@ class EagleDrafter(Drafter):
     def kv_pools(self) -> list:
         return [self.runner.kv]
 
+    @property
+    def max_draft_depth(self) -> int:
+        return self.max_depth
+
+    def node_budget(self, depth: int) -> int:
+        # The node budget shrinks with the allowed depth in proportion (EAGLE-2 trees are about
+        # as wide at every level).
+        return min(self.max_nodes, max(depth, round(self.max_nodes * depth / self.max_depth)))
+
     def _push(self, rid: int, start: int, feats: torch.Tensor, next_tokens: Sequence[int]) -> None:
         dc = self._dc.get(rid)
         have = len(self._feat.get(rid, ()))
@@ -303,7 +319,7 @@ class EagleDrafter(Drafter):
                     not feats or nxt[-1] != int(r.context[-1]):
                 out[i] = Draft([int(r.context[-1])], [-1])
                 continue
-            depth = min(r.budget, self.max_depth)
+            depth = min(r.depth_limit, self.max_depth)
             b = TreeBuilder(int(r.context[-1]), width=self.width, depth=depth,
                             budget=min(r.budget, self.max_nodes), sample=False,
                             vocab_map=self.vocab_map)

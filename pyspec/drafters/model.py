@@ -65,6 +65,13 @@ class ModelDrafter(Drafter):
     def kv_pools(self) -> list:
         return [] if self.share else [self.runner.kv]
 
+    @property
+    def max_draft_depth(self) -> int:
+        return self.max_depth
+
+    def node_budget(self, depth: int) -> int:
+        return depth if self.width == 1 else min(255, depth * self.width)
+
     def prefill(self, chunks: List[PrefillChunk]) -> None:
         if self.share or not chunks:
             return
@@ -84,7 +91,7 @@ class ModelDrafter(Drafter):
         pend: List[List[int]] = []
         for r in reqs:
             sample = not r.greedy and self.width == 1
-            depth = min(r.budget, self.max_depth)
+            depth = min(r.depth_limit, self.max_depth)
             builders.append(TreeBuilder(r.context[-1], width=self.width, depth=depth,
                                         budget=r.budget, sample=sample))
             if self.share:

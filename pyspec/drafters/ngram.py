@@ -24,7 +24,7 @@ class NgramDrafter(Drafter):
         out = []
         for r in reqs:
             ctx = r.context if isinstance(r.context, list) else list(r.context)
-            chain = self._lookup(ctx, r.budget)
+            chain = self._lookup(ctx, min(r.budget, r.depth_limit))
             out.append(Draft([int(ctx[-1])] + [int(t) for t in chain],
                              list(range(-1, len(chain)))))
         return out

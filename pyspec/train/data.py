@@ -105,7 +105,7 @@ class _Recorder(Drafter):
 
     name = "recorder"
     needs_hidden = True
-    default_budget = 1
+    max_draft_depth = 1
 
     def __init__(self):
         self.hidden: Dict[int, Dict[int, torch.Tensor]] = {}

@@ -204,7 +204,8 @@ def test_heads_files_and_errors(model, tmp_path):
     m = _heads_dir(str(tmp_path), model, "medusa")
     assert isinstance(make_drafter(m, runner), MedusaDrafter)
     e = make_drafter(d + "@width=2,depth=3,nodes=7", runner)
-    assert (e.width, e.max_depth, e.max_nodes, e.default_budget) == (2, 3, 7, 7)
+    assert (e.width, e.max_depth, e.max_nodes, e.max_draft_depth) == (2, 3, 7, 3)
+    assert e.node_budget(3) == 7 and e.node_budget(1) == 2
     # A target of another width: shape mismatch is a clear error.
     other = LlamaForCausalLM.random(dataclasses.replace(model.cfg, hidden_size=128,
                                                         num_attention_heads=2), seed=0)
