@@ -141,6 +141,9 @@ class EngineStats:
     verify_seconds: float = 0.0
     draft_cost: float = 0.0  # measured, relative to a plain decode step
     verify_cost: float = 0.0
+    # Extra tokens a step can verify before its forward turns compute-bound (measured; None
+    # until the step-time fit has data).
+    spec_free_tokens: Optional[int] = None
 
 
 @dataclass
@@ -325,6 +328,8 @@ class Engine:
                                           max_num_seqs=max_num_seqs, **kw)
         except TypeError as e:  # an unknown keyword
             raise ValueError(str(e)) from None
+        self._spec_limits = (self.scheduler.spec_token_budget,
+                             self.scheduler.spec_disable_batch_size)
         self._pools = [p for d in self.drafters.values() for p in d.kv_pools()]
         self._need_hidden = any(d.needs_hidden for d in self.drafters.values())
         self._reqs: Dict[int, _Req] = {}
@@ -762,6 +767,19 @@ class Engine:
         verify = min(max(verify, 0.0), 10.0)
         self.stats.draft_cost, self.stats.verify_cost = draft, verify
         self.scheduler.set_cost_model(draft, verify)
+        # Batch-aware budget from the same fit: a step stays memory-bound while its tokens cost
+        # less than its fixed part (base / slope tokens); draft tokens beyond that are compute,
+        # which speculation cannot win back in a large batch. Once the batch alone reaches it,
+        # speculation stops for everyone.
+        if slope > 0:
+            free = int(round(base / slope)) - b
+            user_budget, user_disable = self._spec_limits
+            if free < 1:
+                self.scheduler.set_spec_budget(user_budget, 1)
+            else:
+                budget = free if user_budget == 0 else min(user_budget, free)
+                self.scheduler.set_spec_budget(budget, user_disable)
+            self.stats.spec_free_tokens = free
 
     def _accept(self, ids, dec_idx, dec_drafts: List[Draft], logits):
         """One batched acceptance over every decode/speculative request of the step."""

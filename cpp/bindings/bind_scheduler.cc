@@ -204,6 +204,14 @@ that do not match the last step) raise ValueError.)doc")
            py::arg("warmup_steps") = 4, py::arg("probe_interval") = 32,
            py::arg("record_transitions") = false, py::arg("cost_model") = false,
            py::arg("draft_cost") = 0.0, py::arg("verify_cost") = 0.02)
+      .def("set_spec_budget", &Scheduler::SetSpecBudget, py::arg("spec_token_budget"),
+           py::arg("spec_disable_batch_size"),
+           "Update the batch-aware speculation limits (draft tokens per step shared by the batch, "
+           "0 = unlimited; batch size at which speculation stops, 0 = never).")
+      .def_property_readonly("spec_token_budget",
+                             [](const Scheduler& s) { return s.config().spec_token_budget; })
+      .def_property_readonly("spec_disable_batch_size",
+                             [](const Scheduler& s) { return s.config().spec_disable_batch_size; })
       .def("set_cost_model", &Scheduler::SetCostModel, py::arg("draft_cost"),
            py::arg("verify_cost"),
            "Update the measured cost ratios (per draft token, per extra verified token; both "

@@ -263,6 +263,14 @@ void Scheduler::SetCostModel(double draft_cost, double verify_cost) {
   config_ = c;
 }
 
+void Scheduler::SetSpecBudget(int64_t spec_token_budget, int64_t spec_disable_batch_size) {
+  SchedulerConfig c = config_;
+  c.spec_token_budget = spec_token_budget;
+  c.spec_disable_batch_size = spec_disable_batch_size;
+  c.Validate();
+  config_ = c;
+}
+
 int64_t Scheduler::SpecShare(int64_t n_running, int64_t n_spec) const {
   if (config_.max_draft_tokens == 0 || n_spec <= 0) return 0;
   if (config_.spec_disable_batch_size > 0 && n_running >= config_.spec_disable_batch_size) return 0;

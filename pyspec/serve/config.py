@@ -40,7 +40,10 @@ class ConfigError(ValueError):
 class QualityGate:
     kl_threshold: float = 0.05
     rollback_on_violation: bool = True
-    sample_ratio: float = 0.05  # share of requests also scored by the target alone
+    # Share of speculative requests also scored by the target alone (each costs one plain forward
+    # over its sequence in the engine thread): 0 unless the config has a quality_gate section,
+    # where it defaults to 0.05.
+    sample_ratio: float = 0.0
 
 
 @dataclass
@@ -117,6 +120,7 @@ def _spec(d: Any, where: str, base: SpecSettings, allowed) -> SpecSettings:
             if bad:
                 raise ConfigError(f"unknown key {key}.{sorted(bad)[0]}; allowed: {sorted(GATE_KEYS)}")
             g = s.quality_gate
+            g.sample_ratio = 0.05
             if "kl_threshold" in v:
                 g.kl_threshold = float(_num(v["kl_threshold"], key + ".kl_threshold", 0.0, 100.0))
             if "rollback_on_violation" in v:

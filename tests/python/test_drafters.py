@@ -270,3 +270,23 @@ def test_switch_to_a_draft_model_catches_up_its_kv(model, plain):
     # Before the switch the bad drafter's tokens (3, 4) were rejected; after it, every token the
     # identical draft model proposed must have been accepted (its catch-up KV is right).
     assert res.stats.accepted_tokens >= sum(proposed)
+
+
+def test_batch_aware_budget_from_measured_step_times(model):
+    """The engine's step-time fit (t = base + slope * tokens) sets the shared draft budget to the
+    tokens a step can add before it turns compute-bound, and stops speculation once the batch
+    alone gets there."""
+    runner = ModelRunner(model, num_blocks=16, block_size=8)
+    eng = Engine(runner, drafter="ngram")
+    s = eng.scheduler
+    assert (s.spec_token_budget, s.spec_disable_batch_size) == (64, 32)
+    for batch, expect_budget, expect_disable in ((4, 6, 32), (12, 64, 1)):
+        eng._fit = [0.0] * 5
+        for tokens in (4, 8, 12, 16, 20, 24, 28, 32):  # t = 10 ms + 1 ms per token
+            eng._observe_step_time(batch, tokens, 0.010 + 0.001 * tokens)
+        eng._last_batch = batch
+        eng._update_cost_model()
+        assert s.spec_disable_batch_size == expect_disable
+        if expect_disable != 1:
+            assert s.spec_token_budget == expect_budget
+        assert eng.stats.spec_free_tokens == 10 - batch

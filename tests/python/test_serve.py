@@ -233,6 +233,8 @@ def test_config_shape_and_ratio_is_deterministic():
         "tenants": {"batch": {"speculative": {"enabled_ratio": 0.0}}}})
     s = cfg.speculative
     assert s.gamma == 5 and s.tree_width == 3 and s.quality_gate.kl_threshold == 0.05
+    assert s.quality_gate.sample_ratio == 0.05  # the section is there: the gate samples
+    assert parse_config({"speculative": {"gamma": 2}}).speculative.quality_gate.sample_ratio == 0
     ids = [f"req-{i}" for i in range(4000)]
     share = sum(s.speculates(i) for i in ids) / len(ids)
     assert 0.08 < share < 0.12

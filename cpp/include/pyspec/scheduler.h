@@ -205,6 +205,9 @@ class Scheduler {
   int64_t SpecShare(int64_t n_running, int64_t n_spec) const;
   // Updates the cost model's measured ratios (both finite, >= 0). Throws ValueError.
   void SetCostModel(double draft_cost, double verify_cost);
+  // Updates the batch-aware speculation limits (same meaning and checks as the config fields):
+  // an engine that measures when its forward turns compute-bound narrows them at run time.
+  void SetSpecBudget(int64_t spec_token_budget, int64_t spec_disable_batch_size);
 
   // Verifies queue/state/KV consistency; throws RuntimeError naming the first violation. For tests.
   void CheckInvariants() const;
