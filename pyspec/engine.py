@@ -328,8 +328,6 @@ class Engine:
                                           max_num_seqs=max_num_seqs, **kw)
         except TypeError as e:  # an unknown keyword
             raise ValueError(str(e)) from None
-        self._spec_limits = (self.scheduler.spec_token_budget,
-                             self.scheduler.spec_disable_batch_size)
         self._pools = [p for d in self.drafters.values() for p in d.kv_pools()]
         self._need_hidden = any(d.needs_hidden for d in self.drafters.values())
         self._reqs: Dict[int, _Req] = {}
@@ -607,7 +605,8 @@ class Engine:
         if trace is not None:
             trace.verify = (t0, t0 + t_fwd)
         self.stats.verify_seconds += t_fwd
-        self._observe_step_time(len(dec_idx), sum(len(s.token_ids) for s in seqs), t_fwd)
+        if len(dec_idx) == len(seqs):  # decode/verify-only steps: prefill runs at another rate
+            self._observe_step_time(len(dec_idx), sum(len(s.token_ids) for s in seqs), t_fwd)
 
         # ACCEPT + COMMIT.
         if dec_idx:
@@ -673,7 +672,7 @@ class Engine:
         for name, vs in verified.items():
             self._notify(name, "observe", vs)
         self.stats.steps += 1
-        if self.adaptive and self._speculate and self.stats.steps % 8 == 0:
+        if self.adaptive and self._speculate and self.stats.steps % 4 == 0:
             self._update_cost_model()
         outs = self._apply(sched.update(result))
         if self.switch_below > 0:
@@ -769,17 +768,13 @@ class Engine:
         self.scheduler.set_cost_model(draft, verify)
         # Batch-aware budget from the same fit: a step stays memory-bound while its tokens cost
         # less than its fixed part (base / slope tokens); draft tokens beyond that are compute,
-        # which speculation cannot win back in a large batch. Once the batch alone reaches it,
-        # speculation stops for everyone.
+        # which speculation cannot win back. The scheduler applies it every step to the batch it
+        # is building: draft tokens only from what the batch leaves, none once it alone fills it.
         if slope > 0:
-            free = int(round(base / slope)) - b
-            user_budget, user_disable = self._spec_limits
-            if free < 1:
-                self.scheduler.set_spec_budget(user_budget, 1)
-            else:
-                budget = free if user_budget == 0 else min(user_budget, free)
-                self.scheduler.set_spec_budget(budget, user_disable)
-            self.stats.spec_free_tokens = free
+            limit = max(1, int(round(base / slope)))
+            self.scheduler.set_memory_bound_tokens(limit)
+            self.stats.spec_free_tokens = limit - b
+
 
     def _accept(self, ids, dec_idx, dec_drafts: List[Draft], logits):
         """One batched acceptance over every decode/speculative request of the step."""

@@ -208,6 +208,11 @@ that do not match the last step) raise ValueError.)doc")
            py::arg("spec_disable_batch_size"),
            "Update the batch-aware speculation limits (draft tokens per step shared by the batch, "
            "0 = unlimited; batch size at which speculation stops, 0 = never).")
+      .def("set_memory_bound_tokens", &Scheduler::SetMemoryBoundTokens, py::arg("tokens"),
+           "Tokens a step can run before it is compute-bound (0 = unknown): draft tokens are "
+           "limited to what the batch leaves of it.")
+      .def_property_readonly("memory_bound_tokens",
+                             [](const Scheduler& s) { return s.config().memory_bound_tokens; })
       .def_property_readonly("spec_token_budget",
                              [](const Scheduler& s) { return s.config().spec_token_budget; })
       .def_property_readonly("spec_disable_batch_size",

@@ -30,6 +30,8 @@ void SchedulerConfig::Validate() const {
                "min_acceptance_rate must be in [0, 1]; got ", min_acceptance_rate);
   PYSPEC_CHECK(warmup_steps >= 0, "warmup_steps must be >= 0; got ", warmup_steps);
   PYSPEC_CHECK(probe_interval >= 1, "probe_interval must be >= 1; got ", probe_interval);
+  PYSPEC_CHECK(memory_bound_tokens >= 0, "memory_bound_tokens must be >= 0; got ",
+               memory_bound_tokens);
   PYSPEC_CHECK(std::isfinite(draft_cost) && draft_cost >= 0.0,
                "draft_cost must be a finite number >= 0; got ", draft_cost);
   PYSPEC_CHECK(std::isfinite(verify_cost) && verify_cost >= 0.0,
@@ -274,8 +276,19 @@ void Scheduler::SetSpecBudget(int64_t spec_token_budget, int64_t spec_disable_ba
 int64_t Scheduler::SpecShare(int64_t n_running, int64_t n_spec) const {
   if (config_.max_draft_tokens == 0 || n_spec <= 0) return 0;
   if (config_.spec_disable_batch_size > 0 && n_running >= config_.spec_disable_batch_size) return 0;
-  if (config_.spec_token_budget == 0) return config_.max_draft_tokens;
-  return std::min(config_.max_draft_tokens, config_.spec_token_budget / n_spec);
+  int64_t share = config_.spec_token_budget == 0
+                      ? config_.max_draft_tokens
+                      : std::min(config_.max_draft_tokens, config_.spec_token_budget / n_spec);
+  if (config_.memory_bound_tokens > 0) {
+    const int64_t free = config_.memory_bound_tokens - n_running;
+    share = free <= 0 ? 0 : std::min(share, free / n_spec);
+  }
+  return share;
+}
+
+void Scheduler::SetMemoryBoundTokens(int64_t tokens) {
+  PYSPEC_CHECK(tokens >= 0, "memory_bound_tokens must be >= 0; got ", tokens);
+  config_.memory_bound_tokens = tokens;
 }
 
 void Scheduler::Emit(ScheduleOutput& out, Request& r, StepKind kind,

@@ -751,3 +751,18 @@ TEST(CostModel, SchedulerAdaptsAndFallsBack) {
   EXPECT_GE(r.stats.num_probes, 1);  // plain for probe_interval steps, then probed again
   EXPECT_THROW(s.SetCostModel(std::nan(""), 0.0), pyspec::ValueError);
 }
+
+TEST(CostModel, MemoryBoundTokensLimitTheDraftShare) {
+  pyspec::SchedulerConfig c;
+  c.max_draft_tokens = 8;
+  c.spec_token_budget = 0;
+  c.spec_disable_batch_size = 0;
+  pyspec::Scheduler s(c, 64, 4, false);
+  EXPECT_EQ(s.SpecShare(4, 4), 8);  // unknown: no limit
+  s.SetMemoryBoundTokens(12);
+  EXPECT_EQ(s.SpecShare(4, 4), 2);   // (12 - 4) / 4
+  EXPECT_EQ(s.SpecShare(1, 1), 8);   // capped by max_draft_tokens
+  EXPECT_EQ(s.SpecShare(12, 6), 0);  // the batch alone is compute-bound
+  EXPECT_EQ(s.SpecShare(20, 1), 0);
+  EXPECT_THROW(s.SetMemoryBoundTokens(-1), pyspec::ValueError);
+}

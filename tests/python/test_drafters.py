@@ -279,14 +279,15 @@ def test_batch_aware_budget_from_measured_step_times(model):
     runner = ModelRunner(model, num_blocks=16, block_size=8)
     eng = Engine(runner, drafter="ngram")
     s = eng.scheduler
-    assert (s.spec_token_budget, s.spec_disable_batch_size) == (64, 32)
-    for batch, expect_budget, expect_disable in ((4, 6, 32), (12, 64, 1)):
-        eng._fit = [0.0] * 5
-        for tokens in (4, 8, 12, 16, 20, 24, 28, 32):  # t = 10 ms + 1 ms per token
-            eng._observe_step_time(batch, tokens, 0.010 + 0.001 * tokens)
-        eng._last_batch = batch
-        eng._update_cost_model()
-        assert s.spec_disable_batch_size == expect_disable
-        if expect_disable != 1:
-            assert s.spec_token_budget == expect_budget
-        assert eng.stats.spec_free_tokens == 10 - batch
+    assert s.memory_bound_tokens == 0
+    for tokens in (4, 8, 12, 16, 20, 24, 28, 32):  # t = 10 ms + 1 ms per token
+        eng._observe_step_time(4, tokens, 0.010 + 0.001 * tokens)
+    eng._last_batch = 4
+    eng._update_cost_model()
+    assert s.memory_bound_tokens == 10 and eng.stats.spec_free_tokens == 6
+    # The scheduler's share: what the running batch leaves of those tokens, split among the
+    # speculating requests; nothing once the batch alone reaches them.
+    assert s.spec_share(4, 4) == 1 and s.spec_share(2, 2) == 4 and s.spec_share(10, 10) == 0
+    assert s.spec_share(12, 3) == 0
+    with pytest.raises(ValueError):
+        s.set_memory_bound_tokens(-1)

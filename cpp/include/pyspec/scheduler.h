@@ -74,6 +74,10 @@ struct SchedulerConfig {
   int64_t probe_interval = 32;            // plain steps before speculation is probed again
   bool record_transitions = false;        // keep Request::history (tests)
   bool cost_model = false;                // draft_len from the Leviathan cost model (see above)
+  // Tokens a step can run before its forward turns compute-bound (measured by the engine; 0 =
+  // unknown). When set, the draft tokens of a step are limited to what is left of it after the
+  // batch's own tokens: none once the batch alone reaches it.
+  int64_t memory_bound_tokens = 0;
   double draft_cost = 0.0;                // per draft token, relative to a plain step (>= 0)
   double verify_cost = 0.02;              // per extra verified token, relative to a plain step
 
@@ -208,6 +212,7 @@ class Scheduler {
   // Updates the batch-aware speculation limits (same meaning and checks as the config fields):
   // an engine that measures when its forward turns compute-bound narrows them at run time.
   void SetSpecBudget(int64_t spec_token_budget, int64_t spec_disable_batch_size);
+  void SetMemoryBoundTokens(int64_t tokens);  // >= 0; see SchedulerConfig
 
   // Verifies queue/state/KV consistency; throws RuntimeError naming the first violation. For tests.
   void CheckInvariants() const;
