@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -37,14 +36,11 @@ PROMPTS = os.path.join(HERE, "data", "mt_bench_questions.jsonl")
 
 
 def load_prompts(n):
-    rows = [json.loads(line) for line in open(PROMPTS, encoding="utf-8") if line.strip()]
-    if n < len(rows):  # spread over the 8 categories (the file is grouped, 10 each)
-        per = max(1, n // 8)
-        by = {}
-        for r in rows:
-            by.setdefault(r["category"], []).append(r)
-        rows = [r for cat in by.values() for r in cat[:per]][:n]
-    return [(r["category"], r["turns"][0]) for r in rows]
+    """``n`` prompts spread over the 8 categories (the file is grouped, 10 each)."""
+    from pyspec.train.evaluate import read_prompts
+
+    per = max(1, n // 8) if n < 80 else None
+    return read_prompts(PROMPTS, limit=n, per_category=per)
 
 
 def main(argv=None):

@@ -35,7 +35,7 @@ import random
 import time
 from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -484,7 +484,8 @@ class Engine:
 
     # ---- drafting ----
 
-    def _draft_group(self, d: Drafter, reqs: List[DraftRequest]) -> Dict[int, Draft]:
+    def _draft_group(self, d: Drafter, reqs: List[DraftRequest]
+                     ) -> Dict[int, Tuple[Draft, TokenTree]]:
         """Drafts of one drafter, with failures isolated to the requests they happen on."""
         try:
             drafts = d.propose(reqs)
@@ -501,37 +502,35 @@ class Engine:
                     self._fail(q.request_id)
         out = {}
         for q, dr in pairs:
-            if self._valid(dr, q):
-                out[q.request_id] = dr
+            tree = self._valid(dr, q)
+            if tree is not None:
+                out[q.request_id] = (dr, tree)
             else:
                 self._fail(q.request_id)
         return out
 
-    def _valid(self, dr: Draft, q: DraftRequest) -> bool:
+    def _valid(self, dr: Draft, q: DraftRequest) -> Optional[TokenTree]:
+        """The draft's validated tree, or None when the draft is malformed."""
         try:
             n = len(dr.tokens)
             if n < 1 or n - 1 > q.budget or len(dr.parents) != n:
-                return False
-            depth = [0] * n
-            for k in range(1, n):
-                pk = int(dr.parents[k])
-                if not 0 <= pk < k:
-                    return False
-                depth[k] = depth[pk] + 1
-            if max(depth) > q.depth_limit:  # KV slots are reserved for depth_limit + 1 tokens
-                return False
+                return None
             if int(dr.tokens[0]) != int(q.context[-1]):
-                return False
+                return None
             if any(not 0 <= int(t) < self.vocab_size for t in dr.tokens):
-                return False
-            TokenTree(list(dr.parents))  # validates the shape (ValueError)
+                return None
+            parents = [int(x) for x in dr.parents]
+            tree = (self._chain(n - 1) if parents == list(range(-1, n - 1))
+                    else TokenTree(parents))  # validates the shape (ValueError)
+            if tree.max_depth > q.depth_limit:  # KV slots are reserved for depth_limit + 1
+                return None
             if dr.draft_probs is not None:
                 p = dr.draft_probs
                 if tuple(p.shape) != (n, self.vocab_size) or not bool(torch.isfinite(p).all()):
-                    return False
-            return True
+                    return None
+            return tree
         except Exception:  # noqa: BLE001
-            return False
+            return None
 
     # ---- the loop ----
 
@@ -570,7 +569,7 @@ class Engine:
             groups.setdefault(r.drafter, []).append(DraftRequest(
                 rid, r.context, starts[i], table, nodes, float(p.temperature), int(p.top_k),
                 float(p.top_p), float(p.min_p), r.seed, r.stats.steps, depth))
-        drafts: Dict[int, Draft] = {}
+        drafts: Dict[int, Tuple[Draft, TokenTree]] = {}
         for name, reqs in groups.items():
             t0 = time.perf_counter()
             drafts.update(self._draft_group(self.drafters[name], reqs))
@@ -587,18 +586,17 @@ class Engine:
         seqs: List[SeqStep] = []
         dec_idx: List[int] = []
         dec_drafts: List[Draft] = []
+        dec_depths: List[int] = []
         for i, rid in enumerate(so.ids):
             toks = all_tokens[tok_ptr[i]:tok_ptr[i + 1]]
             if kinds[i] == "prefill":
                 seqs.append(SeqStep(toks, starts[i], tables[i], None, "none"))
                 continue
-            dr = drafts.get(rid) or Draft([int(toks[0])], [-1])
-            tree = self._chain(0) if len(dr.tokens) == 1 else (
-                self._chain(len(dr.tokens) - 1) if dr.parents == list(range(-1, len(dr.tokens) - 1))
-                else TokenTree(list(dr.parents)))
+            dr, tree = drafts.get(rid) or (Draft([int(toks[0])], [-1]), self._chain(0))
             seqs.append(SeqStep(dr.tokens, starts[i], tables[i], tree, "all"))
             dec_idx.append(i)
             dec_drafts.append(dr)
+            dec_depths.append(tree.max_depth)
         t0 = time.perf_counter()
         out = runner.step(seqs, return_hidden=self._need_hidden)
         t_fwd = time.perf_counter() - t0
@@ -641,12 +639,8 @@ class Engine:
             src_rows.extend(base + node for node in path)
             dst_slots.extend(all_slots[slot_ptr[i]:slot_ptr[i] + a + 1])
             nd = len(dr.tokens) - 1
-            depth = 0
+            depth = dec_depths[j]
             if nd:
-                d = [0] * len(dr.parents)
-                for k in range(1, len(dr.parents)):
-                    d[k] = d[dr.parents[k]] + 1
-                depth = max(d)
                 self._nodes_per_level = 0.95 * self._nodes_per_level + 0.05 * (nd / depth)
             # The scheduler counts levels: its acceptance rate is accepted / drafted depth.
             result.add_decode(rid, emitted[j][:a + 1], depth, a)

@@ -9,7 +9,7 @@ pages. The runner knows nothing of scheduling; the scheduler knows nothing of to
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import torch

@@ -31,7 +31,7 @@ import torch
 from pyspec.sampling import apply_sampling_filters
 
 __all__ = ["Drafter", "DraftRequest", "Draft", "PrefillChunk", "Verified", "slots_of",
-           "filtered_probs", "top_children"]
+           "batch_probs", "batch_children", "top_children"]
 
 
 @dataclass
@@ -133,16 +133,6 @@ def slots_of(block_table: Sequence[int], block_size: int, start: int, n: int) ->
             for p in range(start, start + n)]
 
 
-def filtered_probs(logits: torch.Tensor, req: DraftRequest) -> torch.Tensor:
-    """The draft's distribution under the request's sampling filters (float32 ``[R, V]``);
-    greedy requests get the plain softmax (used for ranking only)."""
-    logits = logits.float()
-    if req.greedy:
-        return torch.softmax(logits, dim=-1)
-    return apply_sampling_filters(logits.contiguous(), float(req.temperature), int(req.top_k),
-                                  float(req.top_p), float(req.min_p))
-
-
 def top_children(probs: torch.Tensor, k: int, sample: bool,
                  gen: Optional[torch.Generator]) -> List[List[int]]:
     """Children per row: the top ``k`` tokens, or ``k`` tokens sampled without replacement
@@ -159,7 +149,9 @@ def top_children(probs: torch.Tensor, k: int, sample: bool,
 
 
 def batch_probs(logits: torch.Tensor, reqs: Sequence[DraftRequest]) -> torch.Tensor:
-    """:func:`filtered_probs` for many rows at once (row ``i`` under ``reqs[i]``'s filters)."""
+    """The draft's distributions under each row's request filters (float32 ``[R, V]``): row ``i``
+    under ``reqs[i]``'s temperature / top-k / top-p / min-p; greedy requests get the plain softmax
+    (used for ranking only)."""
     logits = logits.float().contiguous()
     if all(r.greedy for r in reqs):
         return torch.softmax(logits, dim=-1)

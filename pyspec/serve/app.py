@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from dataclasses import replace
-from typing import Any, Dict, List, Optional
+from typing import Dict, List, Optional
 
 from pyspec.engine import SamplingParams, validate_params
 from pyspec.serve.config import ServerConfig

@@ -12,16 +12,13 @@ assisted generation load the same files.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
-from typing import List
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pyspec.train.eagle import _batches, _rms
+from pyspec.train.eagle import _rms
 
 
 class DraftLM(nn.Module):
@@ -111,21 +108,17 @@ def train(llm, seqs, out_dir: str, *, num_layers: int = 4, epochs: int = 2, lr: 
           log=print) -> DraftLM:
     from tqdm import tqdm
 
+    from pyspec.train import loop as L
+
     torch.manual_seed(seed)
     model = DraftLM(llm.model, num_layers)
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
     rng = torch.Generator().manual_seed(seed)
-    plan = [_batches(seqs, max_entries, max_len, rng) for _ in range(epochs)]
+    plan = L.make_plan(seqs, epochs, max_entries, max_len, rng)
     total = sum(len(p) for p in plan)
     ckpt = os.path.join(out_dir, "checkpoint-draft-model.pt")
-    start_epoch = 0
-    if os.path.isfile(ckpt):
-        state = torch.load(ckpt, weights_only=False)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        start_epoch = state["epoch"]
-        log(f"resumed from {ckpt} after epoch {start_epoch}")
+    start_epoch = L.resume(ckpt, "model", model, opt, log)
     cos_full, sin_full = llm.model.rope_tables(torch.arange(max_len + 1))
     step = sum(len(p) for p in plan[:start_epoch])
     for ep in range(start_epoch, epochs):
@@ -141,9 +134,7 @@ def train(llm, seqs, out_dir: str, *, num_layers: int = 4, epochs: int = 2, lr: 
                 toks[b, :m + 1] = torch.tensor(seqs[i].tokens[:m + 1])
                 feats[b, :m + 1] = seqs[i].hidden[:m + 1].float()
                 mask[b, :m + 1] = True
-            frac = step / max(total, 1)
-            for g in opt.param_groups:
-                g["lr"] = lr * min(1.0, frac / 0.03) * 0.5 * (1 + math.cos(math.pi * frac))
+            L.set_lr(opt, lr, step, total)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 logits = model(toks, cos_full[:t].float(), sin_full[:t].float())
             with torch.no_grad():
@@ -163,6 +154,5 @@ def train(llm, seqs, out_dir: str, *, num_layers: int = 4, epochs: int = 2, lr: 
             agg[2] += 1
             bar.set_postfix(kl=f"{agg[0] / agg[2]:.3f}", top1=f"{agg[1] / agg[2]:.3f}")
         log(f"epoch {ep + 1}: kl {agg[0] / max(agg[2], 1):.4f} top1 {agg[1] / max(agg[2], 1):.4f}")
-        os.makedirs(out_dir, exist_ok=True)
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "epoch": ep + 1}, ckpt)
+        L.save(ckpt, "model", model, opt, ep + 1)
     return model

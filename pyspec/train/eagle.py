@@ -15,11 +15,7 @@ The trained head is written in the drafter format of :mod:`pyspec.drafters.heads
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import time
-from typing import List, Optional
 
 import torch
 import torch.nn as nn
@@ -157,21 +153,17 @@ def train(llm, seqs, out_dir: str, *, draft_vocab: torch.Tensor, intermediate_si
     """Train (resuming from ``out_dir/checkpoint.pt`` when present) and return the head."""
     from tqdm import tqdm
 
+    from pyspec.train import loop as L
+
     torch.manual_seed(seed)
     head = EagleHead(llm.model, draft_vocab, intermediate_size)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
     rng = torch.Generator().manual_seed(seed)
-    plan = [_batches(seqs, max_entries, max_len, rng) for _ in range(epochs)]
+    plan = L.make_plan(seqs, epochs, max_entries, max_len, rng)
     total = sum(len(p) for p in plan)
     ckpt = os.path.join(out_dir, "checkpoint.pt")
-    start_epoch = 0
-    if os.path.isfile(ckpt):
-        state = torch.load(ckpt, weights_only=False)
-        head.load_state_dict(state["head"])
-        opt.load_state_dict(state["opt"])
-        start_epoch = state["epoch"]
-        log(f"resumed from {ckpt} after epoch {start_epoch}")
+    start_epoch = L.resume(ckpt, "head", head, opt, log)
     scale = torch.cat([s.hidden[:64].float() for s in seqs[:256]]).std().item() or 1.0
     cos_full, sin_full = head.rope(max_len)
     step = sum(len(p) for p in plan[:start_epoch])
@@ -181,9 +173,7 @@ def train(llm, seqs, out_dir: str, *, draft_vocab: torch.Tensor, intermediate_si
         for idx in bar:
             nxt, feats, tgt, mask = _tensors(seqs, idx, max_len)
             t = feats.shape[1]
-            frac = step / max(total, 1)
-            for g in opt.param_groups:  # warmup 3%, cosine decay
-                g["lr"] = lr * min(1.0, frac / 0.03) * 0.5 * (1 + math.cos(math.pi * frac))
+            L.set_lr(opt, lr, step, total)
             if noise > 0:
                 feats = feats + (torch.rand(feats.shape, generator=rng) - 0.5) * (2 * noise * scale)
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -212,8 +202,7 @@ def train(llm, seqs, out_dir: str, *, draft_vocab: torch.Tensor, intermediate_si
                             top1=f"{agg[2] / agg[3]:.3f}")
         log(f"epoch {ep + 1}: ce {agg[0] / max(agg[3], 1):.4f} reg {agg[1] / max(agg[3], 1):.4f} "
             f"top1 {agg[2] / max(agg[3], 1):.4f}")
-        os.makedirs(out_dir, exist_ok=True)
-        torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "epoch": ep + 1}, ckpt)
+        L.save(ckpt, "head", head, opt, ep + 1)
     return head
 
 

@@ -154,7 +154,7 @@ def write_report(report: dict, out_dir: str) -> List[str]:
     paths = [os.path.join(out_dir, "report.json"), os.path.join(out_dir, "report.md")]
     with open(paths[0], "w") as f:
         json.dump(report, f, indent=1)
-    lines = [f"# Drafter acceptance report", "",
+    lines = ["# Drafter acceptance report", "",
              f"target `{report['target']}`, {report['max_tokens']} new tokens, temperature "
              f"{report['temperature']}, {report['dtype']}, batch 1, same run as plain decoding", ""]
     for name, s in report["drafters"].items():
@@ -164,7 +164,7 @@ def write_report(report: dict, out_dir: str) -> List[str]:
                   f"- speedup over plain **{s['speedup']:.2f}x** ({s['tokens_per_second']:.1f} vs "
                   f"{s['plain_tokens_per_second']:.1f} tok/s)",
                   f"- draft / verify time: {s['draft_seconds']:.1f}s / {s['verify_seconds']:.1f}s",
-                  f"- per-position acceptance: " + ", ".join(
+                  "- per-position acceptance: " + ", ".join(
                       f"{p:.2f}" for p in s["per_position_acceptance"][:8]),
                   f"- identical to plain: {s['identical_to_plain']}/{s['prompts']}", "",
                   "| category | prompts | acceptance length | tokens/step | speedup |",

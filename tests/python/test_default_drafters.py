@@ -13,7 +13,6 @@ import json
 import os
 
 import pytest
-import torch
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,6 @@ import pyspec
 from pyspec import cli
 from pyspec.decode import decode_one
 from pyspec.models.config import ModelConfig
-from pyspec.models.llama import LlamaForCausalLM
 from pyspec.models.loader import expected_shapes
 from pyspec.runner import ModelRunner
 

@@ -305,7 +305,6 @@ def test_dashboard_and_alert_rules_use_exported_metrics(server):
     exprs += [r["expr"] for g in rules["groups"] for r in g["rules"]]
     assert len(exprs) > 10 and all(r.get("alert") for g in rules["groups"] for r in g["rules"])
     # Every metric the files query is one the server exports (gate metrics included).
-    llm = server["llm"]
     text = httpx.get(server["base"] + "/metrics").text
     exported = set(re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)", text, re.M))
     for name, kind in re.findall(r"^# TYPE (\S+) (\S+)", text, re.M):  # labelled, no samples yet

@@ -1,0 +1,43 @@
+"""Pieces every drafter training loop shares: the batch plan, the learning-rate schedule and
+per-epoch checkpoints that make a run resumable."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Callable, List
+
+import torch
+
+
+def make_plan(seqs, epochs: int, max_entries: int, max_len: int,
+              rng: torch.Generator) -> List[list]:
+    """One shuffled list of length-bucketed batches per epoch (deterministic for the rng)."""
+    from pyspec.train.eagle import _batches
+
+    return [_batches(seqs, max_entries, max_len, rng) for _ in range(epochs)]
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float, step: int, total: int) -> None:
+    """3% linear warm-up, then cosine decay to 0 over ``total`` steps."""
+    frac = step / max(total, 1)
+    for g in opt.param_groups:
+        g["lr"] = lr * min(1.0, frac / 0.03) * 0.5 * (1 + math.cos(math.pi * frac))
+
+
+def resume(path: str, key: str, module: torch.nn.Module, opt: torch.optim.Optimizer,
+           log: Callable = print) -> int:
+    """Load ``path`` when it exists; returns the epochs already done (0 for a fresh start)."""
+    if not os.path.isfile(path):
+        return 0
+    state = torch.load(path, weights_only=False)
+    module.load_state_dict(state[key])
+    opt.load_state_dict(state["opt"])
+    log(f"resumed from {path} after epoch {state['epoch']}")
+    return int(state["epoch"])
+
+
+def save(path: str, key: str, module: torch.nn.Module, opt: torch.optim.Optimizer,
+         epoch: int) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    torch.save({key: module.state_dict(), "opt": opt.state_dict(), "epoch": epoch}, path)
