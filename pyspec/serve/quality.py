@@ -7,8 +7,9 @@ and the gate computes the mean per-token KL divergence KL(served || plain) of th
 distributions at the request's temperature (the unfiltered softmax, so top-k/top-p thresholds that
 fall differently at a near-tie do not make it infinite). For a correct engine this is rounding
 noise (the tests require < 1e-4 in float32); a wrong tree mask, stale KV or a bad materialization
-shows up as a large divergence. Above ``kl_threshold`` with ``rollback_on_violation``, speculation is switched off for
-new requests (``enabled_ratio = 0`` for every tenant), and the event is logged and counted.
+shows up as a large divergence. Above ``kl_threshold`` with ``rollback_on_violation``, speculation
+is switched off for new requests (``enabled_ratio = 0`` for every tenant), and the event is logged
+and counted.
 """
 
 from __future__ import annotations
