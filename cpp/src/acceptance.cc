@@ -17,6 +17,7 @@
 #include "pyspec/philox.h"
 #include "pyspec/thread_pool.h"
 #include "pyspec/tree.h"
+#include "sampling_math.h"
 
 namespace pyspec {
 namespace {
@@ -116,27 +117,6 @@ int64_t TopPPrefix(std::vector<Candidate>& cand, double target) {
   return static_cast<int64_t>(cand.size());
 }
 
-// exp(x) for x <= 0 (inputs below -87 are clamped), branch-free so that loops over it vectorise.
-// Cody-Waite reduction x = n ln2 + r, |r| <= ln2 / 2, and a degree-6 Taylor polynomial: relative
-// error about 2e-7, below float32 probability resolution that matters here.
-inline float ExpNonPositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float nf = static_cast<float>(static_cast<int32_t>(x * 1.44269504f - 0.5f));  // round
-  float r = x - nf * 0.693145751953125f;
-  r = r - nf * 1.428606765330187e-06f;
-  float poly = 1.0f / 720.0f;
-  poly = poly * r + 1.0f / 120.0f;
-  poly = poly * r + 1.0f / 24.0f;
-  poly = poly * r + 1.0f / 6.0f;
-  poly = poly * r + 0.5f;
-  poly = poly * r + 1.0f;
-  poly = poly * r + 1.0f;
-  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(nf) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return poly * scale;
-}
-
 inline int ExponentBucket(float w) {  // w in [0, 1]: the biased float exponent, 0..127
   uint32_t bits;
   std::memcpy(&bits, &w, sizeof(bits));
@@ -206,7 +186,7 @@ void FilterRow(const TensorView& logits, int64_t row, int64_t vocab, float tempe
     s.cand.clear();
     for (int64_t v = 0; v < vocab; ++v) {
       if (z[v] > kth || (z[v] == kth && ties_left-- > 0)) {
-        s.cand.push_back({ExpNonPositive((z[v] - zmax) * inv_t), static_cast<int32_t>(v)});
+        s.cand.push_back({detail::ExpNonPositive((z[v] - zmax) * inv_t), static_cast<int32_t>(v)});
       }
     }
     int64_t n = static_cast<int64_t>(s.cand.size());
@@ -222,7 +202,7 @@ void FilterRow(const TensorView& logits, int64_t row, int64_t vocab, float tempe
   // Dense path: weights for the whole vocabulary (-inf logits get weight 0).
   float* w = s.w.data();
   for (int64_t v = 0; v < vocab; ++v) {
-    const float e = ExpNonPositive((z[v] - zmax) * inv_t);
+    const float e = detail::ExpNonPositive((z[v] - zmax) * inv_t);
     w[v] = z[v] == kNegInf ? 0.0f : e;
   }
   // Top-p boundary: the last kept token (w_b, id_b) in (w desc, id asc) order. Masses per float
@@ -555,9 +535,12 @@ void WalkRequest(const Batch& in, int64_t b, bool greedy, bool sampled, uint64_t
   }
 }
 
-int32_t MaxDepthChecked(const TensorView& parents, const TensorView& tree_indptr,
+// Validates the trees (metadata shapes on `device`, values read from host pointers `par` and
+// `indptr`) and returns the largest depth; depth_out receives every node's depth.
+int32_t MaxDepthChecked(const TensorView& parents, const TensorView& tree_indptr, DeviceType device,
+                        const int32_t* par, const int64_t* indptr,
                         std::vector<int32_t>* depth_out) {
-  CheckDevice(parents, "parents", DeviceType::kCPU);
+  CheckDevice(parents, "parents", device);
   CheckSameDevice(parents, "parents", tree_indptr, "tree_indptr");
   CheckDType(parents, "parents", {DType::kInt32});
   CheckDType(tree_indptr, "tree_indptr", {DType::kInt64});
@@ -568,8 +551,8 @@ int32_t MaxDepthChecked(const TensorView& parents, const TensorView& tree_indptr
   PYSPEC_CHECK(tree_indptr.shape[0] >= 1, "'tree_indptr' must have batch + 1 >= 1 entries");
   const int64_t batch = tree_indptr.shape[0] - 1;
   const int64_t total = parents.shape[0];
-  const int32_t* par = parents.ptr<const int32_t>();
-  const int64_t* indptr = tree_indptr.ptr<const int64_t>();
+  if (par == nullptr) par = parents.ptr<const int32_t>();
+  if (indptr == nullptr) indptr = tree_indptr.ptr<const int64_t>();
   ValidateTreeBatch(par, indptr, batch, total, "parents");
   std::vector<int32_t> local;
   std::vector<int32_t>& depth = depth_out ? *depth_out : local;
@@ -587,13 +570,14 @@ int32_t MaxDepthChecked(const TensorView& parents, const TensorView& tree_indptr
 
 }  // namespace
 
-void ApplySamplingFilters(const TensorView& logits, const TensorView& temperature,
-                          const TensorView& top_k, const TensorView& top_p, const TensorView& min_p,
-                          const TensorView& probs, ThreadPool* pool) {
+namespace detail {
+void CheckFilterArgs(const TensorView& logits, const TensorView& temperature,
+                     const TensorView& top_k, const TensorView& top_p, const TensorView& min_p,
+                     const TensorView& probs, DeviceType device, const FilterParams& params) {
   const std::pair<const TensorView*, const char*> all[] = {
       {&temperature, "temperature"}, {&top_k, "top_k"}, {&top_p, "top_p"}, {&min_p, "min_p"},
       {&probs, "probs"}};
-  CheckDevice(logits, "logits", DeviceType::kCPU);
+  CheckDevice(logits, "logits", device);
   for (const auto& t : all) CheckSameDevice(logits, "logits", *t.first, t.second);
   CheckDType(logits, "logits", {DType::kFloat32, DType::kFloat16, DType::kBFloat16});
   CheckDType(temperature, "temperature", {DType::kFloat32});
@@ -613,10 +597,10 @@ void ApplySamplingFilters(const TensorView& logits, const TensorView& temperatur
     CheckShape(*t.first, t.second, {rows});
     CheckContiguous(*t.first, t.second);
   }
-  const float* temp = temperature.ptr<const float>();
-  const int32_t* k = top_k.ptr<const int32_t>();
-  const float* tp = top_p.ptr<const float>();
-  const float* mp = min_p.ptr<const float>();
+  const float* temp = params.temperature ? params.temperature : temperature.ptr<const float>();
+  const int32_t* k = params.top_k ? params.top_k : top_k.ptr<const int32_t>();
+  const float* tp = params.top_p ? params.top_p : top_p.ptr<const float>();
+  const float* mp = params.min_p ? params.min_p : min_p.ptr<const float>();
   for (int64_t r = 0; r < rows; ++r) {
     PYSPEC_CHECK(std::isfinite(temp[r]) && temp[r] >= 0.0f, "'temperature'[", r, "] = ", temp[r],
                  " must be finite and >= 0 (0 = greedy)");
@@ -626,6 +610,18 @@ void ApplySamplingFilters(const TensorView& logits, const TensorView& temperatur
     PYSPEC_CHECK(mp[r] >= 0.0f && mp[r] <= 1.0f, "'min_p'[", r, "] = ", mp[r],
                  " must be in [0, 1] (0 = off)");
   }
+}
+}  // namespace detail
+
+void ApplySamplingFilters(const TensorView& logits, const TensorView& temperature,
+                          const TensorView& top_k, const TensorView& top_p, const TensorView& min_p,
+                          const TensorView& probs, ThreadPool* pool) {
+  detail::CheckFilterArgs(logits, temperature, top_k, top_p, min_p, probs, DeviceType::kCPU, {});
+  const int64_t rows = logits.shape[0], vocab = logits.shape[1];
+  const float* temp = temperature.ptr<const float>();
+  const int32_t* k = top_k.ptr<const int32_t>();
+  const float* tp = top_p.ptr<const float>();
+  const float* mp = min_p.ptr<const float>();
   float* out = probs.ptr<float>();
   ThreadPool& tp_pool = pool ? *pool : ThreadPool::Default();
   tp_pool.ParallelFor(rows, 1, [&](int64_t begin, int64_t end) {
@@ -638,13 +634,15 @@ void ApplySamplingFilters(const TensorView& logits, const TensorView& temperatur
   });
 }
 
-void AcceptTrees(const TensorView& target_probs, const TensorView* draft_probs,
-                 const TensorView& tokens, const TensorView& parents,
-                 const TensorView& tree_indptr, const TensorView& greedy,
-                 const TensorView& sampled_children, const TensorView& seeds,
-                 const TensorView& offsets, const TensorView& accepted_nodes,
-                 const TensorView& emitted_tokens, const TensorView& num_accepted,
-                 const AcceptOptions& options, ThreadPool* pool) {
+namespace detail {
+AcceptShape CheckAcceptArgs(const TensorView& target_probs, const TensorView* draft_probs,
+                            const TensorView& tokens, const TensorView& parents,
+                            const TensorView& tree_indptr, const TensorView& greedy,
+                            const TensorView& sampled_children, const TensorView& seeds,
+                            const TensorView& offsets, const TensorView& accepted_nodes,
+                            const TensorView& emitted_tokens, const TensorView& num_accepted,
+                            const AcceptOptions& options, DeviceType device,
+                            const AcceptMeta& meta) {
   const std::pair<const TensorView*, const char*> all[] = {
       {&tokens, "tokens"}, {&parents, "parents"}, {&tree_indptr, "tree_indptr"},
       {&greedy, "greedy"}, {&sampled_children, "sampled_children"}, {&seeds, "seeds"},
@@ -653,7 +651,7 @@ void AcceptTrees(const TensorView& target_probs, const TensorView* draft_probs,
   // A tolerance near 1 would admit all-zero rows, leaving nothing to sample from.
   PYSPEC_CHECK(options.row_sum_tolerance > 0.0 && options.row_sum_tolerance <= 0.5,
                "'row_sum_tolerance' must be in (0, 0.5]; got ", options.row_sum_tolerance);
-  CheckDevice(target_probs, "target_probs", DeviceType::kCPU);
+  CheckDevice(target_probs, "target_probs", device);
   for (const auto& t : all) {
     CheckSameDevice(target_probs, "target_probs", *t.first, t.second);
     CheckContiguous(*t.first, t.second);
@@ -674,7 +672,7 @@ void AcceptTrees(const TensorView& target_probs, const TensorView* draft_probs,
   CheckShape(tokens, "tokens", {total});
   CheckShape(parents, "parents", {total});
   std::vector<int32_t> depth;
-  MaxDepthChecked(parents, tree_indptr, &depth);
+  MaxDepthChecked(parents, tree_indptr, device, meta.parents, meta.indptr, &depth);
   const int64_t batch = tree_indptr.shape[0] - 1;
   CheckDType(greedy, "greedy", {DType::kBool, DType::kUInt8});
   CheckDType(sampled_children, "sampled_children", {DType::kBool, DType::kUInt8});
@@ -693,8 +691,10 @@ void AcceptTrees(const TensorView& target_probs, const TensorView* draft_probs,
   CheckShape(emitted_tokens, "emitted_tokens", {batch, width});
   CheckShape(num_accepted, "num_accepted", {batch});
 
-  const int32_t* tok = tokens.ptr<const int32_t>();
-  const int64_t* indptr = tree_indptr.ptr<const int64_t>();
+  const int32_t* tok = meta.tokens ? meta.tokens : tokens.ptr<const int32_t>();
+  const int64_t* indptr = meta.indptr ? meta.indptr : tree_indptr.ptr<const int64_t>();
+  const uint8_t* greedy_flags = meta.greedy ? meta.greedy : greedy.ptr<const uint8_t>();
+  const uint8_t* sampled_flags = meta.sampled ? meta.sampled : sampled_children.ptr<const uint8_t>();
   for (int64_t b = 0; b < batch; ++b) {
     int32_t tree_depth = 0;
     for (int64_t i = indptr[b] + 1; i < indptr[b + 1]; ++i) {
@@ -704,11 +704,28 @@ void AcceptTrees(const TensorView& target_probs, const TensorView* draft_probs,
     }
     PYSPEC_CHECK(tree_depth + 1 <= width, "'accepted_nodes' / 'emitted_tokens' have width ", width,
                  " but tree ", b, " has depth ", tree_depth, "; need width >= max depth + 1");
-    PYSPEC_CHECK(!ReadFlag(sampled_children, b) || ReadFlag(greedy, b) || draft_probs != nullptr,
+    PYSPEC_CHECK(sampled_flags[b] == 0 || greedy_flags[b] != 0 || draft_probs != nullptr,
                  "'sampled_children'[", b, "] is set but 'draft_probs' was not given; pass the "
                  "draft distributions or mark the children deterministic");
   }
 
+  return {batch, total, vocab, width};
+}
+}  // namespace detail
+
+void AcceptTrees(const TensorView& target_probs, const TensorView* draft_probs,
+                 const TensorView& tokens, const TensorView& parents,
+                 const TensorView& tree_indptr, const TensorView& greedy,
+                 const TensorView& sampled_children, const TensorView& seeds,
+                 const TensorView& offsets, const TensorView& accepted_nodes,
+                 const TensorView& emitted_tokens, const TensorView& num_accepted,
+                 const AcceptOptions& options, ThreadPool* pool) {
+  const detail::AcceptShape shape = detail::CheckAcceptArgs(
+      target_probs, draft_probs, tokens, parents, tree_indptr, greedy, sampled_children, seeds,
+      offsets, accepted_nodes, emitted_tokens, num_accepted, options, DeviceType::kCPU, {});
+  const int64_t batch = shape.batch, vocab = shape.vocab, width = shape.width;
+  const int32_t* tok = tokens.ptr<const int32_t>();
+  const int64_t* indptr = tree_indptr.ptr<const int64_t>();
   Batch in{target_probs.ptr<const float>(),
            draft_probs ? draft_probs->ptr<const float>() : nullptr,
            tok, parents.ptr<const int32_t>(), indptr, vocab, options.row_sum_tolerance};
@@ -738,7 +755,7 @@ void AcceptTrees(const TensorView& target_probs, const TensorView* draft_probs,
 }
 
 int32_t TreeBatchMaxDepth(const TensorView& parents, const TensorView& tree_indptr) {
-  return MaxDepthChecked(parents, tree_indptr, nullptr);
+  return MaxDepthChecked(parents, tree_indptr, DeviceType::kCPU, nullptr, nullptr, nullptr);
 }
 
 }  // namespace pyspec

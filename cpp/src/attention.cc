@@ -656,9 +656,12 @@ std::string AttentionIsa() { return g_isa.Name(); }
 
 }  // namespace detail
 
-void RunAttention(const AttentionPlan& plan, const TensorView& q, const TensorView& k_pages,
-                  const TensorView& v_pages, const TensorView& k_new, const TensorView& v_new,
-                  const TensorView& out, const TensorView* lse, float scale, ThreadPool* pool) {
+namespace detail {
+AttentionShape CheckAttentionArgs(const AttentionPlan& plan, const TensorView& q,
+                                  const TensorView& k_pages, const TensorView& v_pages,
+                                  const TensorView& k_new, const TensorView& v_new,
+                                  const TensorView& out, const TensorView* lse, float scale,
+                                  DeviceType device) {
   const std::initializer_list<DType> floats = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
   struct Arg {
     const TensorView* t;
@@ -667,7 +670,8 @@ void RunAttention(const AttentionPlan& plan, const TensorView& q, const TensorVi
   const Arg args[] = {{&q, "q"},         {&k_pages, "k_pages"}, {&v_pages, "v_pages"},
                       {&k_new, "k_new"}, {&v_new, "v_new"},     {&out, "out"}};
   for (const Arg& a : args) {
-    CheckDevice(*a.t, a.name, DeviceType::kCPU);
+    CheckDevice(*a.t, a.name, device);
+    CheckSameDevice(q, "q", *a.t, a.name);
     CheckDType(*a.t, a.name, floats);
     CheckContiguous(*a.t, a.name);
   }
@@ -696,12 +700,23 @@ void RunAttention(const AttentionPlan& plan, const TensorView& q, const TensorVi
                  " but 'k_pages' has ", DTypeName(k_pages.dtype), "; K/V storage must share one");
   }
   if (lse != nullptr) {
-    CheckDevice(*lse, "lse", DeviceType::kCPU);
+    CheckDevice(*lse, "lse", device);
+    CheckSameDevice(q, "q", *lse, "lse");
     CheckDType(*lse, "lse", {DType::kFloat32});
     CheckShape(*lse, "lse", {T, Hq});
     CheckContiguous(*lse, "lse");
   }
   PYSPEC_CHECK(std::isfinite(scale), "'scale' must be finite; got ", scale);
+  return {T, Hq, Hkv, D};
+}
+}  // namespace detail
+
+void RunAttention(const AttentionPlan& plan, const TensorView& q, const TensorView& k_pages,
+                  const TensorView& v_pages, const TensorView& k_new, const TensorView& v_new,
+                  const TensorView& out, const TensorView* lse, float scale, ThreadPool* pool) {
+  const detail::AttentionShape shape = detail::CheckAttentionArgs(
+      plan, q, k_pages, v_pages, k_new, v_new, out, lse, scale, DeviceType::kCPU);
+  const int64_t T = shape.T, Hq = shape.Hq, D = shape.D, Hkv = shape.Hkv;
   if (T == 0) return;
 
   RunCtx c;

@@ -108,4 +108,38 @@ void AcceptTrees(const TensorView& target_probs, const TensorView* draft_probs,
 //   parents [N] int32, tree_indptr [B + 1] int64
 int32_t TreeBatchMaxDepth(const TensorView& parents, const TensorView& tree_indptr);
 
+namespace detail {
+// Shared argument validation of the CPU and CUDA ops. Shapes, dtypes and devices are checked on the
+// views (all on `device`); values are read from the host pointers given (the CUDA op passes host
+// copies of the small metadata tensors) or, where a pointer is null, from the views themselves.
+struct FilterParams {
+  const float* temperature = nullptr;
+  const int32_t* top_k = nullptr;
+  const float* top_p = nullptr;
+  const float* min_p = nullptr;
+};
+void CheckFilterArgs(const TensorView& logits, const TensorView& temperature,
+                     const TensorView& top_k, const TensorView& top_p, const TensorView& min_p,
+                     const TensorView& probs, DeviceType device, const FilterParams& params);
+
+struct AcceptMeta {
+  const int32_t* tokens = nullptr;
+  const int32_t* parents = nullptr;
+  const int64_t* indptr = nullptr;
+  const uint8_t* greedy = nullptr;
+  const uint8_t* sampled = nullptr;
+};
+struct AcceptShape {
+  int64_t batch, total, vocab, width;
+};
+AcceptShape CheckAcceptArgs(const TensorView& target_probs, const TensorView* draft_probs,
+                            const TensorView& tokens, const TensorView& parents,
+                            const TensorView& tree_indptr, const TensorView& greedy,
+                            const TensorView& sampled_children, const TensorView& seeds,
+                            const TensorView& offsets, const TensorView& accepted_nodes,
+                            const TensorView& emitted_tokens, const TensorView& num_accepted,
+                            const AcceptOptions& options, DeviceType device,
+                            const AcceptMeta& meta);
+}  // namespace detail
+
 }  // namespace pyspec

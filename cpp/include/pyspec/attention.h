@@ -107,6 +107,17 @@ class AttentionPlan {
   int64_t num_partial_rows() const { return num_partial_rows_; }
   std::string ToString() const;
 
+  // The validated step metadata, for device back ends that lay out their own work partition
+  // (pyspec::cuda): rows per request, committed lengths, the used page ids of every request
+  // (pages()[page_indptr()[b] ..]), tree flags and the packed ancestor-or-self mask rows
+  // ([num_queries, TokenTree::kMaskWords]; empty when no request is a tree).
+  const std::vector<int64_t>& q_indptr() const { return q_indptr_; }
+  const std::vector<int64_t>& prefix_lens() const { return prefix_lens_; }
+  const std::vector<int64_t>& page_indptr() const { return page_indptr_; }
+  const std::vector<int32_t>& pages() const { return pages_; }
+  const std::vector<uint8_t>& tree_flags() const { return is_tree_; }
+  const std::vector<uint64_t>& masks() const { return masks_; }
+
  private:
   friend AttentionPlan PlanAttention(const TensorView&, const TensorView&, const TensorView&,
                                      int64_t, const TensorView&, const TensorView&, int64_t,
@@ -131,6 +142,17 @@ class AttentionPlan {
 };
 
 namespace detail {
+// Shared argument validation of the CPU and CUDA RunAttention: every tensor on `device` (and one
+// device), float dtypes, shapes against the plan, K/V dtypes equal, `out` in q's dtype, lse float32.
+struct AttentionShape {
+  int64_t T, Hq, Hkv, D;
+};
+AttentionShape CheckAttentionArgs(const AttentionPlan& plan, const TensorView& q,
+                                  const TensorView& k_pages, const TensorView& v_pages,
+                                  const TensorView& k_new, const TensorView& v_new,
+                                  const TensorView& out, const TensorView* lse, float scale,
+                                  DeviceType device);
+
 // Which instruction set the CPU kernel uses: "auto" (best the CPU supports), "generic" (SSE2
 // baseline) or "avx2" (AVX2+FMA). For tests and benchmarks; process-wide. Returns the kernel that
 // "auto" resolves to when given "auto", else the requested name. Throws ValueError for unknown
