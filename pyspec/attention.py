@@ -19,8 +19,11 @@ Example::
     for layer in layers:
         out = tree_attention(plan, q, k_pages[layer], v_pages[layer], k_new, v_new)
 
-The CPU kernel is multi-threaded (``PYSPEC_NUM_THREADS``) and accumulates in float32. CUDA tensors
-raise ``RuntimeError`` for now.
+The CPU kernel is multi-threaded (``PYSPEC_NUM_THREADS``) and accumulates in float32. With CUDA
+tensors (in a CUDA build of pyspec) the same call runs on the GPU: the plan's metadata and GPU work
+partition are uploaded once per step and head layout (cached on the plan) and reused by every
+layer; bfloat16/float16 with head_dim 64 or 128 run on tensor cores, other dtypes and head dims up
+to 256 on a generic kernel. The plan itself is always built from cpu metadata.
 """
 
 from __future__ import annotations
@@ -140,7 +143,8 @@ def tree_attention(
     Returns:
         ``out``, or ``(out, lse)`` when ``return_lse`` is true or ``lse`` was given.
 
-    All tensors must be contiguous and on the cpu (CUDA raises ``RuntimeError`` for now).
+    All tensors must be contiguous and on one device (cpu, or one cuda device; a CUDA tensor in a
+    build without CUDA raises ``RuntimeError``).
     """
     for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages), ("k_new", k_new),
                     ("v_new", v_new)):
@@ -155,5 +159,20 @@ def tree_attention(
     want_lse = return_lse or lse is not None
     if return_lse and lse is None:
         lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
-    _C.run_attention(plan, q, k_pages, v_pages, k_new, v_new, out, lse, float(scale))
+    if q.is_cuda and getattr(_C, "built_with_cuda", False):
+        if k_pages.dim() != 4:
+            raise ValueError("'k_pages' must be [num_blocks, block_size, num_kv_heads, head_dim]; "
+                             f"got {tuple(k_pages.shape)}")
+        stream = torch.cuda.current_stream(q.device).cuda_stream
+        key = ("_cuda_plan", q.device.index, q.shape[1], k_pages.shape[2], q.shape[2], stream)
+        dplan = plan.__dict__.get(key)
+        if dplan is None:
+            # One upload per step, head layout and stream; the plan object lives for one step.
+            dplan = _C.CudaAttentionPlan(plan, q.device.index, q.shape[1], k_pages.shape[2],
+                                         q.shape[2], stream)
+            plan.__dict__[key] = dplan
+        _C.run_attention_cuda(dplan, q, k_pages, v_pages, k_new, v_new, out, lse, float(scale),
+                              stream)
+    else:
+        _C.run_attention(plan, q, k_pages, v_pages, k_new, v_new, out, lse, float(scale))
     return (out, lse) if want_lse else out

@@ -25,6 +25,7 @@ from typing import List, Optional, Union
 import torch
 
 from pyspec import _C
+from pyspec.ops import _stream_of
 
 __all__ = ["AcceptResult", "accept", "apply_sampling_filters"]
 
@@ -125,9 +126,9 @@ def apply_sampling_filters(
             raise ValueError("'out' must be contiguous")
         result = out
         out = out.view(logits.shape)
-        _C.apply_sampling_filters(logits, t, k, p, m, out)
+        _C.apply_sampling_filters(logits, t, k, p, m, out, _stream_of(logits))
         return result
-    _C.apply_sampling_filters(logits, t, k, p, m, out)
+    _C.apply_sampling_filters(logits, t, k, p, m, out, _stream_of(logits))
     return out[0] if squeeze else out
 
 
@@ -254,11 +255,14 @@ def accept(
         raise ValueError(f"'row_sum_tolerance' must be a number in (0, 0.5]; got "
                          f"{row_sum_tolerance!r}")
 
-    width = _C.tree_batch_max_depth(parents, tree_indptr) + 1
+    if dev.type == "cuda":
+        # Tree metadata may be given on the cpu; the op wants one device.
+        tokens, parents, tree_indptr = (x.to(dev) for x in (tokens, parents, tree_indptr))
+    width = _C.tree_batch_max_depth(parents.cpu(), tree_indptr.cpu()) + 1
     accepted_nodes = torch.empty((b, width), dtype=torch.int32, device=dev)
     emitted_tokens = torch.empty((b, width), dtype=torch.int32, device=dev)
     num_accepted = torch.empty((b,), dtype=torch.int32, device=dev)
     _C.accept_trees(target_probs, draft_probs, tokens, parents, tree_indptr, greedy_t, sampled_t,
                     seeds_t, offsets_t, accepted_nodes, emitted_tokens, num_accepted,
-                    float(row_sum_tolerance))
+                    float(row_sum_tolerance), stream=_stream_of(target_probs))
     return AcceptResult(accepted_nodes, emitted_tokens, num_accepted)

@@ -9,6 +9,9 @@
 #include "pyspec/acceptance.h"
 #include "pyspec/check.h"
 #include "registry.h"
+#ifdef PYSPEC_WITH_CUDA
+#include "pyspec/cuda_ops.h"
+#endif
 
 namespace py = pybind11;
 
@@ -16,16 +19,17 @@ namespace pyspec {
 namespace bindings {
 namespace {
 
-// The acceptance ops have no CUDA version yet: CUDA tensors get a RuntimeError, not a ValueError.
-void RequireCpu(const TensorView& v, const char* op) {
-  if (!IsCuda(v)) return;
-#ifdef PYSPEC_WITH_CUDA
-  throw RuntimeError(detail::StrCat("pyspec: '", op, "' is not implemented on CUDA yet; pass CPU ",
-                                    "tensors (e.g. probs.cpu())"));
+// CUDA tensors in a build without CUDA get a RuntimeError, not a ValueError.
+void CheckCudaBuilt(const TensorView& v, const char* op) {
+#ifndef PYSPEC_WITH_CUDA
+  if (IsCuda(v)) CudaNotBuilt(op);
 #else
-  CudaNotBuilt(op);
+  (void)v;
+  (void)op;
 #endif
 }
+
+[[maybe_unused]] void* StreamPtr(uintptr_t stream) { return reinterpret_cast<void*>(stream); }
 
 }  // namespace
 
@@ -33,30 +37,38 @@ void RegisterAcceptance(py::module_& m) {
   m.def(
       "apply_sampling_filters",
       [](py::handle logits, py::handle temperature, py::handle top_k, py::handle top_p,
-         py::handle min_p, py::handle probs) {
+         py::handle min_p, py::handle probs, uintptr_t stream) {
         TensorView l = ToView(logits, "logits");
-        RequireCpu(l, "apply_sampling_filters");
+        CheckCudaBuilt(l, "apply_sampling_filters");
         TensorView t = ToView(temperature, "temperature"), k = ToView(top_k, "top_k");
         TensorView p = ToView(top_p, "top_p"), mp = ToView(min_p, "min_p");
         TensorView out = ToView(probs, "probs");
         py::gil_scoped_release release;
+#ifdef PYSPEC_WITH_CUDA
+        if (IsCuda(l)) {
+          cuda::ApplySamplingFilters(l, t, k, p, mp, out, StreamPtr(stream));
+          return;
+        }
+#endif
         ApplySamplingFilters(l, t, k, p, mp, out);
       },
       py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
-      py::arg("min_p"), py::arg("probs"),
+      py::arg("min_p"), py::arg("probs"), py::arg("stream") = 0,
       "Write the filtered distribution of every row of logits [N, V] (fp32/fp16/bf16) into probs "
       "[N, V] float32. Per-row params: temperature float32 [N] (0 = greedy one-hot), top_k int32 [N] "
       "(0 = off), top_p float32 [N] (1 = off), min_p float32 [N] (0 = off). Order: temperature, "
-      "top-k, top-p, min-p, renormalise. CPU tensors, contiguous.");
+      "top-k, top-p, min-p, renormalise. Contiguous tensors on one device (cpu or cuda; stream = the "
+      "cudaStream_t to run on, 0 = the default stream).");
 
   m.def(
       "accept_trees",
       [](py::handle target_probs, py::object draft_probs, py::handle tokens, py::handle parents,
          py::handle tree_indptr, py::handle greedy, py::handle sampled_children, py::handle seeds,
          py::handle offsets, py::handle accepted_nodes, py::handle emitted_tokens,
-         py::handle num_accepted, double row_sum_tolerance, bool debug_skip_residual) {
+         py::handle num_accepted, double row_sum_tolerance, bool debug_skip_residual,
+         uintptr_t stream) {
         TensorView tp = ToView(target_probs, "target_probs");
-        RequireCpu(tp, "accept_trees");
+        CheckCudaBuilt(tp, "accept_trees");
         std::optional<TensorView> dp;
         if (!draft_probs.is_none()) dp = ToView(draft_probs, "draft_probs");
         TensorView tok = ToView(tokens, "tokens"), par = ToView(parents, "parents");
@@ -70,13 +82,20 @@ void RegisterAcceptance(py::module_& m) {
         opt.row_sum_tolerance = row_sum_tolerance;
         opt.debug_skip_residual = debug_skip_residual;
         py::gil_scoped_release release;
+#ifdef PYSPEC_WITH_CUDA
+        if (IsCuda(tp)) {
+          cuda::AcceptTrees(tp, dp ? &*dp : nullptr, tok, par, ind, gr, sc, sd, of, an, et, na, opt,
+                            StreamPtr(stream));
+          return;
+        }
+#endif
         AcceptTrees(tp, dp ? &*dp : nullptr, tok, par, ind, gr, sc, sd, of, an, et, na, opt);
       },
       py::arg("target_probs"), py::arg("draft_probs"), py::arg("tokens"), py::arg("parents"),
       py::arg("tree_indptr"), py::arg("greedy"), py::arg("sampled_children"), py::arg("seeds"),
       py::arg("offsets"), py::arg("accepted_nodes"), py::arg("emitted_tokens"),
       py::arg("num_accepted"), py::arg("row_sum_tolerance") = 1e-3,
-      py::arg("debug_skip_residual") = false,
+      py::arg("debug_skip_residual") = false, py::arg("stream") = 0,
       "Batched tree acceptance (greedy walk, recursive rejection sampling with draft_probs, or the "
       "target-only walk for deterministic children). Inputs: target_probs float32 [N, V], "
       "draft_probs float32 [N, V] or None, tokens int32 [N], parents int32 [N] (tree-local), "
@@ -89,7 +108,10 @@ void RegisterAcceptance(py::module_& m) {
       "tree_batch_max_depth",
       [](py::handle parents, py::handle tree_indptr) {
         TensorView par = ToView(parents, "parents");
-        RequireCpu(par, "tree_batch_max_depth");
+        if (IsCuda(par)) {
+          throw ValueError("'parents' / 'tree_indptr' must be cpu tensors for tree_batch_max_depth "
+                           "(pass parents.cpu())");
+        }
         TensorView ind = ToView(tree_indptr, "tree_indptr");
         py::gil_scoped_release release;
         return TreeBatchMaxDepth(par, ind);

@@ -11,6 +11,9 @@
 #include "pyspec/attention.h"
 #include "pyspec/check.h"
 #include "registry.h"
+#ifdef PYSPEC_WITH_CUDA
+#include "pyspec/cuda_ops.h"
+#endif
 
 namespace py = pybind11;
 
@@ -18,17 +21,27 @@ namespace pyspec {
 namespace bindings {
 namespace {
 
-void RejectCuda(const TensorView& v, const char* op) {
+// Attention metadata is planned on the host.
+void RejectCudaMetadata(const TensorView& v, const char* name) {
   if (IsCuda(v)) {
-    throw RuntimeError(detail::StrCat("pyspec: '", op, "' got CUDA tensors: tree attention is not ",
-                                      "implemented on CUDA yet (use cpu tensors)"));
+    throw ValueError(detail::StrCat("'", name, "' is on cuda; attention metadata must be cpu ",
+                                    "tensors (the plan is uploaded to the GPU once per step)"));
   }
+}
+
+float DefaultScale(const TensorView& q, std::optional<double> scale) {
+  if (scale) return static_cast<float>(*scale);
+  if (q.ndim != 3 || q.shape[2] <= 0) {
+    throw ValueError(detail::StrCat("'q' must be [num_queries, num_q_heads, head_dim]; got ",
+                                    q.ShapeString()));
+  }
+  return static_cast<float>(1.0 / std::sqrt(static_cast<double>(q.shape[2])));
 }
 
 }  // namespace
 
 void RegisterAttention(py::module_& m) {
-  py::class_<AttentionPlan>(m, "AttentionPlan", R"doc(
+  py::class_<AttentionPlan>(m, "AttentionPlan", py::dynamic_attr(), R"doc(
 Metadata of one tree-attention step, built by ``plan_attention`` and reused by every layer's
 ``run_attention``: validated ragged batch, packed ancestor masks, page indices and the split-KV work
 partition. Immutable; safe to share between threads.
@@ -61,7 +74,10 @@ partition. Immutable; safe to share between threads.
         TensorView bt = ToView(block_tables, "block_tables");
         TensorView tp = ToView(tree_parents, "tree_parents");
         TensorView ti = ToView(tree_indptr, "tree_indptr");
-        for (const TensorView* v : {&qi, &pl, &bt, &tp, &ti}) RejectCuda(*v, "plan_attention");
+        const std::pair<const TensorView*, const char*> meta[] = {
+            {&qi, "q_indptr"}, {&pl, "prefix_lens"}, {&bt, "block_tables"},
+            {&tp, "tree_parents"}, {&ti, "tree_indptr"}};
+        for (const auto& [v, name] : meta) RejectCudaMetadata(*v, name);
         AttentionPlanOptions opt;
         opt.num_q_heads = num_q_heads;
         opt.num_kv_heads = num_kv_heads;
@@ -93,17 +109,21 @@ argument.)doc");
         TensorView vn = ToView(v_new, "v_new"), ov = ToView(out, "out");
         std::optional<TensorView> lv;
         if (!lse.is_none()) lv = ToView(lse, "lse");
-        for (const TensorView* v : {&qv, &kp, &vp, &kn, &vn, &ov}) RejectCuda(*v, "run_attention");
-        if (lv) RejectCuda(*lv, "run_attention");
-        float s = 0.0f;
-        if (scale) {
-          s = static_cast<float>(*scale);
-        } else {
-          if (qv.ndim != 3 || qv.shape[2] <= 0) {
-            throw ValueError(detail::StrCat("'q' must be [num_queries, num_q_heads, head_dim]; ",
-                                            "got ", qv.ShapeString()));
-          }
-          s = static_cast<float>(1.0 / std::sqrt(static_cast<double>(qv.shape[2])));
+        const float s = DefaultScale(qv, scale);
+        if (IsCuda(qv)) {
+#ifdef PYSPEC_WITH_CUDA
+          // A one-off device plan; pyspec.attention.tree_attention caches one per step instead.
+          // Validate first so bad shapes get the op's errors, not the device plan's.
+          const detail::AttentionShape shape = detail::CheckAttentionArgs(
+              plan, qv, kp, vp, kn, vn, ov, lv ? &*lv : nullptr, s, DeviceType::kCUDA);
+          py::gil_scoped_release release;
+          cuda::DeviceAttentionPlan dplan(plan, qv.device.index, shape.Hq, shape.Hkv, shape.D,
+                                          nullptr);
+          cuda::RunAttention(dplan, qv, kp, vp, kn, vn, ov, lv ? &*lv : nullptr, s, nullptr);
+          return;
+#else
+          CudaNotBuilt("run_attention");
+#endif
         }
         py::gil_scoped_release release;
         RunAttention(plan, qv, kp, vp, kn, vn, ov, lv ? &*lv : nullptr, s);
@@ -115,7 +135,59 @@ argument.)doc");
 q [T, Hq, D]; k_pages/v_pages [num_blocks, block_size, Hkv, D]; k_new/v_new [T, Hkv, D] (the new
 tokens' K/V in q's row order); out [T, Hq, D] with q's dtype; lse float32 [T, Hq] or None (natural
 log-sum-exp of the scaled scores). q/out and K/V: float32, bfloat16 or float16, contiguous, cpu.
-scale defaults to 1/sqrt(D). CUDA tensors raise RuntimeError (not implemented on CUDA yet).)doc");
+scale defaults to 1/sqrt(D). All tensors on one device: cpu, or cuda (the plan is uploaded for the
+call; tree_attention() keeps one upload per step instead).)doc");
+
+#ifdef PYSPEC_WITH_CUDA
+  py::class_<cuda::DeviceAttentionPlan>(m, "CudaAttentionPlan", R"doc(
+An AttentionPlan uploaded to one GPU with its GPU work partition for a head layout; reused by every
+layer of the step. Device memory is allocated and freed stream-ordered on `stream`.
+)doc")
+      .def(py::init([](const AttentionPlan& plan, int device, int64_t num_q_heads,
+                       int64_t num_kv_heads, int64_t head_dim, uintptr_t stream) {
+             py::gil_scoped_release release;
+             return new cuda::DeviceAttentionPlan(plan, device, num_q_heads, num_kv_heads,
+                                                  head_dim, reinterpret_cast<void*>(stream));
+           }),
+           py::arg("plan"), py::arg("device"), py::arg("num_q_heads"), py::arg("num_kv_heads"),
+           py::arg("head_dim"), py::arg("stream") = 0)
+      .def_property_readonly("device", &cuda::DeviceAttentionPlan::device)
+      .def_property_readonly("num_work_items", &cuda::DeviceAttentionPlan::num_work_items)
+      .def_property_readonly("num_split_tiles", &cuda::DeviceAttentionPlan::num_split_tiles)
+      .def_property_readonly("kv_chunk", &cuda::DeviceAttentionPlan::kv_chunk)
+      .def("uses_tensor_cores",
+           [](const cuda::DeviceAttentionPlan& p, const std::string& q_dtype,
+              const std::string& kv_dtype) {
+             auto parse = [](const std::string& n) {
+               if (n == "bfloat16") return DType::kBFloat16;
+               if (n == "float16") return DType::kFloat16;
+               return DType::kFloat32;
+             };
+             return p.UsesTensorCores(parse(q_dtype), parse(kv_dtype));
+           },
+           py::arg("q_dtype"), py::arg("kv_dtype"),
+           "Whether tensors of these dtypes ('bfloat16', 'float16', 'float32') take the "
+           "tensor-core kernel.");
+
+  m.def(
+      "run_attention_cuda",
+      [](const cuda::DeviceAttentionPlan& plan, py::handle q, py::handle k_pages,
+         py::handle v_pages, py::handle k_new, py::handle v_new, py::handle out, py::object lse,
+         std::optional<double> scale, uintptr_t stream) {
+        TensorView qv = ToView(q, "q"), kp = ToView(k_pages, "k_pages");
+        TensorView vp = ToView(v_pages, "v_pages"), kn = ToView(k_new, "k_new");
+        TensorView vn = ToView(v_new, "v_new"), ov = ToView(out, "out");
+        std::optional<TensorView> lv;
+        if (!lse.is_none()) lv = ToView(lse, "lse");
+        const float s = DefaultScale(qv, scale);
+        py::gil_scoped_release release;
+        cuda::RunAttention(plan, qv, kp, vp, kn, vn, ov, lv ? &*lv : nullptr, s,
+                           reinterpret_cast<void*>(stream));
+      },
+      py::arg("plan"), py::arg("q"), py::arg("k_pages"), py::arg("v_pages"), py::arg("k_new"),
+      py::arg("v_new"), py::arg("out"), py::arg("lse") = py::none(), py::arg("scale") = py::none(),
+      py::arg("stream") = 0, "run_attention for CUDA tensors with an uploaded CudaAttentionPlan.");
+#endif
 
   m.def("_attention_isa", &detail::AttentionIsa,
         "Instruction set of the CPU attention kernel in use ('generic' or 'avx2').");

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "../../cpp/src/half.h"
+#include "../../cuda/attention_plan.h"
 #include "pyspec/attention.h"
 #include "pyspec/check.h"
 #include "pyspec/thread_pool.h"
@@ -363,6 +364,144 @@ TEST(Attention, RunRejectsBadInput) {
   TensorView cuda = qv;
   cuda.device.type = DeviceType::kCUDA;
   expect_error("'q'", cuda, kpv, vpv, knv, vnv, ov, &lv);
+}
+
+// ---- the GPU work partition (cuda/attention_plan.h), emulated on the host --------------------
+//
+// Runs every item of gpu_plan::Build for every KV head with the kernels' per-item rules (query
+// vector m = local row m / G, head h * G + m % G; keys = the item's prefix chunk, then, for the
+// request's last chunk, the new tokens up to the tile's last row under SeesNewToken; pages through
+// the plan's page list; chunk results merged by log-sum-exp) in scalar double arithmetic, and
+// compares with the reference. This tests the host-side logic of the CUDA path without a GPU.
+void EmulateGpuPartition(const Problem& p, int64_t num_sms, std::vector<double>* out,
+                         std::vector<double>* lse, gpu_plan::Partition* part_out) {
+  const AttentionPlan plan = Plan(p);
+  const int64_t G = p.hq / p.hkv, D = p.d, T = p.T();
+  const gpu_plan::Partition part =
+      gpu_plan::Build(plan.q_indptr(), plan.prefix_lens(), G, p.hkv, num_sms, 2);
+  out->assign(T * p.hq * D, std::nan(""));
+  lse->assign(T * p.hq, std::nan(""));
+  std::vector<double> po(part.num_partial_rows * p.hq * D, std::nan(""));
+  std::vector<double> pl(part.num_partial_rows * p.hq, std::nan(""));
+  const double scale = 1.0 / std::sqrt(double(D));
+  for (const gpu_plan::Item& it : part.items) {
+    const int64_t b = it.request, q_first = plan.q_indptr()[b], prefix = plan.prefix_lens()[b];
+    const bool is_tree = plan.tree_flags()[b] != 0;
+    const int64_t new_keys = it.with_new ? it.q_end - q_first : 0;
+    for (int64_t h = 0; h < p.hkv; ++h) {
+      for (int64_t m = 0; m < (it.q_end - it.q_begin) * G; ++m) {
+        const int64_t local = m / G, head = h * G + m % G, row = it.q_begin + local;
+        const int64_t i = row - q_first;
+        const float* qv = &p.q[(row * p.hq + head) * D];
+        std::vector<double> s;
+        std::vector<const float*> vs;
+        auto add = [&](const float* k, const float* v) {
+          double acc = 0;
+          for (int64_t x = 0; x < D; ++x) acc += double(qv[x]) * k[x];
+          s.push_back(acc * scale);
+          vs.push_back(v);
+        };
+        for (int64_t key = it.kv_begin; key < it.kv_end; ++key) {
+          const int32_t page = plan.pages()[plan.page_indptr()[b] + key / p.bs];
+          const int64_t slot = int64_t(page) * p.bs + key % p.bs;
+          add(&p.kp[(slot * p.hkv + h) * D], &p.vp[(slot * p.hkv + h) * D]);
+        }
+        const uint64_t* mask = is_tree ? plan.masks().data() + (q_first + i) * 4 : nullptr;
+        for (int64_t t = 0; t < new_keys; ++t) {
+          if (!gpu_plan::SeesNewToken<4>(is_tree, mask, i, t)) continue;
+          add(&p.kn[((q_first + t) * p.hkv + h) * D], &p.vn[((q_first + t) * p.hkv + h) * D]);
+        }
+        ASSERT_FALSE(s.empty()) << "an item with no visible key";
+        const double mx = *std::max_element(s.begin(), s.end());
+        double sum = 0;
+        for (double& x : s) sum += (x = std::exp(x - mx));
+        double* o = it.partial_row < 0 ? &(*out)[(row * p.hq + head) * D]
+                                       : &po[((it.partial_row + local) * p.hq + head) * D];
+        for (int64_t x = 0; x < D; ++x) o[x] = 0.0;
+        for (size_t k = 0; k < s.size(); ++k) {
+          for (int64_t x = 0; x < D; ++x) o[x] += s[k] / sum * vs[k][x];
+        }
+        (it.partial_row < 0 ? (*lse)[row * p.hq + head]
+                            : pl[(it.partial_row + local) * p.hq + head]) = mx + std::log(sum);
+      }
+    }
+  }
+  for (const gpu_plan::Merge& mg : part.merges) {
+    const int64_t rows = mg.q_end - mg.q_begin;
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t head = 0; head < p.hq; ++head) {
+        double mx = -INFINITY;
+        for (int64_t c = 0; c < mg.num_chunks; ++c) {
+          mx = std::max(mx, pl[(mg.partial_row + c * rows + r) * p.hq + head]);
+        }
+        double wsum = 0;
+        std::vector<double> acc(D, 0.0);
+        for (int64_t c = 0; c < mg.num_chunks; ++c) {
+          const int64_t prow = mg.partial_row + c * rows + r;
+          const double w = std::exp(pl[prow * p.hq + head] - mx);
+          wsum += w;
+          for (int64_t x = 0; x < D; ++x) acc[x] += w * po[(prow * p.hq + head) * D + x];
+        }
+        const int64_t row = mg.q_begin + r;
+        for (int64_t x = 0; x < D; ++x) (*out)[(row * p.hq + head) * D + x] = acc[x] / wsum;
+        (*lse)[row * p.hq + head] = mx + std::log(wsum);
+      }
+    }
+  }
+  if (part_out != nullptr) *part_out = part;
+}
+
+TEST(GpuPartition, EmulatedItemsMatchTheReference) {
+  std::mt19937 rng(11);
+  // (sms, hq, hkv): few SMs force no split; many SMs force split-KV on the long prefixes.
+  const int64_t configs[][3] = {{1, 4, 4}, {132, 8, 2}, {132, 9, 3}, {64, 32, 8}, {132, 4, 1},
+                                {132, 128, 1}};
+  int splits_seen = 0;
+  for (const auto& cfg : configs) {
+    std::vector<Req> reqs;
+    for (int b = 0; b < 9; ++b) {
+      const int64_t prefix = std::vector<int64_t>{0, 1, 63, 64, 65, 300, 1000, 2049, 17}[b];
+      if (b % 3 == 0) {
+        reqs.push_back({prefix, 1 + b * 5, {}});
+      } else {
+        const int n = std::vector<int>{1, 2, 16, 64, 65, 100, 256, 7, 33}[b];
+        reqs.push_back({prefix, n, RandomTree(n, rng)});
+      }
+    }
+    const Problem p = MakeProblem(reqs, cfg[1], cfg[2], 16, 16, DType::kFloat32,
+                                  static_cast<uint32_t>(cfg[0] + cfg[1]));
+    std::vector<double> out, lse, ref, ref_lse;
+    gpu_plan::Partition part;
+    EmulateGpuPartition(p, cfg[0], &out, &lse, &part);
+    splits_seen += !part.merges.empty();
+    // Every query row is covered exactly once per head (a second write or a gap shows as NaN or
+    // a mismatch) and each tile holds at most 64 query vectors (or one row when G > 64).
+    for (const gpu_plan::Item& it : part.items) {
+      ASSERT_LE((it.q_end - it.q_begin) * (cfg[1] / cfg[2]),
+                std::max<int64_t>(gpu_plan::kTileVectors, cfg[1] / cfg[2]));
+      ASSERT_TRUE(part.kv_chunk == 0 || it.kv_begin % gpu_plan::kTileKeys == 0);
+    }
+    Reference(p, &ref, &ref_lse);
+    for (size_t i = 0; i < out.size(); ++i) ASSERT_NEAR(out[i], ref[i], 1e-9) << "out " << i;
+    for (size_t i = 0; i < lse.size(); ++i) ASSERT_NEAR(lse[i], ref_lse[i], 1e-9) << "lse " << i;
+  }
+  EXPECT_GE(splits_seen, 3) << "the configurations should exercise split-KV";
+}
+
+TEST(GpuPartition, SplitsOnlyWhenTheDeviceWouldBeUnderFilled) {
+  const std::vector<int64_t> qi = {0, 1}, decode_8k = {8192};
+  const gpu_plan::Partition one = gpu_plan::Build(qi, decode_8k, 4, 8, 132, 2);
+  ASSERT_GT(one.merges.size(), 0u);
+  // 8 KV heads x 1 tile want 66 chunks each for two waves of 2 x 132 blocks; the 256-key minimum
+  // chunk caps that at 32.
+  EXPECT_EQ(one.kv_chunk, 256);
+  EXPECT_EQ(one.items.size(), 32u);
+  EXPECT_EQ(one.merges[0].num_chunks, 32);
+  std::vector<int64_t> qi64(257), prefix64(256, 8192);
+  for (int i = 0; i <= 256; ++i) qi64[i] = i * 16;  // 256 trees of 16 nodes: plenty of blocks
+  const gpu_plan::Partition many = gpu_plan::Build(qi64, prefix64, 4, 8, 132, 2);
+  EXPECT_EQ(many.merges.size(), 0u);
+  EXPECT_EQ(many.kv_chunk, 0);
 }
 
 TEST(Half, ConversionsRoundTripAndRound) {

@@ -113,9 +113,9 @@ def draw_tokens(parents, rounds, q64, root, mode, rng):
     return tok
 
 
-def run_rounds(parents, tok, t32, q32, mode, seed_base, wrong=False):
-    """Runs one acceptance round per request (in chunks to bound memory); returns emitted tokens
-    [R, W] and num_accepted [R] as numpy arrays."""
+def run_rounds(parents, tok, t32, q32, mode, seed_base, wrong=False, device="cpu"):
+    """Runs one acceptance round per request (in chunks to bound memory) on `device`; returns
+    emitted tokens [R, W] and num_accepted [R] as numpy arrays."""
     rounds, n = tok.shape
     vocab = t32.shape[1]
     chunk = max(1, 3_000_000 // (n * vocab))
@@ -124,30 +124,30 @@ def run_rounds(parents, tok, t32, q32, mode, seed_base, wrong=False):
     for s in range(0, rounds, chunk):
         e = min(rounds, s + chunk)
         flat = tok[s:e].reshape(-1)
-        target = torch.from_numpy(t32[flat])
-        draft = torch.from_numpy(q32[flat]) if mode == "sampled" else None
-        tokens = torch.from_numpy(flat.astype(np.int32))
+        target = torch.from_numpy(t32[flat]).to(device)
+        draft = torch.from_numpy(q32[flat]).to(device) if mode == "sampled" else None
+        tokens = torch.from_numpy(flat.astype(np.int32)).to(device)
         parents_t = par.repeat(e - s)
         indptr = torch.arange(0, (e - s) * n + 1, n, dtype=torch.int64)
         seeds = torch.arange(s, e, dtype=torch.int64) + seed_base
         if not wrong:
             res = sampling.accept(target, tokens, parents_t, indptr, draft_probs=draft,
-                                  seeds=seeds, offsets=3)
-            emitted.append(res.emitted_tokens.numpy())
-            accepted.append(res.num_accepted.numpy())
+                                  seeds=seeds.to(device), offsets=3)
+            emitted.append(res.emitted_tokens.cpu().numpy())
+            accepted.append(res.num_accepted.cpu().numpy())
         else:
             width = _C.tree_batch_max_depth(parents_t, indptr) + 1
             b = e - s
-            out_n = torch.empty((b, width), dtype=torch.int32)
-            out_t = torch.empty((b, width), dtype=torch.int32)
-            out_c = torch.empty((b,), dtype=torch.int32)
-            flag = torch.full((b,), mode == "sampled", dtype=torch.bool)
-            _C.accept_trees(target, draft, tokens, parents_t, indptr,
-                            torch.zeros(b, dtype=torch.bool), flag, seeds,
-                            torch.full((b,), 3, dtype=torch.int64), out_n, out_t, out_c,
-                            debug_skip_residual=True)
-            emitted.append(out_t.numpy())
-            accepted.append(out_c.numpy())
+            out_n = torch.empty((b, width), dtype=torch.int32, device=device)
+            out_t = torch.empty((b, width), dtype=torch.int32, device=device)
+            out_c = torch.empty((b,), dtype=torch.int32, device=device)
+            flag = torch.full((b,), mode == "sampled", dtype=torch.bool, device=device)
+            _C.accept_trees(target, draft, tokens, parents_t.to(device), indptr.to(device),
+                            torch.zeros(b, dtype=torch.bool, device=device), flag,
+                            seeds.to(device), torch.full((b,), 3, dtype=torch.int64, device=device),
+                            out_n, out_t, out_c, debug_skip_residual=True)
+            emitted.append(out_t.cpu().numpy())
+            accepted.append(out_c.cpu().numpy())
     return np.concatenate(emitted), np.concatenate(accepted)
 
 
@@ -175,14 +175,14 @@ def chi2_pvalue(observed, expected):
     return float(scipy.stats.chisquare(ko, ke * ko.sum() / ke.sum()).pvalue)
 
 
-def lossless_pvalues(parents, vocab, mode, seed, wrong=False):
+def lossless_pvalues(parents, vocab, mode, seed, wrong=False, device="cpu"):
     width = max(len(k) for k in children_of(parents))
     t32, t64, q32, q64 = make_chains(seed, vocab, width)
     rng = np.random.default_rng(seed + 1)
     root = int(rng.integers(vocab))
     tok = draw_tokens(parents, ROUNDS, q64, root, mode, rng)
     emitted, num_acc = run_rounds(parents, tok, t32, q32, mode, seed_base=seed * 1_000_003,
-                                  wrong=wrong)
+                                  wrong=wrong, device=device)
     t1 = emitted[:, 0].astype(np.int64)
     # t2: from the round when it emitted two tokens, else the plain-decoding next token.
     cdf = np.cumsum(t64, axis=1)
@@ -210,11 +210,12 @@ LOSSLESS_CASES = [
 ]
 
 
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("case", LOSSLESS_CASES, ids=[c[0] for c in LOSSLESS_CASES])
-def test_stochastic_acceptance_is_lossless(case):
+def test_stochastic_acceptance_is_lossless(case, device):
     name, parents, vocab, mode = case
     seed = 17 + LOSSLESS_CASES.index(case)
-    p_first, p_joint, mean_acc = lossless_pvalues(parents, vocab, mode, seed)
+    p_first, p_joint, mean_acc = lossless_pvalues(parents, vocab, mode, seed, device=device)
     assert p_first > 1e-3, (name, p_first)
     assert p_joint > 1e-3, (name, p_joint)
     if len(parents) > 1:
@@ -225,11 +226,12 @@ WRONG_CASES = [c for c in LOSSLESS_CASES if c[0] in (
     "chain1-v50-sampled", "w4d3-v8-sampled", "w4d3-v10-deterministic", "chain4-v16-deterministic")]
 
 
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("case", WRONG_CASES, ids=[c[0] for c in WRONG_CASES])
-def test_statistical_test_detects_a_wrong_sampler(case):
+def test_statistical_test_detects_a_wrong_sampler(case, device):
     name, parents, vocab, mode = case
     seed = 17 + LOSSLESS_CASES.index(case)
-    p_first, p_joint, _ = lossless_pvalues(parents, vocab, mode, seed, wrong=True)
+    p_first, p_joint, _ = lossless_pvalues(parents, vocab, mode, seed, wrong=True, device=device)
     assert p_joint < 1e-6, (name, p_first, p_joint)
 
 
@@ -264,7 +266,8 @@ def greedy_reference(probs, tokens, parents, indptr):
     return out
 
 
-def test_greedy_matches_reference_walk():
+@pytest.mark.parametrize("device", devices())
+def test_greedy_matches_reference_walk(device):
     rng = np.random.default_rng(0)
     probs, tokens, parents, indptr = random_batch(rng, 99, 7)
     # Make matches likely: copy each child's token from its parent's argmax half of the time.
@@ -274,7 +277,10 @@ def test_greedy_matches_reference_walk():
         for i in range(1, int(indptr[b + 1]) - base):
             if rng.random() < 0.5:
                 tokens[base + i] = am[base + int(parents[base + i])]
-    res = sampling.accept(probs, tokens, parents, indptr, greedy=True, seeds=0)
+    res = sampling.accept(probs.to(device), tokens.to(device), parents, indptr, greedy=True,
+                          seeds=0)
+    res = sampling.AcceptResult(*(t.cpu() for t in (res.accepted_nodes, res.emitted_tokens,
+                                                    res.num_accepted)))
     assert res.emitted_lists() == greedy_reference(probs, tokens, parents, indptr)
     assert int(res.num_accepted.max()) >= 2
     # Paths: root first, each node's parent is the previous node, tokens match.
@@ -290,11 +296,14 @@ def test_greedy_matches_reference_walk():
 # ---- determinism --------------------------------------------------------------------------------
 
 
-def test_same_seeds_same_output_and_batch_independence():
+@pytest.mark.parametrize("device", devices())
+def test_same_seeds_same_output_and_batch_independence(device):
     rng = np.random.default_rng(1)
     probs, tokens, parents, indptr = random_batch(rng, 60, 11)
-    seeds = torch.arange(60, dtype=torch.int64) * 7919
-    kw = dict(draft_probs=probs, seeds=seeds, offsets=torch.arange(60), sampled_children=False)
+    probs, tokens = probs.to(device), tokens.to(device)
+    seeds = torch.arange(60, dtype=torch.int64, device=device) * 7919
+    kw = dict(draft_probs=probs, seeds=seeds, offsets=torch.arange(60, device=device),
+              sampled_children=False)
     a = sampling.accept(probs, tokens, parents, indptr, **kw).emitted_lists()
     b = sampling.accept(probs, tokens, parents, indptr, **kw).emitted_lists()
     assert a == b
@@ -302,11 +311,13 @@ def test_same_seeds_same_output_and_batch_independence():
     lo, hi = int(indptr[10]), int(indptr[30])
     sub = sampling.accept(probs[lo:hi], tokens[lo:hi], parents[lo:hi], indptr[10:31] - lo,
                           draft_probs=probs[lo:hi], seeds=seeds[10:30],
-                          offsets=torch.arange(10, 30), sampled_children=False).emitted_lists()
+                          offsets=torch.arange(10, 30, device=device),
+                          sampled_children=False).emitted_lists()
     assert sub == a[10:30]
     # A new step offset draws fresh numbers.
     c = sampling.accept(probs, tokens, parents, indptr, draft_probs=probs, seeds=seeds,
-                        offsets=torch.arange(60) + 1, sampled_children=False).emitted_lists()
+                        offsets=torch.arange(60, device=device) + 1,
+                        sampled_children=False).emitted_lists()
     assert c != a
 
 
@@ -338,8 +349,9 @@ def filter_reference(logits, t, k, p, m):
     return out.float()
 
 
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_filters_match_sorted_reference(dtype):
+def test_filters_match_sorted_reference(dtype, device):
     g = torch.Generator().manual_seed(5)
     n, v = 99, 111
     logits = (torch.randn(n, v, generator=g) * 3).to(dtype)
@@ -350,30 +362,31 @@ def test_filters_match_sorted_reference(dtype):
     p = torch.where(torch.rand(n, generator=g) < 0.3, torch.ones(n), torch.rand(n, generator=g))
     p = p.clamp(min=0.05)
     m = torch.where(torch.rand(n, generator=g) < 0.5, torch.zeros(n), torch.rand(n, generator=g) * 0.3)
-    out = sampling.apply_sampling_filters(logits, t, k, p, m)
+    out = sampling.apply_sampling_filters(logits.to(device), t, k, p, m).cpu()
     ref = filter_reference(logits.float(), t, k, p, m)
     assert ((out > 0) == (ref > 0)).all()
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(out.sum(1), torch.ones(n), rtol=0, atol=1e-5)
 
 
-def test_filters_scalars_and_1d():
-    logits = torch.tensor([1.0, 3.0, 3.0, 0.5])
+@pytest.mark.parametrize("device", devices())
+def test_filters_scalars_and_1d(device):
+    logits = torch.tensor([1.0, 3.0, 3.0, 0.5], device=device)
     assert sampling.apply_sampling_filters(logits, 0.0).tolist() == [0.0, 1.0, 0.0, 0.0]
     out = sampling.apply_sampling_filters(logits.expand(3, 4), temperature=1.0, top_k=1)
     assert (out.argmax(1) == 1).all() and (out.count_nonzero(1) == 1).all()
     out = sampling.apply_sampling_filters(logits, top_p=0.9)
     assert out.count_nonzero() == 2
-    buf = torch.empty(4)
+    buf = torch.empty(4, device=device)
     assert sampling.apply_sampling_filters(logits, out=buf) is buf
 
 
 # ---- validation ---------------------------------------------------------------------------------
 
 
-def _args():
-    probs = torch.full((3, 4), 0.25)
-    return dict(target_probs=probs, tokens=torch.tensor([0, 1, 2], dtype=torch.int32),
+def _args(device="cpu"):
+    probs = torch.full((3, 4), 0.25, device=device)
+    return dict(target_probs=probs, tokens=torch.tensor([0, 1, 2], dtype=torch.int32, device=device),
                 parents=torch.tensor([-1, 0, 1], dtype=torch.int32),
                 tree_indptr=torch.tensor([0, 3]), seeds=1)
 
@@ -382,6 +395,8 @@ def _args():
     "mutate, match",
     [
         (lambda a: a.update(target_probs=a["target_probs"].double()), "target_probs"),
+        (lambda a: a.update(target_probs=torch.tensor([[0.25, float("nan"), 0.5, 0.25]] * 3)),
+         "NaN"),
         (lambda a: a.update(target_probs=a["target_probs"] * 0.5), "target_probs.*sums to"),
         (lambda a: a.update(target_probs=torch.tensor([[1.5, -0.5, 0, 0]] * 3)), "negative"),
         (lambda a: a.update(tokens=torch.tensor([0, 1, 4])), "tokens"),
@@ -396,16 +411,21 @@ def _args():
         (lambda a: a.update(target_probs=[0.25] * 4), "target_probs"),
     ],
 )
-def test_accept_bad_input(mutate, match):
-    args = _args()
+@pytest.mark.parametrize("device", devices())
+def test_accept_bad_input(mutate, match, device):
+    args = _args(device)
     mutate(args)
+    for k in ("target_probs", "draft_probs", "tokens"):
+        if isinstance(args.get(k), torch.Tensor):
+            args[k] = args[k].to(device)
     with pytest.raises(ValueError, match=match):
         sampling.accept(**args)
 
 
-def test_sampled_child_with_zero_draft_probability_is_an_error():
-    args = _args()
-    draft = torch.tensor([[0.5, 0.0, 0.5, 0.0]] * 3)  # token 1 (node 1) cannot be drawn
+@pytest.mark.parametrize("device", devices())
+def test_sampled_child_with_zero_draft_probability_is_an_error(device):
+    args = _args(device)
+    draft = torch.tensor([[0.5, 0.0, 0.5, 0.0]] * 3, device=device)  # token 1 cannot be drawn
     with pytest.raises(ValueError, match="probability 0"):
         sampling.accept(**args, draft_probs=draft)
 
@@ -421,19 +441,81 @@ def test_sampled_child_with_zero_draft_probability_is_an_error():
         (dict(temperature=torch.ones(5)), "temperature"),
     ],
 )
-def test_filters_bad_input(kw, match):
+@pytest.mark.parametrize("device", devices())
+def test_filters_bad_input(kw, match, device):
     with pytest.raises(ValueError, match=match):
-        sampling.apply_sampling_filters(torch.zeros(2, 8), **kw)
+        sampling.apply_sampling_filters(torch.zeros(2, 8, device=device), **kw)
     with pytest.raises(ValueError, match="logits"):
-        sampling.apply_sampling_filters(torch.tensor([[0.0, float("nan")]]))
+        sampling.apply_sampling_filters(torch.tensor([[0.0, float("nan")]], device=device))
+    with pytest.raises(ValueError, match="no finite"):
+        sampling.apply_sampling_filters(torch.full((1, 3), float("-inf"), device=device))
 
 
-@pytest.mark.parametrize("device", [d for d in devices() if not isinstance(d, str)])
-def test_cuda_tensors_raise_runtime_error(device):
-    probs = torch.full((1, 4), 0.25, device="cuda")
-    with pytest.raises(RuntimeError, match="CUDA"):
-        sampling.accept(probs, torch.zeros(1, dtype=torch.int32, device="cuda"),
-                        torch.tensor([-1], dtype=torch.int32, device="cuda"),
-                        torch.tensor([0, 1], device="cuda"), seeds=0)
-    with pytest.raises(RuntimeError, match="CUDA"):
-        sampling.apply_sampling_filters(torch.zeros(2, 8, device="cuda"))
+# ---- CUDA against the CPU oracle ----------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("vocab", [111, 49152, 128256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_filters_equal_cpu(vocab, dtype):
+    """Same support as the CPU op on every row, probabilities equal up to float rounding; at real
+    vocabulary sizes and with ties (bf16 logits tie often)."""
+    g = torch.Generator().manual_seed(vocab)
+    n = 37
+    logits = (torch.randn(n, vocab, generator=g) * 4).to(dtype)
+    logits[5, ::3] = float("-inf")
+    t = torch.rand(n, generator=g) + 0.3
+    t[::9] = 0.0
+    k = torch.randint(0, 60, (n,), generator=g, dtype=torch.int32)
+    k[1] = vocab - 1
+    p = torch.where(torch.rand(n, generator=g) < 0.3, torch.ones(n), torch.rand(n, generator=g))
+    p = p.clamp(min=0.01)
+    m = torch.where(torch.rand(n, generator=g) < 0.7, torch.zeros(n), torch.rand(n, generator=g) * 0.2)
+    cpu = sampling.apply_sampling_filters(logits, t, k, p, m)
+    gpu = sampling.apply_sampling_filters(logits.cuda(), t.cuda(), k.cuda(), p.cuda(), m.cuda())
+    gpu = gpu.cpu()
+    assert ((gpu > 0) == (cpu > 0)).all()
+    torch.testing.assert_close(gpu, cpu, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.cuda
+def test_cuda_acceptance_equals_cpu_for_the_same_seeds():
+    """Greedy identical; stochastic (sampled and deterministic children) identical for the same
+    seeds: decisions differ only if a draw lands within ~1e-16 of a boundary."""
+    rng = np.random.default_rng(3)
+    for vocab in (11, 4099):
+        probs, tokens, parents, indptr = random_batch(rng, 300, vocab, max_nodes=24)
+        draft = torch.from_numpy(rng.dirichlet(np.full(vocab, 0.5), size=probs.shape[0])
+                                 .astype(np.float32))
+        b = indptr.numel() - 1
+        greedy = torch.tensor([i % 3 == 0 for i in range(b)])
+        sampled = torch.tensor([i % 3 == 1 for i in range(b)])
+        # Sampled children must have q > 0 after their siblings: draw them from q.
+        for r in range(b):
+            base, n = int(indptr[r]), int(indptr[r + 1] - indptr[r])
+            for i in range(1, n):
+                row = draft[base + int(parents[base + i])].numpy().astype(np.float64)
+                tokens[base + i] = int(rng.choice(vocab, p=row / row.sum()))
+        # Siblings must be distinct for sampled children: make them so by re-drawing duplicates.
+        for r in range(b):
+            base, n = int(indptr[r]), int(indptr[r + 1] - indptr[r])
+            seen = {}
+            for i in range(1, n):
+                par = int(parents[base + i])
+                used = seen.setdefault(par, set())
+                while int(tokens[base + i]) in used:
+                    tokens[base + i] = (int(tokens[base + i]) + 1) % vocab
+                used.add(int(tokens[base + i]))
+                if float(draft[base + par, int(tokens[base + i])]) == 0.0:
+                    draft[base + par, int(tokens[base + i])] = 1e-3
+        draft = draft / draft.sum(1, keepdim=True)
+        kw = dict(draft_probs=draft, greedy=greedy, sampled_children=sampled,
+                  seeds=torch.arange(b) * 31 + 7, offsets=torch.arange(b))
+        cpu = sampling.accept(probs, tokens, parents, indptr, **kw)
+        gpu = sampling.accept(probs.cuda(), tokens.cuda(), parents, indptr,
+                              **{k: (v.cuda() if isinstance(v, torch.Tensor) else v)
+                                 for k, v in kw.items()})
+        assert torch.equal(gpu.num_accepted.cpu(), cpu.num_accepted)
+        assert torch.equal(gpu.accepted_nodes.cpu(), cpu.accepted_nodes)
+        assert torch.equal(gpu.emitted_tokens.cpu(), cpu.emitted_tokens)
+        assert int(cpu.num_accepted.sum()) > b // 10

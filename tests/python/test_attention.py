@@ -279,11 +279,26 @@ def test_plan_head_mismatch_and_repr():
         plan_for(c, 3, 2)
 
 
-def test_cuda_tensors_raise_runtime_error():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device to make CUDA tensors")
-    c = _good_args()
-    plan = plan_for(c, 4, 2)
-    with pytest.raises(RuntimeError, match="not implemented on CUDA yet"):
-        tree_attention(plan, *(c[k].cuda() for k in ("q", "k_pages", "v_pages", "k_new",
-                                                      "v_new")))
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,d", [(BF16, 128), (F16, 64), (BF16, 80), (F32, 128)])
+def test_cuda_llama_layout_split_kv_and_plan_cache(dtype, d):
+    """Llama-3-8B head layout (32/8) with a 64-node tree over a long prefix, a long decode (split
+    KV), a prefill chunk and a small tree: the tensor-core path (bf16/fp16, d 64/128) and the
+    generic one (d 80, fp32). The device plan is uploaded once and reused by later layers."""
+    rng = random.Random(5)
+    reqs = [(3000, 64, random_parents(64, rng)), (8191, 1, None), (0, 100, None),
+            (517, 16, random_parents(16, rng)), (70, 256, random_parents(256, rng))]
+    c = make_step(reqs, 16, 32, 8, d, dtype, "cuda", 5)
+    plan = plan_for(c, 32, 8)
+    args = (c["q"], c["k_pages"], c["v_pages"], c["k_new"], c["v_new"])
+    out, lse = tree_attention(plan, *args, return_lse=True)
+    check(c, out, lse, dtype, 1 / math.sqrt(d))
+    cached = [k for k in plan.__dict__ if isinstance(k, tuple) and k[0] == "_cuda_plan"]
+    assert len(cached) == 1
+    dplan = plan.__dict__[cached[0]]
+    assert dplan.uses_tensor_cores(str(dtype).split(".")[-1], str(dtype).split(".")[-1]) == (
+        dtype != F32 and d in (64, 128))
+    assert dplan.num_split_tiles > 0  # the 8191-token decode is split across the device
+    out2 = tree_attention(plan, *args)
+    assert len([k for k in plan.__dict__ if isinstance(k, tuple)]) == 1
+    torch.testing.assert_close(out2, out, atol=0, rtol=0)
