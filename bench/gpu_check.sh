@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# One-command GPU check, run from the repository root on a machine with a CUDA GPU:
+#   1. builds and installs the extension for sm_90 (pip install --no-build-isolation --no-deps .),
+#   2. runs the cuda-marked tests (the CPU tests' cases on CUDA against the CPU oracle),
+#   3. runs compute-sanitizer memcheck on a short CUDA smoke program (skipped, and said so, where
+#      the tool cannot attach, e.g. under gVisor),
+#   4. runs the kernel benchmarks (bench/bench_gpu_kernels.py).
+# Writes $OUT/gpu_check.json (what ran, pass/fail, timings) and $OUT/gpu_check.log, plus the
+# benchmark JSON and the pytest report. Exit status 0 only if build, tests and benchmarks passed
+# and memcheck reported no error where it ran. Budget: under 8 minutes on an H200.
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${OUT:-$ROOT/build/gpu-check}
+mkdir -p "$OUT"
+LOG=$OUT/gpu_check.log
+: > "$LOG"
+exec > >(tee -a "$LOG") 2>&1
+PY=${PYTHON:-python3}
+start=$(date +%s)
+declare -A status seconds
+run_step() {  # name, timeout seconds, command...
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s)
+  echo; echo "=== [$(( t0 - start ))s] $name"
+  timeout "$limit" "$@"
+  local rc=$?
+  status[$name]=$rc
+  seconds[$name]=$(( $(date +%s) - t0 ))
+  echo "=== $name: rc=$rc in ${seconds[$name]}s"
+  return $rc
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+
+cd "$ROOT"
+run_step build 300 env PYSPEC_ENABLE_CUDA=ON PYSPEC_CUDA_ARCHS=${PYSPEC_CUDA_ARCHS:-90} \
+  "$PY" -m pip install -q --no-build-isolation --no-deps . \
+  || { echo "build failed"; }
+
+if [ "${status[build]}" -eq 0 ]; then
+  # From outside the checkout so the installed package (with its extension) is imported.
+  (cd /tmp && run_step cuda_tests 240 "$PY" -m pytest -q -p no:cacheprovider -m cuda \
+      --rootdir="$ROOT" -c "$ROOT/pyproject.toml" --junitxml="$OUT/cuda_tests.xml" \
+      "$ROOT/tests/python"; echo "${status[cuda_tests]}" > "$OUT/.cuda_tests_rc")
+  status[cuda_tests]=$(cat "$OUT/.cuda_tests_rc" 2>/dev/null || echo 1)
+
+  if command -v compute-sanitizer >/dev/null 2>&1; then
+    (cd /tmp && run_step memcheck 150 bash -c "compute-sanitizer --tool memcheck --error-exitcode 3 \
+        '$PY' '$ROOT/bench/gpu_memcheck_smoke.py' 2>&1 | tee '$OUT/memcheck.log'; exit \${PIPESTATUS[0]}"
+     echo "${status[memcheck]}" > "$OUT/.memcheck_rc")
+    status[memcheck]=$(cat "$OUT/.memcheck_rc" 2>/dev/null || echo 1)
+    # rc 3 = errors found; another failure with the sanitizer unable to attach is "not run".
+    if [ "${status[memcheck]}" != 0 ] && [ "${status[memcheck]}" != 3 ] && \
+       ! grep -q "smoke: ok" "$OUT/memcheck.log" && \
+       grep -q -i "unable to\|not supported\|failed to\|Target application" "$OUT/memcheck.log"; then
+      echo "compute-sanitizer could not attach here; memcheck not run"; status[memcheck]=skipped
+    fi
+  else
+    echo "compute-sanitizer not found; memcheck not run"; status[memcheck]=skipped
+  fi
+
+  (cd /tmp && run_step bench 300 "$PY" "$ROOT/bench/bench_gpu_kernels.py" \
+      --out "$OUT/gpu_kernels.json" --budget 150; echo "${status[bench]}" > "$OUT/.bench_rc")
+  status[bench]=$(cat "$OUT/.bench_rc" 2>/dev/null || echo 1)
+fi
+
+total=$(( $(date +%s) - start ))
+"$PY" - "$OUT" "$total" "${status[build]:-x}" "${status[cuda_tests]:-x}" "${status[memcheck]:-x}" \
+  "${status[bench]:-x}" <<'PYEOF'
+import json, os, sys
+out, total, build, tests, memcheck, bench = sys.argv[1:]
+summary = {"seconds": int(total), "build_rc": build, "cuda_tests_rc": tests,
+           "memcheck_rc": memcheck, "bench_rc": bench}
+xml = os.path.join(out, "cuda_tests.xml")
+if os.path.exists(xml):
+    import xml.etree.ElementTree as ET
+    suite = ET.parse(xml).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    summary["cuda_tests"] = {k: suite.get(k) for k in ("tests", "failures", "errors", "skipped")}
+bj = os.path.join(out, "gpu_kernels.json")
+if os.path.exists(bj):
+    summary["benchmarks"] = "gpu_kernels.json"
+json.dump(summary, open(os.path.join(out, "gpu_check.json"), "w"), indent=1)
+print(json.dumps(summary, indent=1))
+PYEOF
+ok=0
+[ "${status[build]:-1}" = 0 ] && [ "${status[cuda_tests]:-1}" = 0 ] && [ "${status[bench]:-1}" = 0 ] || ok=1
+case "${status[memcheck]:-1}" in 0|skipped) ;; *) ok=1 ;; esac
+echo "gpu_check: $([ $ok = 0 ] && echo PASSED || echo FAILED) in ${total}s"
+exit $ok
