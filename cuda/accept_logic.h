@@ -23,7 +23,9 @@
 //   int64_t NthTrue(n, pred, k)    the k-th (0-based, index order) v with pred(v); -1 if fewer
 //   int64_t SampleCdf(n, w, target)  first v with w(v) > 0 and w(0) + .. + w(v) > target; else
 //                                    the last v with w(v) > 0; -1 if none
-//   void Histogram(n, digit, mass, counts[256], masses[256])  digit(v) in [-1, 256) (-1 = skip)
+//   void Histogram(n, digit, mass, counts[256], masses[256])  digit(v) in [-1, 256) (-1 = skip);
+//                                  mass(v) in [0, 1]; the masses are exact to 2^-40 per entry
+//                                  and independent of timing on the GPU (fixed-point sums)
 //   bool Leader()                  true in exactly one thread (for scalar writes)
 #pragma once
 
@@ -157,13 +159,21 @@ PYSPEC_LOGIC_HD int FilterRow(Ops& ops, int64_t V, ZFn z, float temperature, int
             return static_cast<int>((u >> shift) & 0xFFu);
           },
           [&](int64_t v) { return static_cast<double>(w[v]); }, counts, masses);
-      int bin = 255;
+      int bin = 255, lowest = -1;
       for (; bin >= 0; --bin) {
+        if (counts[bin] > 0) lowest = bin;
         if (above + masses[bin] >= target) break;
         above += masses[bin];
       }
-      if (bin < 0) found = false;  // rounding left the mass just under target: keep everything
-      else {
+      if (bin < 0 && shift == 24) {
+        found = false;  // rounding left the total just under target: keep everything (as the CPU)
+      } else {
+        if (bin < 0) {
+          // Within the crossing bucket the sub-bins re-summed to just under the remaining mass
+          // (rounding): the boundary is the bucket's smallest value, as in the CPU's prefix search.
+          bin = lowest;
+          above -= masses[bin];
+        }
         prefix |= static_cast<uint32_t>(bin) << shift;
         prefix_mask |= 0xFFu << shift;
       }
@@ -346,12 +356,13 @@ PYSPEC_LOGIC_HD int WalkRequest(Ops& ops, const WalkInputs& in, int64_t b, bool 
       const bool hr = have_resid, hq = have_q;
       auto P = [&](int64_t v) { return hr ? resid[v] : static_cast<double>(p[v]); };
       auto Q = [&](int64_t v) { return hq ? qcur[v] : static_cast<double>(q[v]); };
+      // Read before the block-wide steps below: the update zeroes qcur[x].
+      const double qx_raw = Q(x);
       const double r_mass = ops.SumD(V, [&](int64_t v) {
         const double d = P(v) * inv_p - Q(v) * inv_q;
         return d > 0.0 ? d : 0.0;
       });
       const double q_total = ops.SumD(V, Q);
-      const double qx_raw = Q(x);
       const bool take = !in.skip_residual && r_mass > kEmptyMass;
       ops.ForEach(V, [&](int64_t v) {
         const double pv = P(v), qv = Q(v);

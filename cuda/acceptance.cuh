@@ -29,6 +29,7 @@ struct RowShared {
   unsigned long long res_u;
   unsigned int counts[256];
   double masses[256];
+  unsigned long long mass_fx[256];  // Histogram's fixed-point masses (2^-40 units)
 };
 
 template <int kThreads>
@@ -152,8 +153,11 @@ struct BlockRowOps {
     *idx = sh.res_i;
     __syncthreads();
   }
+  // Barriers on both sides: every thread has finished reading what f overwrites, and sees all
+  // writes after.
   template <class F>
   __device__ void ForEach(int64_t n, F f) {
+    __syncthreads();
     for (int64_t v = threadIdx.x; v < n; v += kThreads) f(v);
     __syncthreads();
   }
@@ -167,6 +171,7 @@ struct BlockRowOps {
   template <class F>
   __device__ int64_t NthTrue(int64_t n, F pred, int64_t k) {
     if (k < 0) return -1;
+    __syncthreads();  // the previous op's readers of the result slots are done
     int64_t begin, end;
     Segment(n, &begin, &end);
     long long c = 0;
@@ -190,6 +195,7 @@ struct BlockRowOps {
   }
   template <class W>
   __device__ int64_t SampleCdf(int64_t n, W w, double target) {
+    __syncthreads();  // the previous op's readers of the result slots are done
     int64_t begin, end;
     Segment(n, &begin, &end);
     double s = 0.0;
@@ -227,20 +233,29 @@ struct BlockRowOps {
     __syncthreads();
     return hit != ~0ull ? static_cast<int64_t>(hit) : static_cast<int64_t>(fallback);
   }
+  // Masses are summed in 2^-40 fixed point: integer atomics are associative, so the result does
+  // not depend on the order threads arrive in (double atomics would).
   template <class Digit, class Mass>
   __device__ void Histogram(int64_t n, Digit digit, Mass mass, uint32_t* counts, double* masses) {
+    constexpr double kScale = 1099511627776.0;  // 2^40
     __syncthreads();  // earlier readers of counts/masses are done
     for (int i = threadIdx.x; i < 256; i += kThreads) {
       counts[i] = 0;
-      masses[i] = 0.0;
+      sh.mass_fx[i] = 0;
     }
     __syncthreads();
     for (int64_t v = threadIdx.x; v < n; v += kThreads) {
       const int d = digit(v);
       if (d >= 0) {
         atomicAdd(&counts[d], 1u);
-        atomicAdd(&masses[d], mass(v));
+        const double m = mass(v);
+        const double c = m > 0.0 ? (m < 1.0 ? m : 1.0) : 0.0;
+        atomicAdd(&sh.mass_fx[d], static_cast<unsigned long long>(c * kScale + 0.5));
       }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 256; i += kThreads) {
+      masses[i] = static_cast<double>(sh.mass_fx[i]) / kScale;
     }
     __syncthreads();
   }

@@ -214,9 +214,12 @@ void RunAttention(const DeviceAttentionPlan& dplan, const TensorView& q, const T
   PYSPEC_CHECK(shape.Hq == p.hq && shape.Hkv == p.hkv && shape.D == p.d, "the device plan was ",
                "built for ", p.hq, "/", p.hkv, " heads of dim ", p.d, " but the tensors have ",
                shape.Hq, "/", shape.Hkv, " heads of dim ", shape.D);
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  // The plan's buffers are allocated, used and freed in the order of its stream.
+  PYSPEC_CHECK(stream == p.stream, "the device plan was built for another CUDA stream; build one ",
+               "per stream (pyspec.attention.tree_attention does)");
   if (shape.T == 0) return;
   DeviceGuard guard(p.device);
-  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   kernels::AttnStep s = p.step;
   s.scale_log2 = scale * 1.4426950408889634f;
   float* lse_ptr = lse != nullptr ? lse->ptr<float>() : nullptr;
