@@ -9,7 +9,7 @@ import time
 
 import torch
 
-METHODS = ("eagle", "draft-model")
+METHODS = ("eagle", "medusa", "draft-model")
 
 
 def train_draft(args) -> str:
@@ -18,10 +18,10 @@ def train_draft(args) -> str:
     from pyspec.train import eagle as E
 
     if args.method not in METHODS:
-        raise ValueError(f"--method {args.method!r} is not available; implemented: "
-                         f"{', '.join(METHODS)} (medusa training is not built yet)")
+        raise ValueError(f"--method {args.method!r} is not available; choose one of "
+                         f"{', '.join(METHODS)}")
     for name in ("prompts", "max_tokens", "batch", "epochs", "draft_vocab", "intermediate_size",
-                 "draft_layers"):
+                 "draft_layers", "medusa_heads"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     t0 = time.time()
@@ -73,6 +73,19 @@ def train_draft(args) -> str:
     eos = [int(e) for e in gen.tokenizer.eos_token_ids]
     vocab = D.draft_vocabulary(seqs, gen.model.cfg.vocab_size, args.draft_vocab, always=eos)
     covered = float(D.token_counts(seqs, gen.model.cfg.vocab_size)[vocab].sum()) / max(n_tok, 1)
+    if args.method == "medusa":
+        from pyspec.train import medusa as M
+
+        if args.medusa_heads > 16:
+            raise ValueError("--medusa-heads must be in [1, 16]")
+        heads = M.train(target, seqs, args.out, num_heads=args.medusa_heads, draft_vocab=vocab,
+                        epochs=args.epochs, lr=args.lr, seed=args.seed)
+        recipe.update(medusa_heads=args.medusa_heads, loss_vocab=int(vocab.numel()),
+                      loss_vocab_token_coverage=round(covered, 4))
+        manifest.update(training_seconds=round(time.time() - t0, 1), data_seconds=round(t_data, 1))
+        out = M.write_drafter(heads, args.out, manifest=manifest)
+        print(f"wrote {out} ({(time.time() - t0) / 60:.1f} min)")
+        return out
     head = E.train(target, seqs, args.out, draft_vocab=vocab,
                    intermediate_size=args.intermediate_size, epochs=args.epochs, lr=args.lr,
                    seed=args.seed)
@@ -89,8 +102,9 @@ def train_draft(args) -> str:
 def add_parser(sub):
     p = sub.add_parser("train-draft", help="train a drafter for a target by self-distillation")
     p.add_argument("--target", default=None, help="target model folder (default: the embedded)")
-    p.add_argument("--method", default="eagle", help="eagle | draft-model (medusa: not yet)")
+    p.add_argument("--method", default="eagle", help="eagle | medusa | draft-model")
     p.add_argument("--draft-layers", type=int, default=4, help="draft-model: layers")
+    p.add_argument("--medusa-heads", type=int, default=4, help="medusa: heads (1..16)")
     p.add_argument("--out", required=True, help="output drafter folder (resumes if present)")
     p.add_argument("--prompts", type=int, default=2400, help="seed prompts to generate from")
     p.add_argument("--data", default=None,
@@ -100,7 +114,8 @@ def add_parser(sub):
     p.add_argument("--gen-dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--draft-vocab", type=int, default=8192, help="reduced draft vocabulary size")
+    p.add_argument("--draft-vocab", type=int, default=8192,
+                   help="reduced draft vocabulary size (medusa: the loss's vocabulary)")
     p.add_argument("--intermediate-size", type=int, default=1024)
     p.add_argument("--tree-width", type=int, default=4)
     p.add_argument("--tree-depth", type=int, default=5)
