@@ -214,13 +214,13 @@ def main(argv=None):
     flex = None
     if not args.no_flex:
         try:
-            import torch._dynamo
+            import torch._dynamo as dynamo  # (a bare `import torch._dynamo` would rebind torch)
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
             # One compiled kernel per problem shape: allow them all.
             for name in ("cache_size_limit", "recompile_limit"):
-                if hasattr(torch._dynamo.config, name):
-                    setattr(torch._dynamo.config, name, 256)
+                if hasattr(dynamo.config, name):
+                    setattr(dynamo.config, name, 256)
             flex = (torch.compile(flex_attention, dynamic=False), create_block_mask)
         except Exception as e:  # noqa: BLE001
             res["flex_unavailable"] = f"{type(e).__name__}: {e}"

@@ -54,8 +54,12 @@ if [ "${status[build]}" -eq 0 ]; then
       "${CUDA_TEST_FILES[@]}"; echo "${status[cuda_tests]}" > "$OUT/.cuda_tests_rc")
   status[cuda_tests]=$(cat "$OUT/.cuda_tests_rc" 2>/dev/null || echo 1)
 
-  if command -v compute-sanitizer >/dev/null 2>&1; then
-    (cd /tmp && run_step memcheck 90 bash -c "compute-sanitizer --tool memcheck --error-exitcode 3 \
+  SANITIZER=$(command -v compute-sanitizer || true)
+  for c in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer/compute-sanitizer; do
+    [ -z "$SANITIZER" ] && [ -x "$c" ] && SANITIZER=$c
+  done
+  if [ -n "$SANITIZER" ]; then
+    (cd /tmp && run_step memcheck 90 bash -c "'$SANITIZER' --tool memcheck --error-exitcode 3 \
         '$PY' '$ROOT/bench/gpu_memcheck_smoke.py' 2>&1 | tee '$OUT/memcheck.log'; exit \${PIPESTATUS[0]}"
      echo "${status[memcheck]}" > "$OUT/.memcheck_rc")
     status[memcheck]=$(cat "$OUT/.memcheck_rc" 2>/dev/null || echo 1)
