@@ -484,7 +484,8 @@ def test_cuda_acceptance_equals_cpu_for_the_same_seeds():
     seeds: decisions differ only if a draw lands within ~1e-16 of a boundary."""
     rng = np.random.default_rng(3)
     for vocab in (11, 4099):
-        probs, tokens, parents, indptr = random_batch(rng, 300, vocab, max_nodes=24)
+        # At most vocab nodes per tree, so sampled siblings can carry distinct tokens.
+        probs, tokens, parents, indptr = random_batch(rng, 300, vocab, max_nodes=min(24, vocab))
         draft = torch.from_numpy(rng.dirichlet(np.full(vocab, 0.5), size=probs.shape[0])
                                  .astype(np.float32))
         b = indptr.numel() - 1
