@@ -14,16 +14,6 @@ namespace cuda {
 
 namespace {
 
-template <typename T>
-std::vector<T> ToHost(const TensorView& t, cudaStream_t stream) {
-  std::vector<T> out(static_cast<size_t>(t.numel()));
-  if (!out.empty()) {
-    PYSPEC_CUDA_CALL(cudaMemcpyAsync(out.data(), t.data, out.size() * sizeof(T),
-                                     cudaMemcpyDeviceToHost, stream));
-  }
-  return out;
-}
-
 // Stream-ordered device buffer.
 class DeviceBuffer {
  public:

@@ -94,11 +94,10 @@ DeviceAttentionPlan::DeviceAttentionPlan(const AttentionPlan& plan, int device,
   const size_t o_mg = Append(image, p.part.merges.data(), p.part.merges.size());
   image.resize(std::max<size_t>(image.size(), 16));
   PYSPEC_CUDA_CALL(cudaMallocAsync(&p.blob, image.size(), p.stream));
+  // `image` is pageable host memory: cudaMemcpyAsync has staged it before returning, so it may be
+  // released without waiting for the stream (no per-step host synchronisation).
   PYSPEC_CUDA_CALL(cudaMemcpyAsync(p.blob, image.data(), image.size(), cudaMemcpyHostToDevice,
                                    p.stream));
-  // The image is pageable host memory: the copy is staged before cudaMemcpyAsync returns, but make
-  // the ordering explicit so `image` may be released.
-  PYSPEC_CUDA_CALL(cudaStreamSynchronize(p.stream));
   if (p.part.num_partial_rows > 0) {
     const size_t rows = static_cast<size_t>(p.part.num_partial_rows);
     const size_t floats = rows * p.hq * p.d + rows * p.hq;

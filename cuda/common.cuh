@@ -4,7 +4,10 @@
 
 #include <cuda_runtime.h>
 
+#include <vector>
+
 #include "pyspec/check.h"
+#include "pyspec/tensor_view.h"
 
 // Wraps a CUDA runtime call; a failure becomes pyspec::RuntimeError naming the call and the error.
 #define PYSPEC_CUDA_CALL(expr)                                                                \
@@ -35,6 +38,18 @@ class DeviceGuard {
  private:
   int previous_ = 0;
 };
+
+// Enqueues a copy of a small contiguous device tensor of element type T into a host vector on
+// `stream`; the caller synchronizes the stream before reading it.
+template <typename T>
+std::vector<T> ToHost(const TensorView& t, cudaStream_t stream) {
+  std::vector<T> out(static_cast<size_t>(t.numel()));
+  if (!out.empty()) {
+    PYSPEC_CUDA_CALL(cudaMemcpyAsync(out.data(), t.data, out.size() * sizeof(T),
+                                     cudaMemcpyDeviceToHost, stream));
+  }
+  return out;
+}
 
 }  // namespace cuda
 }  // namespace pyspec

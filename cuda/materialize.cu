@@ -10,18 +10,14 @@ namespace cuda {
 
 namespace {
 std::vector<int64_t> CopyIndicesToHost(const TensorView& t, cudaStream_t stream) {
-  std::vector<int64_t> out(t.shape[0]);
-  if (out.empty()) return out;
   if (t.dtype == DType::kInt64) {
-    PYSPEC_CUDA_CALL(cudaMemcpyAsync(out.data(), t.data, out.size() * 8, cudaMemcpyDeviceToHost, stream));
+    std::vector<int64_t> out = ToHost<int64_t>(t, stream);
     PYSPEC_CUDA_CALL(cudaStreamSynchronize(stream));
-  } else {
-    std::vector<int32_t> tmp(out.size());
-    PYSPEC_CUDA_CALL(cudaMemcpyAsync(tmp.data(), t.data, tmp.size() * 4, cudaMemcpyDeviceToHost, stream));
-    PYSPEC_CUDA_CALL(cudaStreamSynchronize(stream));
-    for (size_t i = 0; i < tmp.size(); ++i) out[i] = tmp[i];
+    return out;
   }
-  return out;
+  const std::vector<int32_t> narrow = ToHost<int32_t>(t, stream);
+  PYSPEC_CUDA_CALL(cudaStreamSynchronize(stream));
+  return std::vector<int64_t>(narrow.begin(), narrow.end());
 }
 }  // namespace
 

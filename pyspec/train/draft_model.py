@@ -113,16 +113,13 @@ def train(llm, seqs, out_dir: str, *, num_layers: int = 4, epochs: int = 2, lr: 
     torch.manual_seed(seed)
     model = DraftLM(llm.model, num_layers)
     params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
-    rng = torch.Generator().manual_seed(seed)
-    plan = L.make_plan(seqs, epochs, max_entries, max_len, rng)
-    total = sum(len(p) for p in plan)
-    ckpt = os.path.join(out_dir, "checkpoint-draft-model.pt")
-    start_epoch = L.resume(ckpt, "model", model, opt, log)
+    run = L.start(model, params, seqs, out_dir, "checkpoint-draft-model.pt", "model",
+                  epochs=epochs, lr=lr, max_entries=max_entries, max_len=max_len, seed=seed,
+                  log=log)
+    opt, step = run.opt, run.step
     cos_full, sin_full = llm.model.rope_tables(torch.arange(max_len + 1))
-    step = sum(len(p) for p in plan[:start_epoch])
-    for ep in range(start_epoch, epochs):
-        bar = tqdm(plan[ep], desc=f"epoch {ep + 1}/{epochs}", disable=not progress)
+    for ep in range(run.start_epoch, epochs):
+        bar = tqdm(run.plan[ep], desc=f"epoch {ep + 1}/{epochs}", disable=not progress)
         agg = [0.0, 0.0, 0]
         for idx in bar:
             n = [min(len(seqs[i].tokens) - 2, max_len) for i in idx]
@@ -134,7 +131,7 @@ def train(llm, seqs, out_dir: str, *, num_layers: int = 4, epochs: int = 2, lr: 
                 toks[b, :m + 1] = torch.tensor(seqs[i].tokens[:m + 1])
                 feats[b, :m + 1] = seqs[i].hidden[:m + 1].float()
                 mask[b, :m + 1] = True
-            L.set_lr(opt, lr, step, total)
+            L.set_lr(opt, lr, step, run.total)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 logits = model(toks, cos_full[:t].float(), sin_full[:t].float())
             with torch.no_grad():
@@ -154,5 +151,5 @@ def train(llm, seqs, out_dir: str, *, num_layers: int = 4, epochs: int = 2, lr: 
             agg[2] += 1
             bar.set_postfix(kl=f"{agg[0] / agg[2]:.3f}", top1=f"{agg[1] / agg[2]:.3f}")
         log(f"epoch {ep + 1}: kl {agg[0] / max(agg[2], 1):.4f} top1 {agg[1] / max(agg[2], 1):.4f}")
-        L.save(ckpt, "model", model, opt, ep + 1)
+        L.save(run.ckpt, "model", model, opt, ep + 1)
     return model

@@ -15,7 +15,6 @@ The trained head is written in the drafter format of :mod:`pyspec.drafters.heads
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn as nn
@@ -158,22 +157,18 @@ def train(llm, seqs, out_dir: str, *, draft_vocab: torch.Tensor, intermediate_si
     torch.manual_seed(seed)
     head = EagleHead(llm.model, draft_vocab, intermediate_size)
     params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
-    rng = torch.Generator().manual_seed(seed)
-    plan = L.make_plan(seqs, epochs, max_entries, max_len, rng)
-    total = sum(len(p) for p in plan)
-    ckpt = os.path.join(out_dir, "checkpoint.pt")
-    start_epoch = L.resume(ckpt, "head", head, opt, log)
+    run = L.start(head, params, seqs, out_dir, "checkpoint.pt", "head", epochs=epochs, lr=lr,
+                  max_entries=max_entries, max_len=max_len, seed=seed, log=log)
+    opt, rng, step = run.opt, run.rng, run.step
     scale = torch.cat([s.hidden[:64].float() for s in seqs[:256]]).std().item() or 1.0
     cos_full, sin_full = head.rope(max_len)
-    step = sum(len(p) for p in plan[:start_epoch])
-    for ep in range(start_epoch, epochs):
-        bar = tqdm(plan[ep], desc=f"epoch {ep + 1}/{epochs}", disable=not progress)
+    for ep in range(run.start_epoch, epochs):
+        bar = tqdm(run.plan[ep], desc=f"epoch {ep + 1}/{epochs}", disable=not progress)
         agg = [0.0, 0.0, 0.0, 0]
         for idx in bar:
             nxt, feats, tgt, mask = _tensors(seqs, idx, max_len)
             t = feats.shape[1]
-            L.set_lr(opt, lr, step, total)
+            L.set_lr(opt, lr, step, run.total)
             if noise > 0:
                 feats = feats + (torch.rand(feats.shape, generator=rng) - 0.5) * (2 * noise * scale)
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -202,7 +197,7 @@ def train(llm, seqs, out_dir: str, *, draft_vocab: torch.Tensor, intermediate_si
                             top1=f"{agg[2] / agg[3]:.3f}")
         log(f"epoch {ep + 1}: ce {agg[0] / max(agg[3], 1):.4f} reg {agg[1] / max(agg[3], 1):.4f} "
             f"top1 {agg[2] / max(agg[3], 1):.4f}")
-        L.save(ckpt, "head", head, opt, ep + 1)
+        L.save(run.ckpt, "head", head, opt, ep + 1)
     return head
 
 

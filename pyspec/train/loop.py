@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from typing import Callable, List
 
 import torch
@@ -41,3 +42,31 @@ def save(path: str, key: str, module: torch.nn.Module, opt: torch.optim.Optimize
          epoch: int) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     torch.save({key: module.state_dict(), "opt": opt.state_dict(), "epoch": epoch}, path)
+
+
+@dataclass
+class Run:
+    """What a trainer's epoch loop needs: optimizer, data rng, per-epoch batch plan, checkpoint
+    path, and where a resumed run starts (epoch and global step)."""
+
+    opt: torch.optim.Optimizer
+    rng: torch.Generator
+    plan: List[list]
+    total: int  # batches over all epochs (the LR schedule's length)
+    ckpt: str
+    start_epoch: int
+    step: int
+
+
+def start(module: torch.nn.Module, params, seqs, out_dir: str, ckpt_name: str, key: str, *,
+          epochs: int, lr: float, max_entries: int, max_len: int, seed: int,
+          log: Callable = print) -> Run:
+    """AdamW over ``params``, the seeded batch plan, and the checkpoint of an earlier run of the
+    same trainer (``out_dir/ckpt_name``, state under ``key``) resumed when present."""
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+    rng = torch.Generator().manual_seed(seed)
+    plan = make_plan(seqs, epochs, max_entries, max_len, rng)
+    ckpt = os.path.join(out_dir, ckpt_name)
+    start_epoch = resume(ckpt, key, module, opt, log)
+    return Run(opt, rng, plan, sum(len(p) for p in plan), ckpt, start_epoch,
+               sum(len(p) for p in plan[:start_epoch]))

@@ -15,7 +15,6 @@ The heads are written in the drafter format of :mod:`pyspec.drafters.heads` (met
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn as nn
@@ -84,21 +83,17 @@ def train(llm, seqs, out_dir: str, *, num_heads: int = 4, draft_vocab: torch.Ten
     torch.manual_seed(seed)
     heads = MedusaHeads(llm.model, num_heads, draft_vocab)
     params = [heads.w, heads.b]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
-    rng = torch.Generator().manual_seed(seed)
-    plan = L.make_plan(seqs, epochs, max_entries, max_len, rng)
-    total = sum(len(p) for p in plan)
-    ckpt = os.path.join(out_dir, "checkpoint.pt")
-    start_epoch = L.resume(ckpt, "heads", heads, opt, log)
-    step = sum(len(p) for p in plan[:start_epoch])
-    for ep in range(start_epoch, epochs):
-        bar = tqdm(plan[ep], desc=f"epoch {ep + 1}/{epochs}", disable=not progress)
+    run = L.start(heads, params, seqs, out_dir, "checkpoint.pt", "heads", epochs=epochs, lr=lr,
+                  max_entries=max_entries, max_len=max_len, seed=seed, log=log)
+    opt, step = run.opt, run.step
+    for ep in range(run.start_epoch, epochs):
+        bar = tqdm(run.plan[ep], desc=f"epoch {ep + 1}/{epochs}", disable=not progress)
         agg = [0.0, torch.zeros(num_heads), 0]
         for idx in bar:
             feats, tgts = _rows(seqs, idx, num_heads, max_len)
             if feats is None:
                 continue
-            L.set_lr(opt, lr, step, total)
+            L.set_lr(opt, lr, step, run.total)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 logits = heads(feats)
             with torch.no_grad():
@@ -121,7 +116,7 @@ def train(llm, seqs, out_dir: str, *, num_heads: int = 4, draft_vocab: torch.Ten
         n = max(agg[2], 1)
         log(f"epoch {ep + 1}: ce {agg[0] / n:.4f} top1 per head "
             + " ".join(f"{x:.3f}" for x in (agg[1] / n).tolist()))
-        L.save(ckpt, "heads", heads, opt, ep + 1)
+        L.save(run.ckpt, "heads", heads, opt, ep + 1)
     return heads
 
 
