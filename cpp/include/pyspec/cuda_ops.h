@@ -88,7 +88,8 @@ class DeviceAttentionPlan {
 
 // Same contract as pyspec::RunAttention for CUDA tensors on the plan's device (shapes, dtypes and
 // errors identical; fp32 accumulation). bf16/fp16 with head_dim 64 or 128 run on tensor cores;
-// other dtypes and head dims up to 256 on a generic kernel.
+// other dtypes and head dims up to 256 on a generic kernel. `stream` must be the stream the plan
+// was built on (ValueError otherwise): its buffers are ordered on that stream.
 void RunAttention(const DeviceAttentionPlan& plan, const TensorView& q, const TensorView& k_pages,
                   const TensorView& v_pages, const TensorView& k_new, const TensorView& v_new,
                   const TensorView& out, const TensorView* lse, float scale, void* stream);
