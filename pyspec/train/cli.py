@@ -21,7 +21,7 @@ def train_draft(args) -> str:
         raise ValueError(f"--method {args.method!r} is not available; choose one of "
                          f"{', '.join(METHODS)}")
     for name in ("prompts", "max_tokens", "batch", "epochs", "draft_vocab", "intermediate_size",
-                 "draft_layers", "medusa_heads"):
+                 "draft_layers", "medusa_heads", "unroll_steps"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     t0 = time.time()
@@ -88,9 +88,9 @@ def train_draft(args) -> str:
         return out
     head = E.train(target, seqs, args.out, draft_vocab=vocab,
                    intermediate_size=args.intermediate_size, epochs=args.epochs, lr=args.lr,
-                   seed=args.seed)
+                   steps=args.unroll_steps, seed=args.seed)
     recipe.update(draft_vocab=int(vocab.numel()), draft_vocab_token_coverage=round(covered, 4),
-                  intermediate_size=args.intermediate_size)
+                  intermediate_size=args.intermediate_size, unroll_steps=args.unroll_steps)
     t_total = time.time() - t0
     manifest.update(training_seconds=round(t_total, 1), data_seconds=round(t_data, 1))
     out = E.write_drafter(head, args.out, manifest=manifest, width=args.tree_width,
@@ -117,6 +117,9 @@ def add_parser(sub):
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="reduced draft vocabulary size (medusa: the loss's vocabulary)")
     p.add_argument("--intermediate-size", type=int, default=1024)
+    p.add_argument("--unroll-steps", type=int, default=3,
+                   help="eagle: train the head over this many of its own steps (training-time "
+                   "test; 1 = teacher-forced features only)")
     p.add_argument("--tree-width", type=int, default=4)
     p.add_argument("--tree-depth", type=int, default=5)
     p.add_argument("--tree-nodes", type=int, default=24)

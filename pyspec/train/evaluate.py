@@ -220,7 +220,8 @@ def record_in_manifest(draft_dir: str, report: dict, args) -> None:
                    + (f" --limit {args.limit}" if args.limit else "")
                    + (f" --per-category {args.per_category}" if args.per_category else "")
                    + f" --temperature {args.temperature} --dtype {args.dtype}",
-        "prompts": c["prompts"], "max_tokens": report["max_tokens"],
+        "prompts": c["prompts"], "prompts_file": os.path.basename(args.prompts),
+        "limit": args.limit, "per_category": args.per_category, "max_tokens": report["max_tokens"],
         "temperature": report["temperature"], "dtype": report["dtype"],
         "acceptance_length": round(c["acceptance_length"], 3),
         "tokens_per_target_step": round(c["tokens_per_target_step"], 3),

@@ -186,3 +186,78 @@ def test_train_medusa_method(tiny, trained, tmp_path):
             return float(-(t * torch.log_softmax(h(feats), -1)).sum(-1).mean())
 
     assert loss(learned) < loss(fresh) - 1e-3
+
+
+def test_unrolled_training_passes_see_what_tree_nodes_see(tiny):
+    """Pass k of the unrolled EAGLE training attends like a depth-k tree node at inference: row p
+    equals the last row of a plain causal pass over the true rows 0..p followed by the row's own
+    chain of predicted features (checked against that brute force, float32)."""
+    import pyspec
+    from pyspec.train.eagle import EagleHead
+
+    llm = pyspec.LLM(tiny, draft="none", kv_cache_tokens=512)
+    torch.manual_seed(0)
+    head = EagleHead(llm.model, torch.arange(40), 32)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    b, t, h = 2, 9, llm.model.cfg.hidden_size
+    toks = torch.randint(0, 40, (b, t + 3))
+    feats = torch.randn(b, t, h)
+    cos, sin = head.rope(t + 3)
+    with torch.no_grad():
+        g1, _, kv1 = head(toks[:, :t], feats, cos[:t], sin[:t])
+        g2, _, kv2 = head(toks[:, 1:t + 1], g1, cos[1:t + 1], sin[1:t + 1], ctx=(*kv1, []))
+        g3, l3, _ = head(toks[:, 2:t + 2], g2, cos[2:t + 2], sin[2:t + 2], ctx=(*kv1, [kv2]))
+        for p in (0, 4, t - 1):
+            seq_t = torch.cat([toks[:, :p + 1], toks[:, p + 1:p + 3]], dim=1)
+            seq_f = torch.cat([feats[:, :p + 1], g1[:, p:p + 1], g2[:, p:p + 1]], dim=1)
+            n = p + 3
+            x, logits, _ = head(seq_t, seq_f, cos[:n], sin[:n])
+            assert torch.allclose(x[:, p + 1], g2[:, p], atol=1e-4), p
+            assert torch.allclose(x[:, p + 2], g3[:, p], atol=1e-4), p
+            assert torch.allclose(logits[:, p + 2], l3[:, p], atol=1e-4), p
+
+
+def test_eagle_drafter_runs_the_head_as_trained(tiny, tmp_path):
+    """The inference drafter (its own paged KV, one tree step per level) computes what the training
+    module computes: the width-1 chain EagleDrafter drafts equals the greedy chain of EagleHead run
+    causally over the true features followed by its own predicted features."""
+    import pyspec
+    from pyspec.drafters import DraftRequest, PrefillChunk, make_drafter
+    from pyspec.runner import ModelRunner, SeqStep
+    from pyspec.train.eagle import EagleHead, write_drafter
+
+    llm = pyspec.LLM(tiny, draft="none", kv_cache_tokens=512)
+    vocab = llm.model.cfg.vocab_size
+    torch.manual_seed(1)
+    dv = torch.randperm(vocab)[:48].sort().values
+    head = EagleHead(llm.model, dv, 32)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    out = write_drafter(head, str(tmp_path / "d"), manifest={}, width=1, max_depth=3,
+                        max_nodes=3, dtype=torch.float32)
+    runner = ModelRunner(llm.model, num_blocks=16, block_size=16)
+    drafter = make_drafter(out, runner)
+    ctx = torch.randint(0, vocab, (12,)).tolist()
+    n = len(ctx) - 1  # the prompt; ctx[-1] is the root (its first generated token)
+    table = [0, 1]
+    res = runner.step([SeqStep(ctx[:n], 0, table, None, "last")], return_hidden=True)
+    drafter.prefill([PrefillChunk(7, ctx[:n], 0, table, ctx, res.hidden)])
+    draft = drafter.propose([DraftRequest(7, ctx, n, table, 3, max_depth=3)])[0]
+    assert draft.parents == [-1, 0, 1, 2]
+
+    toks = torch.tensor(ctx[1:])[None]
+    feats = res.hidden[None].float()
+    cos, sin = head.rope(n + 3)
+    chain = []
+    with torch.no_grad():
+        for _ in range(3):
+            t = toks.shape[1]
+            x, logits, _ = head(toks, feats, cos[:t], sin[:t])
+            c = int(dv[int(logits[0, -1].argmax())])
+            chain.append(c)
+            toks = torch.cat([toks, torch.tensor([[c]])], dim=1)
+            feats = torch.cat([feats, x[:, -1:]], dim=1)
+    assert draft.tokens == [ctx[-1]] + chain
