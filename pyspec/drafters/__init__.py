@@ -6,12 +6,15 @@ draft model, self-speculative layer skipping, Medusa heads and EAGLE heads with 
     "none"                 plain decoding (returns None)
     "ngram" | "ngram:N"    prompt lookup, n-grams up to N (default 3)
     "layer-skip:L"         the target's first L layers + final norm + lm_head ("layer-skip": L/4)
-    "default"              the shipped default drafter of the embedded model when present, else
-                           "ngram"
+    "default"              the drafter shipped for the embedded model (pyspec/data/default_drafter)
+                           when the target has its shapes (a target of another architecture gets
+                           "ngram"; one with the same shapes but other weights a warning)
     PATH                   a folder holding drafter.json (EAGLE/Medusa heads) or config.json (an
                            independent draft model with the target's vocabulary)
     PATH@tree=W            ... a draft model drafting top-W dynamic trees instead of a chain
     PATH@width=W,depth=D,nodes=N   ... an EAGLE drafter with another tree shape
+    A+B[+C...]             the drafters' trees merged into one per step (MergedDrafter), e.g.
+                           "ngram+PATH"
     a Drafter instance     used as is
 """
 
@@ -22,14 +25,17 @@ from typing import Optional, Union
 
 from pyspec.drafters.base import Draft, Drafter, DraftRequest, PrefillChunk, Verified
 from pyspec.drafters.heads import EagleDrafter, MedusaDrafter, load_heads, save_heads
+from pyspec.drafters.merged import MergedDrafter, merge_drafts
 from pyspec.drafters.model import LayerSkipDrafter, ModelDrafter
 from pyspec.drafters.ngram import NgramDrafter
 
 __all__ = ["Drafter", "Draft", "DraftRequest", "PrefillChunk", "Verified", "NgramDrafter",
-           "ModelDrafter", "LayerSkipDrafter", "MedusaDrafter", "EagleDrafter", "make_drafter",
+           "ModelDrafter", "LayerSkipDrafter", "MedusaDrafter", "EagleDrafter", "MergedDrafter",
+           "merge_drafts", "make_drafter",
            "load_heads", "save_heads", "DRAFT_CHOICES"]
 
-DRAFT_CHOICES = "none, ngram, ngram:N, layer-skip[:L], default, or a drafter/draft-model folder"
+DRAFT_CHOICES = ("none, ngram, ngram:N, layer-skip[:L], default, a drafter/draft-model folder, or "
+                 "several joined by '+' (merged trees)")
 
 
 def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Drafter]:
@@ -39,12 +45,19 @@ def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Dra
         return spec
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"draft must be a string ({DRAFT_CHOICES}) or a Drafter; got {spec!r}")
+    if "+" in spec and not os.path.exists(os.path.expanduser(spec.partition("@")[0])):
+        parts = [make_drafter(part, target_runner) for part in spec.split("+")]
+        if any(p is None for p in parts):
+            raise ValueError(f"{spec!r}: 'none' cannot be part of a merged drafter")
+        return MergedDrafter(parts)
     name, _, arg = spec.partition(":")
     if name == "default":
         from pyspec.models.default import default_drafter_path
 
         path = default_drafter_path()
-        return make_drafter(path if path else "ngram", target_runner)
+        if path is None or not _fits(path, target_runner.model.cfg):
+            return NgramDrafter(3)  # no shipped drafter, or one for another architecture
+        return make_drafter(path, target_runner)
     if name == "ngram":
         n = _int_arg(arg, "ngram", 3)
         return NgramDrafter(n)
@@ -82,6 +95,16 @@ def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Dra
         raise ValueError(f"{path!r} holds neither drafter.json (EAGLE/Medusa heads) nor "
                          "config.json (a draft model)")
     raise ValueError(f"unknown drafter {spec!r}; use {DRAFT_CHOICES}")
+
+
+def _fits(path: str, target_cfg) -> bool:
+    """Whether the drafter folder's shapes are the target's (hidden size and vocabulary)."""
+    import json
+
+    with open(os.path.join(path, "drafter.json")) as f:
+        cfg = json.load(f)
+    return (cfg.get("hidden_size"), cfg.get("vocab_size")) == (target_cfg.hidden_size,
+                                                              target_cfg.vocab_size)
 
 
 def _int_arg(arg: str, name: str, default: int) -> int:

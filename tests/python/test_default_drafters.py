@@ -72,7 +72,7 @@ def _heads_dir(llm, path, method):
 
 
 @pytest.mark.parametrize("drafter", ["default", "ngram", "layer-skip:8", "draft-model",
-                                     "draft-model-tree", "medusa", "eagle"])
+                                     "draft-model-tree", "medusa", "eagle", "ngram+eagle"])
 def test_every_drafter_is_greedy_lossless_on_mt_bench(target, reference, drafter, tmp_path):
     from pyspec.engine import Engine, SamplingParams
     from pyspec.runner import ModelRunner
@@ -85,6 +85,8 @@ def test_every_drafter_is_greedy_lossless_on_mt_bench(target, reference, drafter
             spec += "@tree=3"
     elif drafter in ("medusa", "eagle"):
         spec = _heads_dir(llm, str(tmp_path / drafter), drafter)
+    elif drafter == "ngram+eagle":
+        spec = "ngram+" + _heads_dir(llm, str(tmp_path / "eagle"), "eagle")
     runner = ModelRunner(llm.model, num_blocks=1024, block_size=16)
     eng = Engine(runner, drafter=spec, max_num_seqs=NUM_PROMPTS, adaptive=False,
                  spec_disable_batch_size=0)
@@ -101,7 +103,7 @@ def test_every_drafter_is_greedy_lossless_on_mt_bench(target, reference, drafter
                                 f"decoding's top-2 logit gap is {gap:.4f} (not a near-tie)")
     assert identical >= NUM_PROMPTS // 2, f"{drafter}: only {identical} identical outputs"
     assert sum(r.stats.draft_tokens for r in res) > 0
-    if drafter in ("ngram", "layer-skip:8", "draft-model", "draft-model-tree"):
+    if drafter in ("default", "ngram", "layer-skip:8", "draft-model", "draft-model-tree"):
         assert sum(r.stats.accepted_tokens for r in res) > 0
 
 

@@ -66,11 +66,13 @@ def _drafter(kind, runner, model, tmp):
                             max_depth=3)
     if kind in ("medusa", "eagle"):
         return load_heads(_heads_dir(tmp, model, kind), runner)
+    if kind == "ngram+eagle":  # merged trees, through the spec syntax
+        return "ngram+" + _heads_dir(tmp, model, "eagle")
     raise AssertionError(kind)
 
 
 KINDS = ["ngram", "layer-skip", "draft-model-self", "draft-model", "draft-model-tree", "medusa",
-         "eagle"]
+         "eagle", "ngram+eagle"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -93,6 +95,8 @@ def test_greedy_lossless_every_drafter(model, plain, tmp_path, kind, num_blocks)
         assert accepted == drafted  # an identical draft model is always right
     if kind in ("draft-model-tree",):
         assert accepted > 0
+    if kind == "ngram+eagle":
+        assert eng.drafters[eng.default_drafter].name == "ngram+eagle"
     s = eng.scheduler
     assert s.num_free_blocks == s.num_total_blocks
     if num_blocks == 14:
@@ -291,3 +295,42 @@ def test_batch_aware_budget_from_measured_step_times(model):
     assert s.spec_share(12, 3) == 0
     with pytest.raises(ValueError):
         s.set_memory_bound_tokens(-1)
+
+
+def test_merge_drafts_is_a_trie_within_the_budget():
+    from pyspec.drafters import merge_drafts
+
+    a = Draft([9, 1, 2, 3], [-1, 0, 1, 2])  # chain 1-2-3
+    b = Draft([9, 1, 5, 4, 6], [-1, 0, 0, 1, 1])  # 1 (shared), 5; under 1: 4, 6
+    m = merge_drafts([a, b], budget=10)
+    paths = set()
+    for i in range(1, len(m.tokens)):
+        p, path = i, []
+        while p > 0:
+            path.append(m.tokens[p])
+            p = m.parents[p]
+        paths.add(tuple(reversed(path)))
+    assert paths == {(1,), (1, 2), (1, 2, 3), (5,), (1, 4), (1, 6)}
+    assert all(m.parents[i] < i for i in range(1, len(m.tokens)))  # parents first
+    cut = merge_drafts([a, b], budget=4)  # the first draft's nodes first, then b's in its order
+    assert cut.tokens == [9, 1, 2, 3, 5] and cut.parents == [-1, 0, 1, 2, 0]
+    assert merge_drafts([a, b], budget=0).tokens == [9]
+    sampled = Draft([9, 7], [-1, 0], torch.full((2, 4), 0.25))
+    assert merge_drafts([a, sampled], budget=10) is sampled  # not mergeable: used alone
+    with pytest.raises(ValueError, match="root"):
+        merge_drafts([a, Draft([8, 1], [-1, 0])], budget=10)
+
+
+def test_merged_spec_errors(model):
+    runner = ModelRunner(model, num_blocks=16, block_size=8)
+    with pytest.raises(ValueError, match="none"):
+        make_drafter("ngram+none", runner)
+    with pytest.raises(ValueError, match="unknown drafter"):
+        make_drafter("ngram+bogus", runner)
+    m = make_drafter("ngram:2+ngram", runner)
+    assert m.name == "ngram+ngram" and m.max_draft_depth == 5 and not m.needs_hidden
+
+
+def test_default_on_another_architecture_is_ngram(model):
+    runner = ModelRunner(model, num_blocks=16, block_size=8)
+    assert make_drafter("default", runner).name == "ngram"

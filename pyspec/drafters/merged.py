@@ -1,0 +1,98 @@
+"""Several drafters' trees merged into one tree per step (a trie over token paths from the root).
+
+A prompt-lookup chain is nearly free and, when the context repeats, right for several tokens at
+once; a trained head is right more often for the next one or two tokens of new text. Merged, each
+covers the other's misses within one verification. Parts are taken in order: every node of the
+first part's draft, then the next part's nodes (parents first, the order drafters already emit,
+so the kept set stays ancestor-closed) until the step's node budget is spent; a path two parts
+share is verified once.
+
+Merging needs deterministic children (top-k trees, prompt-lookup chains). A part that *sampled*
+its children (``draft_probs``) is verified by rejection sampling against the distribution it drew
+from, which a merged tree no longer has; such a step uses that part's draft alone.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Sequence, Tuple
+
+from pyspec.drafters.base import Draft, Drafter, DraftRequest, PrefillChunk, Verified
+
+
+class MergedDrafter(Drafter):
+    def __init__(self, parts: Sequence[Drafter]):
+        parts = list(parts)
+        if len(parts) < 2 or not all(isinstance(p, Drafter) for p in parts):
+            raise ValueError("a merged drafter needs at least two drafters")
+        self.parts = parts
+        self.name = "+".join(p.name for p in parts)
+        self.needs_hidden = any(p.needs_hidden for p in parts)
+        # What reports and manifests read: the first part that carries them (a trained drafter).
+        for key in ("manifest", "path"):
+            val = next((getattr(p, key) for p in parts if getattr(p, key, None)), None)
+            if val is not None:
+                setattr(self, key, val)
+
+    @property
+    def max_draft_depth(self) -> int:
+        return max(int(p.max_draft_depth) for p in self.parts)
+
+    def node_budget(self, depth: int) -> int:
+        return max(int(p.node_budget(depth)) for p in self.parts)
+
+    def kv_pools(self) -> list:
+        return [q for p in self.parts for q in p.kv_pools()]
+
+    def prefill(self, chunks: List[PrefillChunk]) -> None:
+        for p in self.parts:
+            p.prefill(chunks)
+
+    def observe(self, results: List[Verified]) -> None:
+        for p in self.parts:
+            p.observe(results)
+
+    def release(self, request_id: int) -> None:
+        for p in self.parts:
+            p.release(request_id)
+
+    def propose(self, reqs: List[DraftRequest]) -> List[Draft]:
+        drafts = [p.propose(reqs) for p in self.parts]
+        for p, ds in zip(self.parts, drafts):
+            if len(ds) != len(reqs):
+                raise ValueError(f"drafter {p.name!r} returned {len(ds)} drafts for {len(reqs)} "
+                                 "requests")
+        return [merge_drafts([ds[i] for ds in drafts], r.budget) for i, r in enumerate(reqs)]
+
+    def describe(self) -> str:
+        return " + ".join(p.describe() for p in self.parts)
+
+
+def merge_drafts(drafts: Sequence[Draft], budget: int) -> Draft:
+    """One tree holding the drafts' paths (the first draft's nodes first), at most ``budget``
+    nodes beyond the root. All drafts must share the root token; a sampled draft is returned
+    alone (see the module docstring)."""
+    root = drafts[0].tokens[0]
+    for d in drafts:
+        if d.tokens[0] != root:
+            raise ValueError("merged drafts must share the root token")
+        if d.draft_probs is not None:
+            return d
+    tokens, parents = [root], [-1]
+    index: Dict[Tuple[int, int], int] = {}
+    for d in drafts:
+        where = {0: 0}  # this draft's node -> merged node
+        for i in range(1, len(d.tokens)):
+            pm = where.get(d.parents[i])
+            if pm is None:  # its parent was cut by the budget
+                continue
+            key = (pm, int(d.tokens[i]))
+            node = index.get(key)
+            if node is None:
+                if len(tokens) - 1 >= budget:
+                    continue
+                node = len(tokens)
+                tokens.append(int(d.tokens[i]))
+                parents.append(pm)
+                index[key] = node
+            where[i] = node
+    return Draft(tokens, parents)
