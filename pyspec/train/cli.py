@@ -36,7 +36,7 @@ def train_draft(args) -> str:
         seqs = torch.load(data_path, weights_only=False)
         print(f"loaded {len(seqs)} generated sequences from {data_path}")
     else:
-        prompts = D.seed_prompts(args.prompts, seed=args.seed)
+        prompts = D.seed_prompts(args.prompts, seed=args.seed, prompt_set=args.prompt_set)
         seqs = D.generate_corpus(gen, prompts, max_tokens=args.max_tokens, batch=args.batch,
                                  seed=args.seed)
         torch.save(seqs, data_path)
@@ -50,7 +50,7 @@ def train_draft(args) -> str:
     recipe = {"command": "pyspec train-draft " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in sorted(vars(args).items())
         if k not in ("func", "command", "out") and v is not None),
-        "seed_prompts": args.prompts, "max_tokens": args.max_tokens, "sequences": len(seqs),
+        "seed_prompts": args.prompts, "prompt_set": args.prompt_set, "max_tokens": args.max_tokens, "sequences": len(seqs),
         "tokens": n_tok, "generated_tokens": n_gen, "epochs": args.epochs, "lr": args.lr,
         "gen_dtype": args.gen_dtype}
     manifest = {"drafter_version": args.version, "method": args.method,
@@ -109,6 +109,9 @@ def add_parser(sub):
     p.add_argument("--prompts", type=int, default=2400, help="seed prompts to generate from")
     p.add_argument("--data", default=None,
                    help="reuse the generated corpus (data.pt) of an earlier run for this target")
+    p.add_argument("--prompt-set", default="diverse", choices=["basic", "diverse"],
+                   help="seed prompt templates: the 32 basic ones, or those plus personas, "
+                   "reasoning, science, humanities, editing and passage extraction")
     p.add_argument("--max-tokens", type=int, default=192)
     p.add_argument("--batch", type=int, default=64, help="generation batch size")
     p.add_argument("--gen-dtype", default="bfloat16", choices=["float32", "bfloat16"])

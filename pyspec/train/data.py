@@ -83,17 +83,134 @@ CODE_TASKS = [
 ]
 
 
-def seed_prompts(n: int, seed: int = 0) -> List[str]:
-    """``n`` distinct prompts from the templates (deterministic for a seed)."""
+# The "diverse" set adds what the basic templates miss and assistants are asked every day:
+# personas and role-play, reasoning puzzles, science and humanities questions, opinion essays,
+# editing, and extraction / summarization over a passage in the prompt (passages assembled here
+# from random facts), each in several phrasings and answer formats.
+ROLES = [
+    "a ship captain in the 1800s", "a grumpy medieval blacksmith", "a friendly museum guide",
+    "a detective in a noir film", "a kindergarten teacher", "a Mars colony engineer",
+    "a famous chef", "a sports commentator", "a travel agent", "a wise old librarian",
+    "a startup founder pitching to investors", "a park ranger", "a nervous first-time pilot",
+    "a personal fitness coach", "a customer support agent", "a tour guide in Rome",
+]
+DIVERSE_TEMPLATES = [
+    "Pretend you are {r}. Describe your typical morning in character.",
+    "You are {r}. A visitor asks you about {t}. Answer in character.",
+    "Act as {r} and give advice to someone who is struggling with {t}.",
+    "Role-play as {r}: write a short speech to open a conference on {t}.",
+    "Imagine you are {r} writing a diary entry about an unexpected encounter with {t}.",
+    "Stay in character as {r} and explain why {t} matters to you.",
+    "There are {n} apples and {m} baskets. If each basket holds the same number and {k} apples "
+    "are left over, how many apples are in each basket? Think step by step.",
+    "Alice is older than Bob, Bob is older than Carol, and Dan is younger than Carol. Who is the "
+    "second oldest? Explain your reasoning.",
+    "A farmer has {n} chickens and {m} cows. How many legs are there in total? Show your work.",
+    "If today is {day}, what day of the week will it be in {n} days? Explain.",
+    "A rectangle has a perimeter of {p} cm and one side of {k} cm. What is its area?",
+    "What is {n} percent of {q}? Then explain how to compute percentages mentally.",
+    "Solve for x: {k}x + {n} = {q}. Explain each step.",
+    "A store offers {k}0% off an item that costs ${q}. What is the final price with {m}% tax?",
+    "Is the following argument valid? 'All {t} experts read a lot. Sam reads a lot. Therefore "
+    "Sam is a {t} expert.' Explain.",
+    "Explain the scientific principle behind {s} in simple terms.",
+    "What would happen if {s} suddenly stopped working? Discuss the consequences.",
+    "Describe an experiment a high-school student could do to demonstrate {s}.",
+    "What is the difference between {s} and {s2}?",
+    "Discuss how {h} shaped modern society.",
+    "Write a persuasive essay arguing that {h} is more important than {h2}.",
+    "What are the ethical questions raised by {t}? Give at least three perspectives.",
+    "Compare the economic effects of {h} in two different countries.",
+    "Edit the following paragraph for grammar and clarity: '{bad}'",
+    "Rewrite this text in a more formal tone: '{bad}'",
+    "Summarize the following passage in two sentences.\n\n{passage}",
+    "Extract every person, place and date mentioned in the text below and return them as "
+    "JSON.\n\n{passage}",
+    "Read the report below and list the numbers it mentions, with what each one measures."
+    "\n\n{passage}",
+    "Based on this text, answer: who did what, and when?\n\n{passage}",
+    "Turn the following notes into a short news article.\n\n{passage}",
+    "Write a travel blog post about a trip to {place}, highlighting culture and food.",
+    "Write a product review of a {thing} you bought last month, with pros and cons.",
+    "Draft a polite message declining an invitation to a {event}.",
+    "Write a limerick about {t}.",
+    "Write a short screenplay scene set in {place} involving {t}.",
+    "Create a riddle whose answer is {thing}, then explain the answer.",
+    "Give me five creative names for a {thing} company and explain each.",
+    "Write a Python class that models a {thing} with at least three methods.",
+    "Explain the time complexity of binary search and write it in C++.",
+    "Write a bash script that {c}.",
+    "Find the bug in this Python code and fix it: def add(a, b): return a - b",
+    "Write a Python function that {c}, then explain how it handles edge cases.",
+    "Explain the difference between a list and a tuple in Python with examples.",
+    "Write a regular expression that matches {pattern} and explain each part.",
+]
+SCIENCE = [
+    "photosynthesis", "gravity", "the greenhouse effect", "electric circuits", "natural selection",
+    "plate tectonics", "the Doppler effect", "buoyancy", "DNA replication", "nuclear fusion",
+    "the water cycle", "magnetism", "chemical bonding", "vaccination", "sound waves", "friction",
+]
+HUMANITIES = [
+    "the Industrial Revolution", "the invention of writing", "the Renaissance", "globalization",
+    "the printing press", "universal suffrage", "the internet", "public education",
+    "the Cold War", "urbanization", "the abolition of slavery", "the scientific method",
+]
+PLACES = ["Kyoto", "Lisbon", "Nairobi", "Reykjavik", "Buenos Aires", "Hanoi", "Cape Town",
+          "Vancouver", "Istanbul", "Marrakesh", "Prague", "Sydney"]
+THINGS = ["coffee machine", "bicycle", "smartwatch", "backpack", "electric kettle", "tent",
+          "library", "bank account", "parking garage", "music playlist", "garden"]
+EVENTS = ["wedding", "birthday party", "team dinner", "conference", "book club meeting"]
+PATTERNS = ["an email address", "a US phone number", "a date like 2024-05-17",
+            "a hexadecimal color code", "a time like 14:35"]
+NAMES = ["Maria Lopez", "Ken Tanaka", "Aisha Bello", "Lukas Meyer", "Priya Nair", "Tom Walsh",
+         "Sofia Rossi", "Omar Haddad", "Elena Petrova", "James Okafor"]
+BAD = ["me and him goes to the store yesterday and buyed three apple",
+       "their going too the park tomorow if it dont rain",
+       "the datas shows that less peoples is using cars then before",
+       "i has finished the report but it need more work on it's conclusion"]
+DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
+
+
+def _passage(rng: random.Random) -> str:
+    a, b = rng.sample(NAMES, 2)
+    place, topic = rng.choice(PLACES), rng.choice(TOPICS)
+    year, n, m = rng.randint(1990, 2025), rng.randint(3, 900), rng.randint(2, 60)
+    month = rng.choice(["January", "March", "May", "July", "September", "November"])
+    return (f"On {month} {rng.randint(1, 28)}, {year}, {a} opened a small research center on "
+            f"{topic} in {place}. In its first year it employed {m} people and received {n} "
+            f"visitors. {b}, who joined as director in {year + rng.randint(1, 4)}, said the goal "
+            f"was to make {topic} understandable to everyone. Funding grew by "
+            f"{rng.randint(5, 80)} percent the following year, and a second site opened in "
+            f"{rng.choice(PLACES)}.")
+
+
+def seed_prompts(n: int, seed: int = 0, prompt_set: str = "diverse") -> List[str]:
+    """``n`` distinct prompts (deterministic for a seed). ``prompt_set``: ``"basic"`` (the 32
+    original templates) or ``"diverse"`` (those plus the category-wide ones above, each drawn
+    with equal chance between the two lists)."""
+    if prompt_set not in ("basic", "diverse"):
+        raise ValueError(f"prompt_set must be 'basic' or 'diverse'; got {prompt_set!r}")
     rng = random.Random(seed)
     out, seen = [], set()
     tries = 0
     while len(out) < n and tries < 50 * n:
         tries += 1
-        tpl = rng.choice(TEMPLATES)
-        t, u = rng.sample(TOPICS, 2)
-        p = tpl.format(t=t, u=u, c=rng.choice(CODE_TASKS), n=rng.randint(2, 90),
-                       m=rng.randint(2, 30), k=rng.randint(1, 12))
+        if prompt_set == "basic" or rng.random() < 0.5:
+            tpl = rng.choice(TEMPLATES)
+            t, u = rng.sample(TOPICS, 2)
+            p = tpl.format(t=t, u=u, c=rng.choice(CODE_TASKS), n=rng.randint(2, 90),
+                           m=rng.randint(2, 30), k=rng.randint(1, 12))
+        else:
+            tpl = rng.choice(DIVERSE_TEMPLATES)
+            s1, s2 = rng.sample(SCIENCE, 2)
+            h1, h2 = rng.sample(HUMANITIES, 2)
+            p = tpl.format(
+                r=rng.choice(ROLES), t=rng.choice(TOPICS), n=rng.randint(2, 90),
+                m=rng.randint(2, 30), k=rng.randint(1, 12), q=rng.randint(20, 500),
+                p=2 * rng.randint(14, 60), day=rng.choice(DAYS), s=s1, s2=s2, h=h1, h2=h2,
+                bad=rng.choice(BAD), passage=_passage(rng), place=rng.choice(PLACES),
+                thing=rng.choice(THINGS), event=rng.choice(EVENTS), c=rng.choice(CODE_TASKS),
+                pattern=rng.choice(PATTERNS))
         if p not in seen:
             seen.add(p)
             out.append(p)

@@ -261,3 +261,26 @@ def test_eagle_drafter_runs_the_head_as_trained(tiny, tmp_path):
             toks = torch.cat([toks, torch.tensor([[c]])], dim=1)
             feats = torch.cat([feats, x[:, -1:]], dim=1)
     assert draft.tokens == [ctx[-1]] + chain
+
+
+def test_seed_prompt_sets(tiny, tmp_path):
+    from pyspec.train.data import DIVERSE_TEMPLATES, TEMPLATES, seed_prompts
+
+    basic = seed_prompts(200, seed=0, prompt_set="basic")
+    # The basic set is what earlier drafters' recorded recipes generated from: it must not drift.
+    assert basic[0].startswith("A shop sells 67 items on Monday and 17 more each following day.")
+    assert seed_prompts(200, seed=0, prompt_set="basic") == basic
+    diverse = seed_prompts(400, seed=0)
+    assert len(set(diverse)) == 400 and diverse == seed_prompts(400, seed=0)
+    stems = [t.split("{")[0] for t in DIVERSE_TEMPLATES if t.split("{")[0]]
+    assert sum(any(p.startswith(s) for s in stems) for p in diverse) > 100
+    assert any("\n\nOn " in p for p in diverse)  # passages to extract from
+    assert not any(p.startswith(t.split("{")[0]) for p in basic[:50]
+                   for t in DIVERSE_TEMPLATES if len(t.split("{")[0]) > 12)
+    assert len(TEMPLATES) == 32
+    with pytest.raises(ValueError, match="prompt_set"):
+        seed_prompts(3, prompt_set="mt-bench")
+    with pytest.raises(SystemExit) as e:  # argparse: invalid choice, exit status 2
+        cli.main(["train-draft", "--target", tiny, "--out", str(tmp_path / "x"),
+                  "--prompt-set", "mt-bench"])
+    assert e.value.code == 2
