@@ -24,7 +24,8 @@ import os
 from typing import Optional, Union
 
 from pyspec.drafters.base import Draft, Drafter, DraftRequest, PrefillChunk, Verified
-from pyspec.drafters.heads import EagleDrafter, MedusaDrafter, load_heads, save_heads
+from pyspec.drafters.heads import (EagleDrafter, MedusaDrafter, load_heads, read_config,
+                                   save_heads, target_mismatch)
 from pyspec.drafters.merged import MergedDrafter, merge_drafts
 from pyspec.drafters.model import LayerSkipDrafter, ModelDrafter
 from pyspec.drafters.ngram import NgramDrafter
@@ -55,7 +56,7 @@ def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Dra
         from pyspec.models.default import default_drafter_path
 
         path = default_drafter_path()
-        if path is None or not _fits(path, target_runner.model.cfg):
+        if path is None or target_mismatch(read_config(path), target_runner.model.cfg):
             return NgramDrafter(3)  # no shipped drafter, or one for another architecture
         return make_drafter(path, target_runner)
     if name == "ngram":
@@ -95,16 +96,6 @@ def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Dra
         raise ValueError(f"{path!r} holds neither drafter.json (EAGLE/Medusa heads) nor "
                          "config.json (a draft model)")
     raise ValueError(f"unknown drafter {spec!r}; use {DRAFT_CHOICES}")
-
-
-def _fits(path: str, target_cfg) -> bool:
-    """Whether the drafter folder's shapes are the target's (hidden size and vocabulary)."""
-    import json
-
-    with open(os.path.join(path, "drafter.json")) as f:
-        cfg = json.load(f)
-    return (cfg.get("hidden_size"), cfg.get("vocab_size")) == (target_cfg.hidden_size,
-                                                              target_cfg.vocab_size)
 
 
 def _int_arg(arg: str, name: str, default: int) -> int:

@@ -79,9 +79,8 @@ def save_heads(path: str, method: str, tensors: Dict[str, torch.Tensor], config:
     return path
 
 
-def read_heads(path: str):
-    from safetensors.torch import load_file
-
+def read_config(path: str) -> dict:
+    """A drafter folder's validated drafter.json (format and method)."""
     cfg_path = os.path.join(path, CONFIG_NAME)
     if not os.path.isfile(cfg_path):
         raise ValueError(f"{path!r} is not a drafter folder: {CONFIG_NAME} is missing")
@@ -95,16 +94,31 @@ def read_heads(path: str):
     if cfg.get("method") not in ("eagle", "medusa"):
         raise ValueError(f"{cfg_path}: 'method' must be 'eagle' or 'medusa'; got "
                          f"{cfg.get('method')!r}")
+    return cfg
+
+
+def read_heads(path: str):
+    from safetensors.torch import load_file
+
+    cfg = read_config(path)
     w_path = os.path.join(path, WEIGHTS_NAME)
     if not os.path.isfile(w_path):
         raise ValueError(f"{path!r}: {WEIGHTS_NAME} is missing")
     return cfg, load_file(w_path)
 
 
-def _check_target(cfg: dict, target_cfg) -> None:
+def target_mismatch(cfg: dict, target_cfg) -> Optional[str]:
+    """Why a drafter config does not fit a target's shapes (hidden size, vocabulary), or None."""
     for key, want in (("hidden_size", target_cfg.hidden_size), ("vocab_size", target_cfg.vocab_size)):
         if cfg.get(key) != want:
-            raise ValueError(f"drafter {key} {cfg.get(key)} does not match the target's {want}")
+            return f"drafter {key} {cfg.get(key)} does not match the target's {want}"
+    return None
+
+
+def _check_target(cfg: dict, target_cfg) -> None:
+    why = target_mismatch(cfg, target_cfg)
+    if why:
+        raise ValueError(why)
 
 
 def _shape(t: Dict[str, torch.Tensor], name: str, shape: Sequence[int]) -> torch.Tensor:
