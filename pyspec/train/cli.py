@@ -50,7 +50,8 @@ def train_draft(args) -> str:
     recipe = {"command": "pyspec train-draft " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in sorted(vars(args).items())
         if k not in ("func", "command", "out") and v is not None),
-        "seed_prompts": args.prompts, "prompt_set": args.prompt_set, "max_tokens": args.max_tokens, "sequences": len(seqs),
+        "seed_prompts": args.prompts, "prompt_set": args.prompt_set,
+        "max_tokens": args.max_tokens, "sequences": len(seqs),
         "tokens": n_tok, "generated_tokens": n_gen, "epochs": args.epochs, "lr": args.lr,
         "gen_dtype": args.gen_dtype}
     manifest = {"drafter_version": args.version, "method": args.method,
