@@ -338,6 +338,25 @@ class EagleDrafter(Drafter):
                             budget=min(r.budget, self.max_nodes), sample=False,
                             vocab_map=self.vocab_map)
             work.append((i, b, len(feats) - 1))
+        # Long catch-ups (e.g. after a run of plain steps) run first as causal chunks: a tree's
+        # depth is bounded, and the pending entries need only their KV written.
+        long_ = [k for k, (_, _, m) in enumerate(work) if m > 16]
+        if long_:
+            seqs, embeds, dst = [], [], []
+            for k in long_:
+                i, b, m = work[k]
+                r = reqs[i]
+                rid = r.request_id
+                feats = self._feat[rid]
+                embeds.append(self._embed(self._next[rid][-1 - m:-1], torch.stack(feats[-1 - m:-1])))
+                seqs.append(SeqStep(self._next[rid][-1 - m:-1], r.start - 1 - m, r.block_table,
+                                    None, "none"))
+                dst.extend(slots_of(r.block_table, self.block_size, r.start - 1 - m, m))
+                self._dc[rid] = r.start - 1
+                self._feat[rid], self._next[rid] = feats[-1:], self._next[rid][-1:]
+                work[k] = (i, b, 0)
+            res = self.runner.step(seqs, inputs_embeds=torch.cat(embeds))
+            self.runner.commit_kv(res, 0, range(len(dst)), dst)
         first = True
         fhat: Dict[int, Dict[int, torch.Tensor]] = {i: {} for i, _, _ in work}
         while True:

@@ -219,10 +219,13 @@ def test_unrolled_training_passes_see_what_tree_nodes_see(tiny):
             assert torch.allclose(logits[:, p + 2], l3[:, p], atol=1e-4), p
 
 
-def test_eagle_drafter_runs_the_head_as_trained(tiny, tmp_path):
+@pytest.mark.parametrize("length", [12, 90])
+def test_eagle_drafter_runs_the_head_as_trained(tiny, tmp_path, length):
     """The inference drafter (its own paged KV, one tree step per level) computes what the training
     module computes: the width-1 chain EagleDrafter drafts equals the greedy chain of EagleHead run
-    causally over the true features followed by its own predicted features."""
+    causally over the true features followed by its own predicted features. At length 90 the
+    drafter first catches up 88 pending entries (as after a run of plain steps) in a causal chunk;
+    as part of the first tree they would exceed the tree depth limit."""
     import pyspec
     from pyspec.drafters import DraftRequest, PrefillChunk, make_drafter
     from pyspec.runner import ModelRunner, SeqStep
@@ -240,9 +243,9 @@ def test_eagle_drafter_runs_the_head_as_trained(tiny, tmp_path):
                         max_nodes=3, dtype=torch.float32)
     runner = ModelRunner(llm.model, num_blocks=16, block_size=16)
     drafter = make_drafter(out, runner)
-    ctx = torch.randint(0, vocab, (12,)).tolist()
+    ctx = torch.randint(0, vocab, (length,)).tolist()
     n = len(ctx) - 1  # the prompt; ctx[-1] is the root (its first generated token)
-    table = [0, 1]
+    table = list(range((length + 3 + 15) // 16))
     res = runner.step([SeqStep(ctx[:n], 0, table, None, "last")], return_hidden=True)
     drafter.prefill([PrefillChunk(7, ctx[:n], 0, table, ctx, res.hidden)])
     draft = drafter.propose([DraftRequest(7, ctx, n, table, 3, max_depth=3)])[0]
