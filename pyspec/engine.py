@@ -30,6 +30,7 @@ and in :attr:`Engine.stats`.
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import time
@@ -44,6 +45,8 @@ from pyspec.drafters import Drafter, make_drafter
 from pyspec.drafters.base import Draft, DraftRequest, PrefillChunk, Verified
 from pyspec.runner import ModelRunner, SeqStep
 from pyspec.sampling import accept, apply_sampling_filters
+
+_log = logging.getLogger("pyspec.engine")
 
 __all__ = ["Engine", "SamplingParams", "RequestOutput", "GenerationResult", "RequestStats",
            "Router", "EngineStats", "StepTrace"]
@@ -268,7 +271,8 @@ class Engine:
         router: a :class:`Router`; default: every request uses ``drafter``.
         gamma: most draft tokens (tree nodes) per request per step; default: the drafter's.
         adaptive: draft length from the Leviathan cost model with measured costs, fallback to
-            plain decoding below ``min_acceptance_rate`` (default 0.3) with re-probing every
+            plain decoding when even an optimistic acceptance estimate predicts no gain (and below
+            ``min_acceptance_rate``, a hard floor, default 0 = none) with re-probing every
             ``probe_interval`` plain steps, drafter switching below ``switch_below``.
         enable_prefix_cache: share full prompt blocks between requests.
         **scheduler_kwargs: further :class:`pyspec._C.Scheduler` options (``max_prefill_chunk``,
@@ -320,7 +324,6 @@ class Engine:
             kw.setdefault("initial_draft_tokens", min(4, kw["max_draft_tokens"]))
             if self.adaptive:
                 kw.setdefault("cost_model", True)
-                kw.setdefault("min_acceptance_rate", 0.3)
         try:
             self.scheduler = _C.Scheduler(runner.kv.num_blocks, runner.block_size,
                                           enable_prefix_cache=enable_prefix_cache,
@@ -473,11 +476,13 @@ class Engine:
             t = self._chains[n] = TokenTree.chain(n)
         return t
 
-    def _fail(self, rid: int, reason: str = "drafter_error") -> None:
+    def _fail(self, rid: int, reason: str = "drafter_error", detail: str = "") -> None:
         r = self._reqs.get(rid)
         if r is None or r.failed:
             return
         r.failed = True
+        _log.warning("request %d: drafter %r failed (%s); the request decodes plainly from here",
+                     rid, r.drafter, detail or reason)
         r.stats.fallbacks[reason] = r.stats.fallbacks.get(reason, 0) + 1
         self.stats.fallbacks[reason] = self.stats.fallbacks.get(reason, 0) + 1
         self._release_drafters(rid)
@@ -498,15 +503,15 @@ class Engine:
             for q in reqs:
                 try:
                     pairs.append((q, d.propose([q])[0]))
-                except Exception:  # noqa: BLE001
-                    self._fail(q.request_id)
+                except Exception as e:  # noqa: BLE001
+                    self._fail(q.request_id, detail=f"propose: {type(e).__name__}: {e}")
         out = {}
         for q, dr in pairs:
             tree = self._valid(dr, q)
             if tree is not None:
                 out[q.request_id] = (dr, tree)
             else:
-                self._fail(q.request_id)
+                self._fail(q.request_id, detail="propose returned a malformed draft")
         return out
 
     def _valid(self, dr: Draft, q: DraftRequest) -> Optional[TokenTree]:
@@ -684,8 +689,8 @@ class Engine:
             for it in items:
                 try:
                     getattr(d, what)([it])
-                except Exception:  # noqa: BLE001
-                    self._fail(it.request_id)
+                except Exception as e:  # noqa: BLE001
+                    self._fail(it.request_id, detail=f"{what}: {type(e).__name__}: {e}")
 
     def _count_spec(self, r: _Req, nd: int, depth: int, a: int) -> None:
         st, es = r.stats, self.stats
