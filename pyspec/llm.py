@@ -39,8 +39,9 @@ class SpecConfig:
             tree).
         adaptive: draft length from the Leviathan cost model over measured acceptance and costs;
             fallback to plain decoding and periodic re-probing.
-        fallback_on_alpha_below: per-request acceptance-rate EWMA below which a request decodes
-            plainly (0 disables the fallback).
+        fallback_on_alpha_below: a hard floor: per-request acceptance-rate EWMA below which a
+            request decodes plainly (0, the default: no floor; with ``adaptive`` the cost model
+            still falls back when even an optimistic acceptance estimate predicts no gain).
         ewma_window: steps the acceptance EWMAs average over (weight 2 / (window + 1)).
         warmup_steps: speculative steps before a fallback is considered.
         probe_interval: plain steps after a fallback before speculation is probed again.
@@ -54,7 +55,7 @@ class SpecConfig:
 
     num_speculative_tokens: Optional[int] = None
     adaptive: bool = True
-    fallback_on_alpha_below: float = 0.3
+    fallback_on_alpha_below: float = 0.0
     ewma_window: int = 64
     warmup_steps: int = 4
     probe_interval: int = 32

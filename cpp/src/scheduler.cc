@@ -257,6 +257,24 @@ int64_t OptimalDraftLength(double alpha, double draft_cost, double verify_cost, 
   return best;
 }
 
+namespace {
+
+// The cost model's gain (expected speedup over plain decoding at the best draft length) at an
+// optimistic per-token acceptance: the upper end (two standard errors) of the decayed hit/trial
+// evidence with a uniform prior. A request falls back only when even this is below 1, so a
+// drafter whose acceptance merely dipped for a few steps keeps drafting, while one that is
+// clearly not paying (no hits over about ten steps with a costly drafter) stops.
+double OptimisticGain(const AcceptanceStats& st, const SchedulerConfig& c) {
+  const double n = st.fb_trials + 2.0;
+  const double p = (st.fb_hits + 1.0) / n;
+  const double upper = std::min(1.0, p + 2.0 * std::sqrt(p * (1.0 - p) / n));
+  double gain = 0.0;
+  OptimalDraftLength(upper, c.draft_cost, c.verify_cost, c.max_draft_tokens, &gain);
+  return gain;
+}
+
+}  // namespace
+
 void Scheduler::SetCostModel(double draft_cost, double verify_cost) {
   SchedulerConfig c = config_;
   c.draft_cost = draft_cost;
@@ -508,9 +526,12 @@ void Scheduler::ApplyDecode(Request& r, const StepResult::Entry& e, RequestOutpu
       st.alpha_num = config_.ewma_alpha * a + (1 - config_.ewma_alpha) * st.alpha_num;
       st.alpha_den = config_.ewma_alpha * trials + (1 - config_.ewma_alpha) * st.alpha_den;
     }
+    st.fb_hits = kFallbackEvidenceDecay * st.fb_hits + static_cast<double>(a);
+    st.fb_trials = kFallbackEvidenceDecay * st.fb_trials + trials;
     if (config_.cost_model) {
       r.draft_len = OptimalDraftLength(st.TokenAcceptance(), config_.draft_cost,
-                                       config_.verify_cost, config_.max_draft_tokens, &cost_gain);
+                                       config_.verify_cost, config_.max_draft_tokens);
+      cost_gain = OptimisticGain(st, config_);
     } else if (a == e.num_drafted) {
       r.draft_len = std::min(r.draft_len + 1, config_.max_draft_tokens);
     } else if (2 * a < e.num_drafted) {
@@ -541,6 +562,7 @@ void Scheduler::ApplyDecode(Request& r, const StepResult::Entry& e, RequestOutpu
     r.steps_since_switch = 0;
     st.ewma = -1.0;  // the probe is judged on fresh evidence
     st.alpha_num = st.alpha_den = 0.0;
+    st.fb_hits = st.fb_trials = 0.0;
     ++st.num_probes;
     r.draft_len = std::max<int64_t>(r.draft_len, 1);
   }

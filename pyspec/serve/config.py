@@ -7,7 +7,7 @@
       gamma: 5                  # most draft tokens per step
       tree_width: 3             # draft-model drafting: 1 = chain, > 1 = dynamic top-W trees
       adaptive: true
-      fallback_on_alpha_below: 0.3
+      fallback_on_alpha_below: 0.0  # hard acceptance floor (0 = none; the cost model decides)
       quality_gate:
         kl_threshold: 0.05
         rollback_on_violation: true
@@ -54,7 +54,7 @@ class SpecSettings:
     gamma: Optional[int] = None
     tree_width: int = 1
     adaptive: bool = True
-    fallback_on_alpha_below: float = 0.3
+    fallback_on_alpha_below: float = 0.0
     quality_gate: QualityGate = field(default_factory=QualityGate)
 
     def speculates(self, request_id: str) -> bool:

@@ -744,12 +744,57 @@ TEST(CostModel, SchedulerAdaptsAndFallsBack) {
   EXPECT_EQ(s.GetRequest(1).draft_len, 8);  // everything accepted: the longest draft pays
   EXPECT_GT(s.GetRequest(1).stats.TokenAcceptance(), 0.99);
   s.SetCostModel(0.5, 0.1);
-  for (int i = 0; i < 12; ++i) run_step(false);  // nothing accepted and drafting is costly
+  // Nothing accepted from now on, and drafting is costly: after the streak of full acceptances
+  // a few misses are not yet evidence enough, but the fallback comes within ten-odd steps.
+  int misses = 0;
+  while (s.GetRequest(1).stats.num_cost_fallbacks == 0 && misses < 100) {
+    run_step(false);
+    ++misses;
+  }
+  EXPECT_GE(misses, 4);
+  EXPECT_LE(misses, 30);
+  EXPECT_EQ(s.GetRequest(1).draft_len, 1);
+  for (int i = 0; i < 4; ++i) run_step(false);
   const pyspec::Request& r = s.GetRequest(1);
-  EXPECT_EQ(r.draft_len, 1);
   EXPECT_GE(r.stats.num_cost_fallbacks, 1);
   EXPECT_GE(r.stats.num_probes, 1);  // plain for probe_interval steps, then probed again
   EXPECT_THROW(s.SetCostModel(std::nan(""), 0.0), pyspec::ValueError);
+}
+
+TEST(CostModel, AcceptanceNoiseDoesNotCauseFallbacks) {
+  // A depth-1 drafter right 35% of the time at a cost of 0.24 plain steps per draft: drafting
+  // pays (expected 1.35 tokens per 1.24 steps), yet runs of misses are common. The point estimate
+  // (EWMA) dips below the break-even 0.24 often; the fallback test must not react to that.
+  pyspec::SchedulerConfig c;
+  c.cost_model = true;
+  c.max_draft_tokens = 1;
+  c.initial_draft_tokens = 1;
+  c.draft_cost = 0.09;
+  c.verify_cost = 0.15;
+  pyspec::Scheduler s(c, 256, 4, false);
+  s.AddRequest(1, {1, 2, 3}, [] { pyspec::SamplingParams p; p.max_tokens = 900; return p; }());
+  std::mt19937 rng(7);
+  std::bernoulli_distribution hit(0.35);
+  int dips = 0, spec_steps = 0;
+  for (int step = 0; step < 400; ++step) {
+    auto out = s.Step();
+    if (out.ids.empty()) break;
+    pyspec::StepResult res;
+    if (out.kinds[0] == pyspec::StepKind::kPrefill) {
+      res.AddPrefill(1, out.token_indptr[1] - out.token_indptr[0]);
+    } else {
+      const int64_t b = out.draft_budget[0];
+      const int64_t a = b > 0 && hit(rng) ? 1 : 0;
+      res.AddDecode(1, std::vector<int32_t>(a + 1, 5), b, a);
+      spec_steps += b > 0;
+    }
+    s.Update(res);
+    const auto& st = s.GetRequest(1).stats;
+    dips += st.TokenAcceptance() >= 0 && st.TokenAcceptance() < 0.24;
+  }
+  EXPECT_GT(dips, 10);  // the noise is there
+  EXPECT_EQ(s.GetRequest(1).stats.num_cost_fallbacks, 0);
+  EXPECT_GT(spec_steps, 350);
 }
 
 TEST(CostModel, MemoryBoundTokensLimitTheDraftShare) {

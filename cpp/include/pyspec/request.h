@@ -50,6 +50,9 @@ struct SamplingParams {
   bool speculative = true;              // whether this request may be drafted for
 };
 
+// Weight of the older evidence in the cost model's fallback test, per speculative step.
+inline constexpr double kFallbackEvidenceDecay = 0.9;
+
 // Acceptance history of a request's speculative steps.
 struct AcceptanceStats {
   int64_t num_spec_steps = 0;      // steps that verified at least one draft token
@@ -62,6 +65,10 @@ struct AcceptanceStats {
   // Cost model: EWMAs of accepted draft tokens and of trials per step (truncated geometric).
   double alpha_num = 0.0;
   double alpha_den = 0.0;
+  // Cost-model fallback test: accepted draft tokens and trials, each decayed by
+  // kFallbackEvidenceDecay per speculative step (about the last ten steps' evidence).
+  double fb_hits = 0.0;
+  double fb_trials = 0.0;
   int64_t num_fallbacks = 0;       // RUNNING_SPECULATIVE -> RUNNING_PLAIN, low acceptance
   int64_t num_cost_fallbacks = 0;  // ... because the cost model predicted no gain
   int64_t num_probes = 0;          // RUNNING_PLAIN -> RUNNING_SPECULATIVE re-probes
