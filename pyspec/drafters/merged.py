@@ -1,4 +1,7 @@
-"""Several drafters' trees merged into one tree per step (a trie over token paths from the root).
+"""Drafters combined: trees merged into one per step (``A+B``, :class:`MergedDrafter`), or the first
+drafter that has a draft for the step (``A|B``, :class:`FirstDrafter`).
+
+Merged: a trie over token paths from the root.
 
 A prompt-lookup chain is nearly free and, when the context repeats, right for several tokens at
 once; a trained head is right more often for the next one or two tokens of new text. Merged, each
@@ -65,6 +68,40 @@ class MergedDrafter(Drafter):
 
     def describe(self) -> str:
         return " + ".join(p.describe() for p in self.parts)
+
+
+class FirstDrafter(MergedDrafter):
+    """Per request and step, the draft of the first part that proposes anything (more than the
+    root). Prompt lookup first, a trained head otherwise: the head's drafting cost is paid only on
+    steps where the context offers no continuation to copy, and a copied continuation (often long
+    and right when it exists) is verified without the head's nodes competing for the budget. Every
+    part still sees every prefill and verification, so a part that did not draft for a while
+    catches up on its next draft."""
+
+    def __init__(self, parts: Sequence[Drafter]):
+        super().__init__(parts)
+        self.name = "|".join(p.name for p in self.parts)
+
+    def propose(self, reqs: List[DraftRequest]) -> List[Draft]:
+        out: List[Draft] = [None] * len(reqs)  # type: ignore[list-item]
+        todo = list(range(len(reqs)))
+        for p in self.parts:
+            ds = p.propose([reqs[i] for i in todo])
+            if len(ds) != len(todo):
+                raise ValueError(f"drafter {p.name!r} returned {len(ds)} drafts for {len(todo)} "
+                                 "requests")
+            rest = []
+            for i, d in zip(todo, ds):
+                out[i] = d
+                if len(d.tokens) <= 1:
+                    rest.append(i)
+            todo = rest
+            if not todo:
+                break
+        return out
+
+    def describe(self) -> str:
+        return ", else ".join(p.describe() for p in self.parts)
 
 
 def merge_drafts(drafts: Sequence[Draft], budget: int) -> Draft:

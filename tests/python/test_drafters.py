@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from pyspec.decode import decode_one
-from pyspec.drafters import (Draft, Drafter, EagleDrafter, LayerSkipDrafter, MedusaDrafter,
-                             ModelDrafter, load_heads, make_drafter, save_heads)
+from pyspec.drafters import (Draft, Drafter, EagleDrafter, FirstDrafter, LayerSkipDrafter,
+                             MedusaDrafter, MergedDrafter, ModelDrafter, load_heads, make_drafter,
+                             save_heads)
 from pyspec.engine import Engine, SamplingParams
 from pyspec.models.llama import LlamaForCausalLM
 from pyspec.runner import ModelRunner
@@ -68,11 +69,13 @@ def _drafter(kind, runner, model, tmp):
         return load_heads(_heads_dir(tmp, model, kind), runner)
     if kind == "ngram+eagle":  # merged trees, through the spec syntax
         return "ngram+" + _heads_dir(tmp, model, "eagle")
+    if kind == "ngram|eagle":  # prompt lookup, else the head
+        return "ngram|" + _heads_dir(tmp, model, "eagle")
     raise AssertionError(kind)
 
 
 KINDS = ["ngram", "layer-skip", "draft-model-self", "draft-model", "draft-model-tree", "medusa",
-         "eagle", "ngram+eagle"]
+         "eagle", "ngram+eagle", "ngram|eagle"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -95,8 +98,8 @@ def test_greedy_lossless_every_drafter(model, plain, tmp_path, kind, num_blocks)
         assert accepted == drafted  # an identical draft model is always right
     if kind in ("draft-model-tree",):
         assert accepted > 0
-    if kind == "ngram+eagle":
-        assert eng.drafters[eng.default_drafter].name == "ngram+eagle"
+    if kind in ("ngram+eagle", "ngram|eagle"):
+        assert eng.drafters[eng.default_drafter].name == kind
     s = eng.scheduler
     assert s.num_free_blocks == s.num_total_blocks
     if num_blocks == 14:
@@ -338,6 +341,46 @@ def test_merged_spec_errors(model):
         make_drafter("ngram+bogus", runner)
     m = make_drafter("ngram:2+ngram", runner)
     assert m.name == "ngram+ngram" and m.max_draft_depth == 5 and not m.needs_hidden
+    with pytest.raises(ValueError, match="none"):
+        make_drafter("none|ngram", runner)
+    f = make_drafter("ngram|ngram:2+ngram", runner)  # '|' binds looser than '+'
+    assert isinstance(f, FirstDrafter) and f.name == "ngram|ngram+ngram"
+    assert isinstance(f.parts[1], MergedDrafter)
+
+
+class Scripted(Drafter):
+    """Drafts a fixed token chain for the request ids it knows, nothing for the others; records
+    what it was asked and told."""
+
+    def __init__(self, name, chains):
+        self.name, self.chains = name, chains
+        self.asked, self.seen = [], []
+
+    def propose(self, reqs):
+        self.asked.append([r.request_id for r in reqs])
+        out = []
+        for r in reqs:
+            c = self.chains.get(r.request_id, [])
+            out.append(Draft([r.context[-1]] + c, list(range(-1, len(c)))))
+        return out
+
+    def observe(self, results):
+        self.seen.extend(v.request_id for v in results)
+
+
+def test_first_drafter_takes_the_first_part_that_drafts():
+    from pyspec.drafters.base import DraftRequest, Verified
+
+    a = Scripted("a", {1: [5, 6], 3: [7]})
+    b = Scripted("b", {1: [8], 2: [9, 9], 3: [4]})
+    f = FirstDrafter([a, b])
+    reqs = [DraftRequest(i, [1, 2, 3], 3, [0], 4, max_depth=4) for i in (1, 2, 3, 4)]
+    ds = f.propose(reqs)
+    assert [d.tokens for d in ds] == [[3, 5, 6], [3, 9, 9], [3, 7], [3]]
+    assert a.asked == [[1, 2, 3, 4]] and b.asked == [[2, 4]]  # b only where a had nothing
+    f.observe([Verified(1, 3, [3, 5], [5, 6], [0])])
+    assert a.seen == b.seen == [1]  # every part keeps up with every request
+    assert f.describe() and f.name == "a|b"
 
 
 def test_default_on_another_architecture_is_ngram(model):

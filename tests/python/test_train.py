@@ -111,7 +111,7 @@ def test_eval_draft_report_and_promotion_gate(tiny, tmp_path, capsys):
     rc = cli.main(["eval-draft", "--target", tiny, "--draft", "ngram", "--baseline", good,
                    "--prompts", str(prompts), "--max-tokens", "16", "--out", out])
     text = capsys.readouterr().out
-    assert rc == 1 and "FAILED" in text and "acceptance_length" in text
+    assert rc == 1 and "FAILED" in text and "tokens_per_target_step" in text
     assert cli.main(["eval-draft", "--target", tiny, "--prompts", str(tmp_path / "none.jsonl")]) == 2
     assert cli.main(["eval-draft", "--target", tiny, "--draft", "ngram", "--prompts",
                      str(prompts), "--record-in-manifest", "--out", out]) == 2
@@ -128,6 +128,14 @@ def test_eval_records_into_manifest(tiny, trained, tmp_path):
     ev = json.load(open(os.path.join(d, "drafter.json")))["manifest"]["evaluation"]
     assert ev["prompts"] == 1 and ev["acceptance_length"] >= 1.0 and "x" in ev[
         "per_category_acceptance_length"]
+    assert ev["draft"] == "copy" and ev["max_tokens"] == 8
+    # A combined spec records into the folder it uses, under the spec that reproduces it.
+    assert cli.main(["eval-draft", "--target", tiny, "--draft", "ngram|" + d, "--prompts",
+                     str(prompts), "--max-tokens", "6", "--out", str(tmp_path / "r2"),
+                     "--record-in-manifest"]) == 0
+    ev = json.load(open(os.path.join(d, "drafter.json")))["manifest"]["evaluation"]
+    assert ev["draft"] == "ngram|copy" and ev["max_tokens"] == 6
+    assert ev["command"].startswith("pyspec eval-draft --draft 'ngram|copy' ")
 
 
 def test_train_draft_model_method(tiny, trained, tmp_path):
