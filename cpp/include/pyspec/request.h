@@ -50,8 +50,9 @@ struct SamplingParams {
   bool speculative = true;              // whether this request may be drafted for
 };
 
-// Weight of the older evidence in the cost model's fallback test, per speculative step.
-inline constexpr double kFallbackEvidenceDecay = 0.9;
+// Weight of the older evidence in the cost model's fallback test, per speculative step (about
+// the last twenty steps count).
+inline constexpr double kFallbackEvidenceDecay = 0.95;
 
 // Acceptance history of a request's speculative steps.
 struct AcceptanceStats {
@@ -66,7 +67,8 @@ struct AcceptanceStats {
   double alpha_num = 0.0;
   double alpha_den = 0.0;
   // Cost-model fallback test: accepted draft tokens and trials, each decayed by
-  // kFallbackEvidenceDecay per speculative step (about the last ten steps' evidence).
+  // kFallbackEvidenceDecay per speculative step. Kept across a fallback, so a probe adds to the
+  // evidence that caused it instead of starting over.
   double fb_hits = 0.0;
   double fb_trials = 0.0;
   int64_t num_fallbacks = 0;       // RUNNING_SPECULATIVE -> RUNNING_PLAIN, low acceptance
