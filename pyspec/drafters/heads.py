@@ -347,10 +347,9 @@ class EagleDrafter(Drafter):
                 i, b, m = work[k]
                 r = reqs[i]
                 rid = r.request_id
-                feats = self._feat[rid]
-                embeds.append(self._embed(self._next[rid][-1 - m:-1], torch.stack(feats[-1 - m:-1])))
-                seqs.append(SeqStep(self._next[rid][-1 - m:-1], r.start - 1 - m, r.block_table,
-                                    None, "none"))
+                feats, toks = self._feat[rid], self._next[rid][-1 - m:-1]
+                embeds.append(self._embed(toks, torch.stack(feats[-1 - m:-1])))
+                seqs.append(SeqStep(toks, r.start - 1 - m, r.block_table, None, "none"))
                 dst.extend(slots_of(r.block_table, self.block_size, r.start - 1 - m, m))
                 self._dc[rid] = r.start - 1
                 self._feat[rid], self._next[rid] = feats[-1:], self._next[rid][-1:]
