@@ -51,7 +51,9 @@ def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Dra
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"draft must be a string ({DRAFT_CHOICES}) or a Drafter; got {spec!r}")
     for sep, cls in (("|", FirstDrafter), ("+", MergedDrafter)):
-        if sep in spec and not os.path.exists(os.path.expanduser(spec.partition("@")[0])):
+        # A folder whose name holds the separator is one part; options ("@...") may follow it.
+        path = spec.partition("@")[0]
+        if sep in spec and not (sep in path and os.path.exists(os.path.expanduser(path))):
             parts = [make_drafter(part, target_runner) for part in spec.split(sep)]
             if any(p is None for p in parts):
                 raise ValueError(f"{spec!r}: 'none' cannot be part of a combined drafter")

@@ -301,6 +301,7 @@ class EagleDrafter(Drafter):
         self._feat[rid].extend(feats.unbind(0))
         self._next[rid].extend(int(t) for t in next_tokens)
 
+    @torch.inference_mode()
     def prefill(self, chunks: List[PrefillChunk]) -> None:
         for c in chunks:
             n = len(c.tokens)
@@ -308,6 +309,32 @@ class EagleDrafter(Drafter):
             if len(nxt) < n:  # nothing follows the last prompt token yet
                 n = len(nxt)
             self._push(c.request_id, c.start, c.hidden[:n], nxt)
+        # The prompt's head KV is written now, not at the first draft: its full blocks may be
+        # shared through the prefix cache (another request then reads these pages), and a request
+        # whose first steps another drafter serves (``ngram|HEAD``) may never draft with the head.
+        self._flush([(c.request_id, c.block_table) for c in chunks])
+
+    def _flush(self, items) -> None:
+        """Write the head KV of every pending entry but the last (which the next draft runs as its
+        root entry) of each (request id, block table), in one causal step."""
+        seqs, embeds, dst, done = [], [], [], []
+        for rid, table in dict(items).items():
+            dc, feats, nxt = self._dc.get(rid), self._feat.get(rid, []), self._next.get(rid, [])
+            m = len(feats) - 1
+            if dc is None or m < 1:
+                continue
+            embeds.append(self._embed(nxt[:m], torch.stack(feats[:m])))
+            seqs.append(SeqStep(nxt[:m], dc, table, None, "none"))
+            dst.extend(slots_of(table, self.block_size, dc, m))
+            done.append((rid, m))
+        if not seqs:
+            return
+        res = self.runner.step(seqs, inputs_embeds=torch.cat(embeds))
+        self.runner.commit_kv(res, 0, range(len(dst)), dst)
+        for rid, m in done:  # the state moves only once the KV is written
+            self._dc[rid] += m
+            self._feat[rid] = self._feat[rid][m:]
+            self._next[rid] = self._next[rid][m:]
 
     def observe(self, results: List[Verified]) -> None:
         for v in results:
@@ -338,24 +365,15 @@ class EagleDrafter(Drafter):
                             budget=min(r.budget, self.max_nodes), sample=False,
                             vocab_map=self.vocab_map)
             work.append((i, b, len(feats) - 1))
-        # Long catch-ups (e.g. after a run of plain steps) run first as causal chunks: a tree's
-        # depth is bounded, and the pending entries need only their KV written.
+        # Long catch-ups (after a run of steps another drafter or plain decoding served) run
+        # first as one causal chunk: a tree's depth is bounded, and those entries need only KV.
         long_ = [k for k, (_, _, m) in enumerate(work) if m > 16]
         if long_:
-            seqs, embeds, dst = [], [], []
+            self._flush([(reqs[work[k][0]].request_id, reqs[work[k][0]].block_table)
+                         for k in long_])
             for k in long_:
-                i, b, m = work[k]
-                r = reqs[i]
-                rid = r.request_id
-                feats, toks = self._feat[rid], self._next[rid][-1 - m:-1]
-                embeds.append(self._embed(toks, torch.stack(feats[-1 - m:-1])))
-                seqs.append(SeqStep(toks, r.start - 1 - m, r.block_table, None, "none"))
-                dst.extend(slots_of(r.block_table, self.block_size, r.start - 1 - m, m))
-                self._dc[rid] = r.start - 1
-                self._feat[rid], self._next[rid] = feats[-1:], self._next[rid][-1:]
-                work[k] = (i, b, 0)
-            res = self.runner.step(seqs, inputs_embeds=torch.cat(embeds))
-            self.runner.commit_kv(res, 0, range(len(dst)), dst)
+                i, b, _ = work[k]
+                work[k] = (i, b, len(self._feat[reqs[i].request_id]) - 1)
         first = True
         fhat: Dict[int, Dict[int, torch.Tensor]] = {i: {} for i, _, _ in work}
         while True:

@@ -212,11 +212,20 @@ def write_report(report: dict, out_dir: str) -> List[str]:
     return paths
 
 
+def _spec_parts(spec: str) -> List[str]:
+    """The single drafters of a combined spec (``A|B``, ``A+B``), as make_drafter splits it."""
+    for sep in ("|", "+"):
+        path = spec.partition("@")[0]
+        if sep in spec and not (sep in path and os.path.exists(os.path.expanduser(path))):
+            return [q for part in spec.split(sep) for q in _spec_parts(part)]
+    return [spec]
+
+
 def _heads_folder(spec: str) -> Optional[str]:
     """The EAGLE/Medusa folder a drafter spec uses (the shipped one for ``default``), or None."""
     from pyspec.models.default import default_drafter_path
 
-    for part in spec.replace("|", "+").split("+"):
+    for part in _spec_parts(spec):
         if part == "default":
             return default_drafter_path()
         path = os.path.expanduser(part.partition("@")[0])
@@ -232,7 +241,12 @@ def record_in_manifest(draft_dir: str, report: dict, args) -> None:
     with open(cfg_path) as f:
         cfg = json.load(f)
     c = report["drafters"]["candidate"]
-    spec = args.draft.replace(draft_dir.rstrip("/"), os.path.basename(draft_dir.rstrip("/")))
+    spec = args.draft
+    for part in _spec_parts(args.draft):  # the folder by its base name (the manifest travels)
+        path = part.partition("@")[0]
+        if path != "default" and \
+                os.path.abspath(os.path.expanduser(path)) == os.path.abspath(draft_dir):
+            spec = spec.replace(path, os.path.basename(os.path.abspath(draft_dir)))
     cfg.setdefault("manifest", {})["evaluation"] = {
         "draft": spec,
         "command": f"pyspec eval-draft --draft '{spec}' "
@@ -282,6 +296,9 @@ def _cmd(args) -> int:
     if not 0 < args.threshold < 1:
         raise ValueError("--threshold must be in (0, 1)")
     heads = _heads_folder(args.draft) if args.record_in_manifest else None
+    if args.record_in_manifest and args.target and "default" in _spec_parts(args.draft):
+        raise ValueError("--record-in-manifest with 'default' records into the drafter shipped "
+                         "for the embedded model; leave out --target (or name a drafter folder)")
     if args.record_in_manifest and heads is None:
         raise ValueError(f"--record-in-manifest needs a drafter that uses a drafter folder "
                          f"(drafter.json: EAGLE/Medusa heads, alone or in A+B / A|B, or "

@@ -333,8 +333,16 @@ def test_merge_drafts_is_a_trie_within_the_budget():
         merge_drafts([a, Draft([8, 1], [-1, 0])], budget=10)
 
 
-def test_merged_spec_errors(model):
+def test_merged_spec_errors(model, tmp_path):
     runner = ModelRunner(model, num_blocks=16, block_size=8)
+    heads = _heads_dir(str(tmp_path), model, "eagle")
+    f = make_drafter(heads + "@width=2,depth=1,nodes=2|ngram", runner)  # options on a part
+    assert isinstance(f, FirstDrafter) and isinstance(f.parts[0], EagleDrafter)
+    assert f.parts[0].max_depth == 1 and f.parts[0].width == 2
+    plus = os.path.join(str(tmp_path), "a+b")  # a folder whose name holds a separator
+    os.rename(heads, plus)
+    assert isinstance(make_drafter(plus, runner), EagleDrafter)
+    assert isinstance(make_drafter(plus + "@depth=1|ngram", runner), FirstDrafter)
     with pytest.raises(ValueError, match="none"):
         make_drafter("ngram+none", runner)
     with pytest.raises(ValueError, match="unknown drafter"):

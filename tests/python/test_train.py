@@ -115,6 +115,9 @@ def test_eval_draft_report_and_promotion_gate(tiny, tmp_path, capsys):
     assert cli.main(["eval-draft", "--target", tiny, "--prompts", str(tmp_path / "none.jsonl")]) == 2
     assert cli.main(["eval-draft", "--target", tiny, "--draft", "ngram", "--prompts",
                      str(prompts), "--record-in-manifest", "--out", out]) == 2
+    # 'default' records into the package's shipped drafter: only for the embedded target.
+    assert cli.main(["eval-draft", "--target", tiny, "--draft", "default", "--prompts",
+                     str(prompts), "--record-in-manifest", "--out", out]) == 2
 
 
 def test_eval_records_into_manifest(tiny, trained, tmp_path):
@@ -227,15 +230,18 @@ def test_unrolled_training_passes_see_what_tree_nodes_see(tiny):
             assert torch.allclose(logits[:, p + 2], l3[:, p], atol=1e-4), p
 
 
-@pytest.mark.parametrize("length", [12, 90])
-def test_eagle_drafter_runs_the_head_as_trained(tiny, tmp_path, length):
+def test_eagle_drafter_runs_the_head_as_trained(tiny, tmp_path):
     """The inference drafter (its own paged KV, one tree step per level) computes what the training
     module computes: the width-1 chain EagleDrafter drafts equals the greedy chain of EagleHead run
-    causally over the true features followed by its own predicted features. At length 90 the
-    drafter first catches up 88 pending entries (as after a run of plain steps) in a causal chunk;
-    as part of the first tree they would exceed the tree depth limit."""
+    causally over the true features followed by its own predicted features. One batch of three
+    requests whose pending entries reach the drafter differently: a short prompt; a long prompt
+    (its head KV written at prefill); a short prompt followed by 79 verified tokens it did not
+    draft for (as after plain steps, or steps prompt lookup served), caught up in one causal chunk
+    at the draft (as part of the first tree they would exceed the tree depth limit). A fourth
+    request shares the long prompt's first four blocks as a prefix-cache hit and drafts before it:
+    it reads the head KV that the long prompt's prefill wrote into the shared pages."""
     import pyspec
-    from pyspec.drafters import DraftRequest, PrefillChunk, make_drafter
+    from pyspec.drafters import DraftRequest, PrefillChunk, Verified, make_drafter
     from pyspec.runner import ModelRunner, SeqStep
     from pyspec.train.eagle import EagleHead, write_drafter
 
@@ -249,29 +255,45 @@ def test_eagle_drafter_runs_the_head_as_trained(tiny, tmp_path, length):
             p.add_(torch.randn_like(p) * 0.5)
     out = write_drafter(head, str(tmp_path / "d"), manifest={}, width=1, max_depth=3,
                         max_nodes=3, dtype=torch.float32)
-    runner = ModelRunner(llm.model, num_blocks=16, block_size=16)
+    runner = ModelRunner(llm.model, num_blocks=32, block_size=16)
     drafter = make_drafter(out, runner)
-    ctx = torch.randint(0, vocab, (length,)).tolist()
-    n = len(ctx) - 1  # the prompt; ctx[-1] is the root (its first generated token)
-    table = list(range((length + 3 + 15) // 16))
-    res = runner.step([SeqStep(ctx[:n], 0, table, None, "last")], return_hidden=True)
-    drafter.prefill([PrefillChunk(7, ctx[:n], 0, table, ctx, res.hidden)])
-    draft = drafter.propose([DraftRequest(7, ctx, n, table, 3, max_depth=3)])[0]
-    assert draft.parents == [-1, 0, 1, 2]
+    # id: (length, prefilled part, cached prefix length)
+    cases = {1: (12, None, 0), 2: (90, None, 0), 3: (90, 10, 0), 4: (80, None, 64)}
+    reqs, expect, ctxs, tables = [], {}, {}, {}
+    for rid, (length, part, cached) in cases.items():
+        ctx = torch.randint(0, vocab, (length,)).tolist()
+        table = list(range(8 * (rid - 1), 8 * rid))
+        if cached:  # request 2's first blocks, tokens and pages
+            ctx[:cached] = ctxs[2][:cached]
+            table[:cached // 16] = tables[2][:cached // 16]
+        ctxs[rid], tables[rid] = ctx, table
+        n = len(ctx) - 1  # the committed tokens; ctx[-1] is the root
+        res = runner.step([SeqStep(ctx[:n], 0, table, None, "last")], return_hidden=True)
+        k = part or n
+        drafter.prefill([PrefillChunk(rid, ctx[cached:k], cached, table, ctx,
+                                      res.hidden[cached:k])])
+        if part:  # the rest arrives as one verified step's worth of committed tokens
+            drafter.observe([Verified(rid, k, ctx[k:n], ctx[k + 1:n + 1], table,
+                                      res.hidden[k:n])])
+        reqs.append(DraftRequest(rid, ctx, n, table, 3, max_depth=3))
 
-    toks = torch.tensor(ctx[1:])[None]
-    feats = res.hidden[None].float()
-    cos, sin = head.rope(n + 3)
-    chain = []
-    with torch.no_grad():
-        for _ in range(3):
-            t = toks.shape[1]
-            x, logits, _ = head(toks, feats, cos[:t], sin[:t])
-            c = int(dv[int(logits[0, -1].argmax())])
-            chain.append(c)
-            toks = torch.cat([toks, torch.tensor([[c]])], dim=1)
-            feats = torch.cat([feats, x[:, -1:]], dim=1)
-    assert draft.tokens == [ctx[-1]] + chain
+        toks = torch.tensor(ctx[1:])[None]
+        feats = res.hidden[None].float()
+        cos, sin = head.rope(n + 3)
+        chain = []
+        with torch.no_grad():
+            for _ in range(3):
+                t = toks.shape[1]
+                x, logits, _ = head(toks, feats, cos[:t], sin[:t])
+                c = int(dv[int(logits[0, -1].argmax())])
+                chain.append(c)
+                toks = torch.cat([toks, torch.tensor([[c]])], dim=1)
+                feats = torch.cat([feats, x[:, -1:]], dim=1)
+        expect[rid] = [ctx[-1]] + chain
+    drafts = drafter.propose(reqs[3:]) + drafter.propose(reqs[:3])  # the cache hit first
+    for r, draft in zip(reqs[3:] + reqs[:3], drafts):
+        assert draft.parents == [-1, 0, 1, 2]
+        assert draft.tokens == expect[r.request_id], r.request_id
 
 
 def test_seed_prompt_sets(tiny, tmp_path):
