@@ -50,14 +50,13 @@ def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Dra
         return spec
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"draft must be a string ({DRAFT_CHOICES}) or a Drafter; got {spec!r}")
-    for sep, cls in (("|", FirstDrafter), ("+", MergedDrafter)):
-        # A folder whose name holds the separator is one part; options ("@...") may follow it.
-        path = spec.partition("@")[0]
-        if sep in spec and not (sep in path and os.path.exists(os.path.expanduser(path))):
-            parts = [make_drafter(part, target_runner) for part in spec.split(sep)]
-            if any(p is None for p in parts):
-                raise ValueError(f"{spec!r}: 'none' cannot be part of a combined drafter")
-            return cls(parts)
+    split = split_spec(spec)
+    if split is not None:
+        sep, specs = split
+        parts = [make_drafter(part, target_runner) for part in specs]
+        if any(p is None for p in parts):
+            raise ValueError(f"{spec!r}: 'none' cannot be part of a combined drafter")
+        return (FirstDrafter if sep == "|" else MergedDrafter)(parts)
     name, _, arg = spec.partition(":")
     if name == "default":
         from pyspec.models.default import default_drafter_path
@@ -105,6 +104,17 @@ def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Dra
         raise ValueError(f"{path!r} holds neither drafter.json (EAGLE/Medusa heads) nor "
                          "config.json (a draft model)")
     raise ValueError(f"unknown drafter {spec!r}; use {DRAFT_CHOICES}")
+
+
+def split_spec(spec: str):
+    """``(separator, parts)`` of a combined spec (``A|B`` splits first: it binds looser than
+    ``A+B``), or None for a single drafter. A folder whose name holds a separator is one part;
+    options ("@...") may follow it."""
+    path = spec.partition("@")[0]
+    for sep in ("|", "+"):
+        if sep in spec and not (sep in path and os.path.exists(os.path.expanduser(path))):
+            return sep, spec.split(sep)
+    return None
 
 
 def _int_arg(arg: str, name: str, default: int) -> int:

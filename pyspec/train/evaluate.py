@@ -132,7 +132,6 @@ def evaluate(target: Optional[str], drafts: Dict[str, str], prompts, *, max_toke
         s["spec"] = drafts[name]
         d = engines[name].drafters.get(engines[name].default_drafter or "")
         s["manifest"] = getattr(d, "manifest", None)
-        s["path"] = getattr(d, "path", None)  # the drafter folder (heads), if any
         s["per_category"] = {c: _summary([r for r in rs if r["category"] == c])
                              for c in dict.fromkeys(r["category"] for r in rs)}
         report["drafters"][name] = s
@@ -214,11 +213,10 @@ def write_report(report: dict, out_dir: str) -> List[str]:
 
 def _spec_parts(spec: str) -> List[str]:
     """The single drafters of a combined spec (``A|B``, ``A+B``), as make_drafter splits it."""
-    for sep in ("|", "+"):
-        path = spec.partition("@")[0]
-        if sep in spec and not (sep in path and os.path.exists(os.path.expanduser(path))):
-            return [q for part in spec.split(sep) for q in _spec_parts(part)]
-    return [spec]
+    from pyspec.drafters import split_spec
+
+    split = split_spec(spec)
+    return [spec] if split is None else [q for part in split[1] for q in _spec_parts(part)]
 
 
 def _heads_folder(spec: str) -> Optional[str]:
