@@ -270,21 +270,20 @@ PYSPEC_LOGIC_HD double CheckedRowSum(Ops& ops, const float* row, int64_t V, doub
 }
 
 // Walks request b's tree (see pyspec::AcceptTrees). resid/qcur: [V] double scratch (only touched
-// in sampled mode). removed: scratch for up to 256 token ids. path/emitted: [width] outputs;
-// *num_path receives the path length (accepted + 1), emitted has the same length.
-// Returns kWalkOk or the status stored in *err.
+// in sampled mode). path/emitted: [width] outputs; *num_path receives the path length
+// (accepted + 1), emitted has the same length. Returns kWalkOk or the status stored in *err.
 template <class Ops>
 PYSPEC_LOGIC_HD int WalkRequest(Ops& ops, const WalkInputs& in, int64_t b, bool greedy,
                                 bool sampled, uint64_t seed, uint64_t offset, double* resid,
-                                double* qcur,
-                                int32_t* removed, int32_t* path, int32_t* emitted,
-                                int32_t* num_path, WalkError* err) {
+                                double* qcur, int32_t* path, int32_t* emitted, int32_t* num_path,
+                                WalkError* err) {
   const int64_t base = in.indptr[b];
   const int32_t n = static_cast<int32_t>(in.indptr[b + 1] - base);
   const int64_t V = in.vocab;
   int32_t len = 1;
   path[0] = 0;
   int32_t node = 0;
+  uint64_t position = offset;  // the sequence position of the token `node` decides
   while (true) {
     const int64_t row = base + node;
     const float* p = in.target + row * V;
@@ -304,11 +303,36 @@ PYSPEC_LOGIC_HD int WalkRequest(Ops& ops, const WalkInputs& in, int64_t b, bool 
       if (next < 0) break;  // recovered (a miss) or bonus (a leaf)
       path[len++] = next;
       node = next;
+      ++position;
       continue;
     }
 
     double p_mass = CheckedRowSum(ops, p, V, in.tol, false, row, node, err);
     if (p_mass < 0.0) return err->status;
+    if (!(sampled && num_kids > 0) && !in.skip_residual) {
+      // Target-only walk: sample the target with plain decoding's draw for this position and
+      // follow the child holding that token.
+      const double u = PhiloxUniform(seed, position, kDrawSample, 0);
+      const int64_t t =
+          ops.SampleCdf(V, [&](int64_t v) { return static_cast<double>(p[v]); }, u * p_mass);
+      if (t < 0) {
+        *err = WalkError{kWalkNoMass, node, row, -1, -1, 0.0, 0};
+        return kWalkNoMass;
+      }
+      emitted[len - 1] = static_cast<int32_t>(t);
+      int32_t next = -1;
+      for (int32_t j = node + 1; j < n && next < 0; ++j) {
+        if (in.parents[base + j] == node && in.tokens[base + j] == t) next = j;
+      }
+      if (next < 0) break;
+      path[len++] = next;
+      node = next;
+      ++position;
+      continue;
+    }
+
+    // Sampled children: recursive rejection sampling (and, tests only, the broken rule for
+    // deterministic children: accept x with probability p(x), keep the unmodified p).
     const float* q = nullptr;
     double q_mass = 1.0;
     if (sampled && num_kids > 0) {
@@ -317,27 +341,17 @@ PYSPEC_LOGIC_HD int WalkRequest(Ops& ops, const WalkInputs& in, int64_t b, bool 
       if (q_mass < 0.0) return err->status;
     }
     bool have_resid = false, have_q = false;
-    int32_t num_removed = 0;
     int32_t accepted = -1;
     int32_t j = 0;  // index of the child among its siblings
     for (int32_t child = node + 1; child < n; ++child) {
       if (in.parents[base + child] != node) continue;
       const int32_t x = in.tokens[base + child];
-      const double u = PhiloxUniform(seed, offset, static_cast<uint32_t>(node),
-                                     static_cast<uint32_t>(j));
+      const double u = PhiloxUniform(seed, position, kDrawChildTest, static_cast<uint32_t>(j));
       ++j;
-      if (q == nullptr) {
-        // Target-only walk: accept with probability p(x); a rejection zeroes p(x).
-        bool gone = false;
-        for (int32_t r = 0; r < num_removed; ++r) gone = gone || removed[r] == x;
-        const double px = gone ? 0.0 : static_cast<double>(p[x]) / p_mass;
-        if (u < px) {
+      if (q == nullptr) {  // the broken rule (skip_residual)
+        if (u < static_cast<double>(p[x]) / p_mass) {
           accepted = child;
           break;
-        }
-        if (!gone && !in.skip_residual && p_mass - p[x] > kEmptyMass) {
-          p_mass -= p[x];
-          removed[num_removed++] = x;
         }
         continue;
       }
@@ -383,25 +397,16 @@ PYSPEC_LOGIC_HD int WalkRequest(Ops& ops, const WalkInputs& in, int64_t b, bool 
       emitted[len - 1] = in.tokens[base + accepted];
       path[len++] = accepted;
       node = accepted;
+      ++position;
       continue;
     }
     // Every child rejected (recovered token) or a leaf (bonus token): sample the current p.
-    const double u = PhiloxUniform(seed, offset, static_cast<uint32_t>(node),
-                                   static_cast<uint32_t>(num_kids));
+    const double u = PhiloxUniform(seed, position, kDrawSample, 0);
     int64_t t;
     if (have_resid) {
       t = ops.SampleCdf(V, [&](int64_t v) { return resid[v]; }, u * p_mass);
     } else {
-      const int32_t nr = num_removed;
-      t = ops.SampleCdf(
-          V,
-          [&](int64_t v) {
-            for (int32_t r = 0; r < nr; ++r) {
-              if (removed[r] == v) return 0.0;
-            }
-            return static_cast<double>(p[v]);
-          },
-          u * p_mass);
+      t = ops.SampleCdf(V, [&](int64_t v) { return static_cast<double>(p[v]); }, u * p_mass);
     }
     if (t < 0) {
       *err = WalkError{kWalkNoMass, node, row, -1, -1, 0.0, 0};

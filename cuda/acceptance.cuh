@@ -306,7 +306,6 @@ struct AcceptArgs {
 // grid: requests; block: kAcceptThreads.
 __global__ void __launch_bounds__(kAcceptThreads) AcceptKernel(AcceptArgs a) {
   __shared__ RowShared<kAcceptThreads> sh;
-  __shared__ int32_t removed[256];
   BlockRowOps<kAcceptThreads> ops{sh};
   const int64_t b = blockIdx.x;
   int32_t* path = a.accepted_nodes + b * a.width;
@@ -324,7 +323,7 @@ __global__ void __launch_bounds__(kAcceptThreads) AcceptKernel(AcceptArgs a) {
   const int st = accept_logic::WalkRequest(
       ops, a.in, b, a.greedy[b] != 0, a.sampled[b] != 0 && a.greedy[b] == 0,
       static_cast<uint64_t>(a.seeds[b]), static_cast<uint64_t>(a.offsets[b]), resid, qcur,
-      removed, path, emitted, &len, &err);
+      path, emitted, &len, &err);
   if (threadIdx.x == 0) {
     if (st == accept_logic::kWalkOk) {
       a.num_accepted[b] = len - 1;

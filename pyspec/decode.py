@@ -139,7 +139,7 @@ def decode_one(runner: ModelRunner, prompt: Sequence[int], max_new_tokens: int, 
         res = accept(probs, torch.tensor(node_tokens, dtype=torch.int32),
                      torch.tensor(tree.parents, dtype=torch.int32),
                      torch.tensor([0, len(node_tokens)]), greedy=greedy, seeds=seed,
-                     offsets=steps, sampled_children=False)
+                     offsets=len(context), sampled_children=False)
         n_acc = int(res.num_accepted[0])
         emitted = res.emitted_lists()[0]
         if record_gaps:

@@ -13,11 +13,11 @@ One :meth:`Engine.step` is one scheduler step (DESIGN sections 2-3):
    roots and every draft tree, with tree attention.
 4. ACCEPT/COMMIT: one batched :func:`~pyspec.sampling.accept` verifies every tree (greedy, the
    rejection-sampling rule for sampled draft children, the target-only walk for deterministic
-   ones; per-request seed and offset = the request's decode step, so a request's output never
-   depends on the rest of the batch). The accepted paths and prefill chunks are materialized into
-   the pages, drafters see what was committed, and ``Scheduler.update`` applies the results
-   (stop tokens, ``max_tokens``, adaptive draft length, fallback to plain decoding and re-probing,
-   freeing finished requests).
+   ones; draws keyed by the request's seed and the sequence position, so a request's output never
+   depends on the rest of the batch, and with deterministic drafts equals plain sampling's). The
+   accepted paths and prefill chunks are materialized into the pages, drafters see what was
+   committed, and ``Scheduler.update`` applies the results (stop tokens, ``max_tokens``, adaptive
+   draft length, fallback to plain decoding and re-probing, freeing finished requests).
 
 Adaptive speculation: the engine measures the target's step time as a function of the tokens it
 runs and each drafter's time per draft token, and hands the ratios to the scheduler's cost model
@@ -809,9 +809,8 @@ class Engine:
             for k, d in enumerate(dec_drafts):
                 if sampled[k]:
                     draft_probs[indptr[k]:indptr[k + 1]] = d.draft_probs
-        # The request's decode step (= the scheduler's num_decode_steps, counted here without
-        # copying the request's state out of the scheduler).
-        offsets = [r.stats.steps for r in reqs]
+        # Draws are keyed by sequence position: the root decides the token after the context.
+        offsets = [len(r.context) for r in reqs]
         args = (probs, torch.tensor(flat, dtype=torch.int32), torch.tensor(parents, dtype=torch.int32),
                 torch.tensor(indptr, dtype=torch.int64))
         kw = dict(greedy=torch.tensor(greedy, dtype=torch.bool),

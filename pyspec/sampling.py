@@ -10,10 +10,12 @@ Two ops, batched over requests:
 
 Every stochastic mode is exactly lossless: the emitted tokens are distributed as if sampled from
 the target alone. Randomness is counter-based (Philox4x32-10 keyed by the request's seed, counter
-= step offset, tree node, draw), so a request's result never depends on the rest of the batch.
+= sequence position of the token being decided, stream, draw), so a request's result never
+depends on the rest of the batch, and with deterministic drafts (the target-only walk) it equals
+plain sampling with the same seed token for token, however the tokens were split into steps.
 
-Validation errors raise ``ValueError`` naming the argument; CUDA tensors raise ``RuntimeError``
-(a CUDA version of these ops is not implemented yet).
+Both ops take CPU or CUDA tensors (one device per call; the CUDA build runs the same algorithm and
+draws). Validation errors raise ``ValueError`` naming the argument.
 """
 
 from __future__ import annotations
@@ -200,8 +202,9 @@ def accept(
       Leviathan et al. / Chen et al. 2023 chain rule. Child ``x`` is accepted with probability
       ``min(1, p(x) / q(x))``; on rejection ``p <- norm(max(p - q, 0))`` and ``x`` is removed from
       ``q``.
-    * otherwise (deterministic children, e.g. the drafter's top-k): the target-only walk: accept
-      ``x`` with probability ``p(x)``, on rejection zero ``p(x)`` and renormalise.
+    * otherwise (deterministic children, e.g. the drafter's top-k): the target-only walk: sample
+      the target with the draw plain decoding uses at that position and move to the child holding
+      the sampled token (child ``x`` is accepted with probability ``p(x)``).
 
     Probability rows are validated where the walk reads them (finite, non-negative, sum within
     ``row_sum_tolerance`` of 1); a sampled child with ``q(x) == 0`` (including a repeated sibling)
@@ -217,7 +220,8 @@ def accept(
             children were sampled from.
         greedy: bool, or bool ``[B]``.
         seeds: int (all requests) or int64 ``[B]``; the Philox key.
-        offsets: int or int64 ``[B]``; the request's step counter, so each step draws fresh numbers.
+        offsets: int or int64 ``[B]``; the sequence position of the token each root decides (the
+            context length); the node at depth ``k`` decides position ``offset + k``.
         sampled_children: bool or bool ``[B]``; default: True when ``draft_probs`` is given.
         row_sum_tolerance: allowed ``|sum(row) - 1|`` of the probability rows read.
 

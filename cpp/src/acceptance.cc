@@ -285,7 +285,6 @@ struct WalkScratch {
   std::vector<double> resid;     // [V] current p (unnormalised) after a sampled-mode rejection
   std::vector<double> qcur;      // [V] current q (unnormalised, rejected siblings zeroed)
   std::vector<double> tmp;       // [V] staging for the next residual
-  std::vector<int32_t> removed;  // target-only walk: rejected tokens of the current node, sorted
   std::vector<int32_t> child_ptr, child_list, fill;
   std::vector<int32_t> path, emitted;
 };
@@ -352,21 +351,15 @@ double CheckedRow(const float* row, int64_t vocab, double tol, const char* name,
   return sum;
 }
 
-// Inverse-CDF sample from unnormalised weights w (total mass `total`), treating the tokens listed
-// in `skip` (sorted) as 0. If rounding leaves u * total beyond the running sum, the last token
-// with positive weight is returned (its mass absorbs the rounding).
+// Inverse-CDF sample from unnormalised weights w (total mass `total`). If rounding leaves
+// u * total beyond the running sum, the last token with positive weight is returned (its mass
+// absorbs the rounding).
 template <typename T>
-int32_t SampleIndex(const T* w, int64_t vocab, double total, double u,
-                    const std::vector<int32_t>* skip = nullptr) {
+int32_t SampleIndex(const T* w, int64_t vocab, double total, double u) {
   const double target = u * total;
   double cum = 0.0;
   int64_t last_positive = -1;
-  size_t k = 0;
   for (int64_t v = 0; v < vocab; ++v) {
-    if (skip != nullptr && k < skip->size() && (*skip)[k] == v) {
-      ++k;
-      continue;
-    }
     if (w[v] > 0) {
       cum += w[v];
       last_positive = v;
@@ -435,6 +428,7 @@ void WalkRequest(const Batch& in, int64_t b, bool greedy, bool sampled, uint64_t
   s.path.assign(1, 0);
   s.emitted.clear();
   int32_t node = 0;
+  uint64_t position = offset;  // the sequence position of the token `node` decides
   while (true) {
     const int64_t row = base + node;
     const float* p = in.target + row * V;
@@ -451,38 +445,48 @@ void WalkRequest(const Batch& in, int64_t b, bool greedy, bool sampled, uint64_t
       if (next < 0) break;  // recovered (a miss) or bonus (a leaf)
       s.path.push_back(next);
       node = next;
+      ++position;
       continue;
     }
 
-    // Stochastic: recursive rejection sampling over the children in index order.
     double p_mass = CheckedRow(p, V, in.tol, "target_probs", row, b, node);
+    if (!(sampled && num_kids > 0) && !opt.debug_skip_residual) {
+      // Target-only walk: sample the target at this position with the draw plain decoding uses
+      // there, then follow the child holding that token (a miss or a leaf ends the walk).
+      const double u = PhiloxUniform(seed, position, kDrawSample, 0);
+      const int32_t t = SampleIndex(p, V, p_mass, u);
+      s.emitted.push_back(t);
+      int32_t next = -1;
+      for (int32_t j = 0; j < num_kids && next < 0; ++j) {
+        if (in.tokens[base + kid_begin[j]] == t) next = kid_begin[j];
+      }
+      if (next < 0) break;
+      s.path.push_back(next);
+      node = next;
+      ++position;
+      continue;
+    }
+
+    // Sampled children: recursive rejection sampling over the children in index order. (Also,
+    // for tests only, the deliberately broken rule for deterministic children: accept x with
+    // probability p(x) and keep the unmodified p after a rejection.)
     const float* q = nullptr;
     double q_mass = 1.0;
     if (sampled && num_kids > 0) {
       q = in.draft + row * V;
       q_mass = CheckedRow(q, V, in.tol, "draft_probs", row, b, node);
     }
-    bool have_resid = false;  // sampled mode: the current p lives in s.resid
-    bool have_q = false;      // sampled mode: the current q lives in s.qcur
-    s.removed.clear();        // target-only walk: the current p is p minus these tokens
+    bool have_resid = false;  // the current p lives in s.resid
+    bool have_q = false;      // the current q lives in s.qcur
     int32_t accepted = -1;
     for (int32_t j = 0; j < num_kids; ++j) {
       const int32_t child = kid_begin[j];
       const int32_t x = in.tokens[base + child];
-      const double u = PhiloxUniform(seed, offset, static_cast<uint32_t>(node),
-                                     static_cast<uint32_t>(j));
-      if (q == nullptr) {
-        // Target-only walk: q = one-hot(x), so accept with probability p(x); on rejection
-        // max(p - onehot(x), 0) is p with x zeroed.
-        const bool gone = std::binary_search(s.removed.begin(), s.removed.end(), x);
-        const double px = gone ? 0.0 : p[x] / p_mass;
-        if (u < px) {
+      const double u = PhiloxUniform(seed, position, kDrawChildTest, static_cast<uint32_t>(j));
+      if (q == nullptr) {  // the broken rule (debug_skip_residual)
+        if (u < p[x] / p_mass) {
           accepted = child;
           break;
-        }
-        if (!gone && !opt.debug_skip_residual && p_mass - p[x] > kEmptyMass) {
-          p_mass -= p[x];
-          s.removed.insert(std::upper_bound(s.removed.begin(), s.removed.end(), x), x);
         }
         continue;
       }
@@ -523,13 +527,13 @@ void WalkRequest(const Batch& in, int64_t b, bool greedy, bool sampled, uint64_t
       s.emitted.push_back(in.tokens[base + accepted]);
       s.path.push_back(accepted);
       node = accepted;
+      ++position;
       continue;
     }
     // Every child rejected (recovered token) or a leaf (bonus token): sample the current p.
-    const double u = PhiloxUniform(seed, offset, static_cast<uint32_t>(node),
-                                   static_cast<uint32_t>(num_kids));
+    const double u = PhiloxUniform(seed, position, kDrawSample, 0);
     const int32_t t = have_resid ? SampleIndex(s.resid.data(), V, p_mass, u)
-                                 : SampleIndex(p, V, p_mass, u, &s.removed);
+                                 : SampleIndex(p, V, p_mass, u);
     s.emitted.push_back(t);
     break;
   }

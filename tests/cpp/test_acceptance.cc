@@ -270,9 +270,9 @@ TEST(AcceptStochastic, ZeroTargetMassRejectsAndRecoversFromResidual) {
   EXPECT_LT(ones, 140);
 }
 
-TEST(AcceptStochastic, TargetOnlyWalkZeroesRejectedChildren) {
-  // Deterministic children {0, 1} of the root; p = [.5, .5, 0, 0]... child 0 accepted w.p. .5, else
-  // child 1 is tested against p with 0 removed = [0, 1, 0, 0] and always accepted.
+TEST(AcceptStochastic, TargetOnlyWalkFollowsTheChildHoldingTheSampledToken) {
+  // Deterministic children {0, 1} of the root; p = [.5, .5, 0, 0]: the sampled token is 0 or 1
+  // with probability .5 each and the walk moves to the child holding it (both are children).
   std::vector<Request> reqs;
   for (int b = 0; b < 400; ++b) {
     Request r;
@@ -296,6 +296,70 @@ TEST(AcceptStochastic, TargetOnlyWalkZeroesRejectedChildren) {
   }
   EXPECT_GT(first, 150);
   EXPECT_LT(first, 250);
+}
+
+TEST(AcceptStochastic, TargetOnlyWalkEmitsWhatPlainSamplingWould) {
+  // A Markov-chain target (the row after token x is T[x]). Per request: plain sampling one token
+  // per call (root-only trees at positions 20, 21, ...) versus speculative calls with random
+  // deterministic trees, some children holding the plain token. Draws are keyed by position, so
+  // every request's speculative output equals its plain output token for token, however the
+  // tokens were split into calls. (Keying by call or by tree node would break this.)
+  constexpr int64_t V = 6;
+  std::mt19937 rng(21);
+  std::vector<std::vector<float>> T(V, std::vector<float>(V));
+  for (auto& row : T) {
+    float s = 0.0f;
+    for (float& x : row) s += x = 0.05f + static_cast<float>(rng() % 100);
+    for (float& x : row) x /= s;
+  }
+  constexpr int kRequests = 200, kTokens = 12, kStart = 20;
+  std::vector<std::vector<int32_t>> plain(kRequests);
+  for (int b = 0; b < kRequests; ++b) {
+    int32_t last = b % V;
+    for (int i = 0; i < kTokens; ++i) {
+      Request r;
+      r.seed = 1000 + b;
+      r.offset = kStart + i;
+      r.parents = {-1};
+      r.tokens = {last};
+      r.target = {T[last]};
+      last = RunAccept({r}, V, false).emitted[0][0];
+      plain[b].push_back(last);
+    }
+  }
+  int64_t accepted = 0;
+  for (int b = 0; b < kRequests; ++b) {
+    std::vector<int32_t> out;
+    int32_t last = b % V;
+    while (static_cast<int>(out.size()) < kTokens) {
+      Request r;
+      r.seed = 1000 + b;
+      r.offset = kStart + static_cast<int64_t>(out.size());
+      r.parents = {-1};
+      r.tokens = {last};
+      r.target = {T[last]};
+      // A random tree of up to 8 nodes; a child holds the plain token at its depth half the time.
+      const int n = 1 + static_cast<int>(rng() % 8);
+      std::vector<int> depth = {0};
+      for (int i = 1; i < n; ++i) {
+        const int parent = static_cast<int>(rng() % i);
+        const size_t at = out.size() + depth[parent];
+        int32_t tok = static_cast<int32_t>(rng() % V);
+        if (rng() % 2 == 0 && at < plain[b].size()) tok = plain[b][at];
+        r.parents.push_back(parent);
+        r.tokens.push_back(tok);
+        r.target.push_back(T[tok]);
+        depth.push_back(depth[parent] + 1);
+      }
+      Result res = RunAccept({r}, V, false);
+      accepted += res.num_accepted[0];
+      for (int32_t t : res.emitted[0]) out.push_back(t);
+      last = out.back();
+    }
+    out.resize(kTokens);
+    ASSERT_EQ(out, plain[b]) << "request " << b;
+  }
+  EXPECT_GT(accepted, kRequests * 2) << "the trees should be accepted often";
 }
 
 // ---- determinism and batch independence ---------------------------------------------------------

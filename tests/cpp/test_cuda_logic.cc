@@ -187,7 +187,6 @@ void ExpectWalkMatchesCpu(Batch& bt, bool skip_residual) {
   accept_logic::WalkInputs in{bt.target.data(), bt.draft.data(), bt.tokens.data(),
                               bt.parents.data(), bt.indptr.data(), V, 1e-3, skip_residual};
   std::vector<double> resid(V), qcur(V);
-  int32_t removed[256];
   int64_t accepted_total = 0;
   for (int64_t b = 0; b < B; ++b) {
     std::vector<int32_t> path(W, -1), emit(W, -1);
@@ -197,7 +196,7 @@ void ExpectWalkMatchesCpu(Batch& bt, bool skip_residual) {
     const int st = accept_logic::WalkRequest(ops, in, b, bt.greedy[b] != 0, bt.sampled[b] != 0,
                                              static_cast<uint64_t>(bt.seeds[b]),
                                              static_cast<uint64_t>(bt.offsets[b]), resid.data(),
-                                             qcur.data(), removed, path.data(), emit.data(), &len,
+                                             qcur.data(), path.data(), emit.data(), &len,
                                              &err);
     ASSERT_EQ(st, accept_logic::kWalkOk) << "request " << b;
     ASSERT_EQ(len - 1, count[b]) << "request " << b;
@@ -228,17 +227,17 @@ TEST(CudaLogic, WalkReportsBadRows) {
   accept_logic::WalkInputs in{bt.target.data(), bt.draft.data(), bt.tokens.data(),
                               bt.parents.data(), bt.indptr.data(), 11, 1e-3, false};
   std::vector<double> resid(11), qcur(11);
-  int32_t removed[256], path[32], emit[32], len = 0;
+  int32_t path[32], emit[32], len = 0;
   accept_logic::WalkError err{};
   SerialRowOps ops;
   EXPECT_EQ(accept_logic::WalkRequest(ops, in, 0, true, false, 1, 0, resid.data(), qcur.data(),
-                                      removed, path, emit, &len, &err),
+                                      path, emit, &len, &err),
             accept_logic::kWalkBadEntry);
   EXPECT_EQ(err.row, 0);
   EXPECT_EQ(err.token, 3);
   bt.target[3] = 0.5f;  // now the row sums to ~1.5
   EXPECT_EQ(accept_logic::WalkRequest(ops, in, 0, true, false, 1, 0, resid.data(), qcur.data(),
-                                      removed, path, emit, &len, &err),
+                                      path, emit, &len, &err),
             accept_logic::kWalkBadSum);
 }
 

@@ -50,8 +50,9 @@ struct AcceptOptions {
   // Tolerance of |sum(row) - 1| for the probability rows that are read.
   double row_sum_tolerance = 1e-3;
   // FOR TESTS ONLY: on a rejection keep sampling from the unmodified target row instead of the
-  // residual. This makes the sampler wrong (not lossless); the statistical tests use it to show
-  // that they can detect a broken sampler.
+  // residual (sampled children), and test deterministic children one by one against the
+  // unmodified target (accept x with probability p(x), then sample p). This makes the sampler wrong
+  // (not lossless); the statistical tests use it to show that they can detect a broken sampler.
   bool debug_skip_residual = false;
 };
 
@@ -66,20 +67,23 @@ struct AcceptOptions {
 //     al. 2023. For child x_j: accept with prob min(1, p(x_j) / q(x_j)); on rejection
 //     p <- normalize(max(p - q, 0)) and q <- q without x_j, renormalised. If every child is rejected
 //     the recovered token is sampled from the current p; at a leaf the bonus from target_probs[leaf].
-//   otherwise (deterministic children, e.g. top-k of the drafter): the target-only walk, which is the
-//     same recursion with q = one-hot(x_j): accept x_j with prob p(x_j); on rejection zero p(x_j) and
-//     renormalise.
+//   otherwise (deterministic children, e.g. top-k of the drafter, or no children): the target-only
+//     walk. Sample t from target_probs[i] with the draw plain decoding uses at that position; if a
+//     child has token t move to it (the first such child), else emit t and stop. Every emitted token
+//     is a sample of the target given the tokens before it, drawn with the same number that plain
+//     decoding would use, so for a seed the output equals plain sampling's (up to float rounding
+//     at a CDF boundary). It accepts child x with probability p(x) as the recursive rule does.
 // Degenerate cases:
 //   - a sampled child with q(x_j) == 0 (after removing earlier siblings, so also a repeated sibling
 //     token) cannot have been drawn from q: ValueError naming draft_probs / tokens.
 //   - a residual with no mass (p <= q everywhere up to rounding, total < 1e-9) falls back to the
 //     current p (the rejection had probability ~0, so this does not bias the output measurably).
-//   - a node whose p has no mass left in the target-only walk cannot happen (p(x) = 1 is always
-//     accepted).
-// Randomness: uniform draw d at tree-local node i of request b is PhiloxUniform(seeds[b],
-// offsets[b], i, d) (philox.h); the test of child j uses d = j, the final (recovered or bonus) sample
-// uses d = number of children. Sampling uses the inverse CDF. So a request's result depends only on
-// its own inputs, never on the rest of the batch or the thread count.
+// Randomness: draws are keyed by sequence position, not by step: the node at depth k of tree b
+// decides the token at position offsets[b] + k, and its draws are PhiloxUniform(seeds[b],
+// offsets[b] + k, stream, d) (philox.h): stream kDrawSample, d = 0 for the token sampled there
+// (target-only walk, recovered or bonus token) and stream kDrawChildTest, d = j for the test of
+// sampled child j. So a request's result depends only on its own inputs and on positions, never on
+// the rest of the batch, the thread count or how earlier tokens were split into steps.
 // Validation: shapes, dtypes, devices, trees (ValidateTreeBatch), token ids of non-root nodes in
 // [0, V). Probability rows are checked where they are read, i.e. along the walk (non-finite or
 // negative entries, |sum - 1| > row_sum_tolerance); rows the walk never reaches are not read.
@@ -91,7 +95,7 @@ struct AcceptOptions {
 //   tree_indptr      [B + 1] int64
 //   greedy           [B] bool/uint8
 //   sampled_children [B] bool/uint8 (must be 0 where draft_probs is nullptr, unless greedy)
-//   seeds, offsets   [B] int64
+//   seeds, offsets   [B] int64 (offsets[b]: the sequence position of the token the root decides)
 //   accepted_nodes   [B, W] int32 out, W >= max tree depth + 1: accepted path from the root (0), -1 pad
 //   emitted_tokens   [B, W] int32 out: accepted draft tokens then the recovered/bonus token, -1 pad
 //   num_accepted     [B] int32 out: accepted draft tokens (emitted = num_accepted + 1)

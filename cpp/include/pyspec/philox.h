@@ -67,14 +67,20 @@ PYSPEC_HOST_DEVICE inline double UniformFromBits(uint32_t bits) {
   return static_cast<double>(bits) * (1.0 / 4294967296.0);
 }
 
-// The draw stream of one request: key = the 64-bit seed, counter = (offset lo, offset hi, node,
-// draw / 4), and draw d uses output word d % 4 of that block. `offset` is the request's step counter,
-// so every decoding step gets fresh numbers; `node` is the tree-local node index.
-PYSPEC_HOST_DEVICE inline double PhiloxUniform(uint64_t seed, uint64_t offset, uint32_t node,
+// The draws of one request: key = the 64-bit seed, counter = (position lo, position hi, stream,
+// draw / 4), and draw d uses output word d % 4 of that block. Acceptance keys its draws by the
+// sequence position of the token being decided (so a request's draws do not depend on how its
+// tokens were split into steps) and uses two streams per position: kDrawSample for the token
+// sampled there (plain decoding, the target-only walk, a recovered or bonus token) and
+// kDrawChildTest for the accept/reject tests of sampled draft children (draw = child index).
+constexpr uint32_t kDrawSample = 0;
+constexpr uint32_t kDrawChildTest = 1;
+
+PYSPEC_HOST_DEVICE inline double PhiloxUniform(uint64_t seed, uint64_t position, uint32_t stream,
                                                uint32_t draw) {
   PhiloxKey key{{static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)}};
-  PhiloxCounter ctr{{static_cast<uint32_t>(offset), static_cast<uint32_t>(offset >> 32), node,
-                     draw >> 2}};
+  PhiloxCounter ctr{{static_cast<uint32_t>(position), static_cast<uint32_t>(position >> 32),
+                     stream, draw >> 2}};
   return UniformFromBits(Philox4x32_10(ctr, key).v[draw & 3]);
 }
 
