@@ -5,7 +5,8 @@ Setting: vocab 49152 (SmolLM2), batch 32, one 16-node draft tree per request (an
 tree of depth 4), float32 probabilities on the CPU.
 
 * accept/sampled: recursive rejection sampling with the draft distributions (children drawn from q
-  without replacement); accept/deterministic: the target-only walk; accept/greedy: the argmax walk.
+  without replacement); accept/deterministic: the target-only walk (sample the target at each
+  node, follow the child holding the sample); accept/greedy: the argmax walk.
   The torch baseline walks each request in Python with torch tensor ops (residual, renormalise,
   multinomial); it does not validate the rows, pyspec does (the rows it reads).
 * filters/top_p and filters/top_k_top_p: apply_sampling_filters on [512, 49152] logits against the
@@ -109,27 +110,27 @@ def torch_accept(x, mode):
                     break
                 node = nxt[0]
                 continue
-            q = draft[base + node] if mode == "sampled" else None
+            if mode == "deterministic":  # sample the target, follow the child holding it
+                t = int(torch.multinomial(p, 1, generator=gen))
+                emitted.append(t)
+                nxt = [c for c in children if tok[base + c] == t]
+                if not nxt:
+                    break
+                node = nxt[0]
+                continue
+            q = draft[base + node]
             accepted = -1
             for c in children:
                 xt = tok[base + c]
                 u = float(torch.rand((), generator=gen))
-                if q is not None:
-                    if u * float(q[xt]) < float(p[xt]):
-                        accepted = c
-                        break
-                    p = torch.clamp(p - q, min=0.0)
-                    p = p / p.sum()
-                    q = q.clone()
-                    q[xt] = 0.0
-                    q = q / q.sum()
-                else:
-                    if u < float(p[xt]):
-                        accepted = c
-                        break
-                    p = p.clone()
-                    p[xt] = 0.0
-                    p = p / p.sum()
+                if u * float(q[xt]) < float(p[xt]):
+                    accepted = c
+                    break
+                p = torch.clamp(p - q, min=0.0)
+                p = p / p.sum()
+                q = q.clone()
+                q[xt] = 0.0
+                q = q / q.sum()
             if accepted >= 0:
                 emitted.append(tok[base + accepted])
                 node = accepted
