@@ -8,6 +8,7 @@
 #include "dlpack_view.h"
 #include "pyspec/acceptance.h"
 #include "pyspec/check.h"
+#include "pyspec/philox.h"
 #include "registry.h"
 #ifdef PYSPEC_WITH_CUDA
 #include "pyspec/cuda_ops.h"
@@ -119,6 +120,16 @@ void RegisterAcceptance(py::module_& m) {
       py::arg("parents"), py::arg("tree_indptr"),
       "Largest depth of a flattened tree batch (parents int32 [N], tree_indptr int64 [B+1]); "
       "validates the trees.");
+
+  m.def(
+      "philox_uniform",
+      [](int64_t seed, int64_t position, uint32_t stream, uint32_t draw) {
+        return PhiloxUniform(static_cast<uint64_t>(seed), static_cast<uint64_t>(position), stream,
+                             draw);
+      },
+      py::arg("seed"), py::arg("position"), py::arg("stream") = kDrawSample, py::arg("draw") = 0,
+      "The uniform draw acceptance uses (pyspec/philox.h): request seed, sequence position, stream "
+      "(0 = the token sampled at that position, 1 = the tests of sampled draft children), draw.");
 }
 
 }  // namespace bindings

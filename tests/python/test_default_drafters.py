@@ -107,6 +107,57 @@ def test_every_drafter_is_greedy_lossless_on_mt_bench(target, reference, drafter
         assert sum(r.stats.accepted_tokens for r in res) > 0
 
 
+SAMPLED_PROMPTS = 8
+CDF_ROUNDING = 1e-4  # probability mass; fp32 rounding differences between batch shapes are ~1e-6
+
+
+def test_seeded_sampling_with_the_default_drafter_is_plain_sampling(target):
+    """The default drafter (prompt lookup, else the shipped head) drafts deterministically, so the
+    target-only walk verifies it: every position is sampled with the draw plain decoding uses there.
+    8 MT-bench first turns x 48 tokens at temperature 0.7 / top-p 0.9, one batch through the
+    engine, against the same batch decoded plainly with the same seeds: the outputs are equal token
+    for token. A divergence is accepted only where float rounding can explain it: plain decoding's
+    draw at that position lies within CDF_ROUNDING of the boundary between the two tokens in the
+    target's cumulative distribution, with no mass between them."""
+    import torch
+
+    from pyspec import _C
+    from pyspec.engine import Engine, SamplingParams
+    from pyspec.runner import ModelRunner, SeqStep
+    from pyspec.sampling import apply_sampling_filters
+
+    llm, ids = target
+    ids = ids[:SAMPLED_PROMPTS]
+    params = [SamplingParams(max_tokens=48, temperature=0.7, top_p=0.9, seed=1000 + i)
+              for i in range(len(ids))]
+
+    def run(drafter):
+        runner = ModelRunner(llm.model, num_blocks=512, block_size=16)
+        eng = Engine(runner, drafter=drafter, max_num_seqs=len(ids))
+        return eng.generate(ids, params), runner
+
+    plain, runner = run(None)
+    spec, _ = run("default")
+    assert sum(r.stats.accepted_tokens for r in spec) > 0  # positions were decided inside trees
+    identical = 0
+    for i, (r, ref) in enumerate(zip(spec, plain)):
+        if r.token_ids == ref.token_ids:
+            identical += 1
+            continue
+        k = next(j for j, (a, b) in enumerate(zip(r.token_ids, ref.token_ids)) if a != b)
+        ctx = ids[i] + ref.token_ids[:k]
+        out = runner.step([SeqStep(ctx, 0, list(range(len(ctx) // 16 + 1)), None, "last")])
+        probs = apply_sampling_filters(out.logits[-1:], 0.7, 0, 0.9)[0].double()
+        cdf = probs.cumsum(0)
+        u = _C.philox_uniform(params[i].seed, len(ctx)) * float(cdf[-1])
+        lo, hi = sorted((r.token_ids[k], ref.token_ids[k]))
+        boundary = float(cdf[lo])
+        assert abs(u - boundary) < CDF_ROUNDING and float(cdf[hi - 1]) - boundary < CDF_ROUNDING, (
+            f"prompt {i} diverges at token {k}: plain decoding's draw {u:.6f} is not at the CDF "
+            f"boundary {boundary:.6f} between tokens {lo} and {hi}")
+    assert identical >= SAMPLED_PROMPTS - 1, f"only {identical} identical outputs"
+
+
 def test_shipped_drafter_matches_the_embedded_model(target):
     """The drafter shipped in the package was trained for these exact weights (manifest hash),
     loads without a warning, and its manifest carries the recipe and evaluation report."""
