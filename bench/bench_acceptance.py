@@ -102,16 +102,9 @@ def torch_accept(x, mode):
         while True:
             p = target[base + node]
             children = kids[node]
-            if mode == "greedy":
-                t = int(torch.argmax(p))
-                emitted.append(t)
-                nxt = [c for c in children if tok[base + c] == t]
-                if not nxt:
-                    break
-                node = nxt[0]
-                continue
-            if mode == "deterministic":  # sample the target, follow the child holding it
-                t = int(torch.multinomial(p, 1, generator=gen))
+            if mode in ("greedy", "deterministic"):  # the argmax or a sample; follow its child
+                t = (int(torch.argmax(p)) if mode == "greedy"
+                     else int(torch.multinomial(p, 1, generator=gen)))
                 emitted.append(t)
                 nxt = [c for c in children if tok[base + c] == t]
                 if not nxt:

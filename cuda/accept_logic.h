@@ -290,15 +290,27 @@ PYSPEC_LOGIC_HD int WalkRequest(Ops& ops, const WalkInputs& in, int64_t b, bool 
     // Children of `node`, in index order: the later nodes whose parent it is.
     int32_t num_kids = 0;
     for (int32_t j = node + 1; j < n; ++j) num_kids += in.parents[base + j] == node;
-    if (greedy) {
-      if (CheckedRowSum(ops, p, V, in.tol, false, row, node, err) < 0.0) return err->status;
-      float best_val = 0.0f;
-      int64_t best = 0;
-      ops.ArgMaxFirst(V, [&](int64_t v) { return p[v]; }, &best_val, &best);
-      emitted[len - 1] = static_cast<int32_t>(best);
+    if (greedy || (!(sampled && num_kids > 0) && !in.skip_residual)) {
+      // Greedy: the argmax. Target-only walk: a sample of the target with plain decoding's draw
+      // for this position. Either way move to the first child holding that token.
+      const double mass = CheckedRowSum(ops, p, V, in.tol, false, row, node, err);
+      if (mass < 0.0) return err->status;
+      int64_t t = 0;
+      if (greedy) {
+        float best_val = 0.0f;
+        ops.ArgMaxFirst(V, [&](int64_t v) { return p[v]; }, &best_val, &t);
+      } else {
+        const double u = PhiloxUniform(seed, position, kDrawSample, 0);
+        t = ops.SampleCdf(V, [&](int64_t v) { return static_cast<double>(p[v]); }, u * mass);
+        if (t < 0) {
+          *err = WalkError{kWalkNoMass, node, row, -1, -1, 0.0, 0};
+          return kWalkNoMass;
+        }
+      }
+      emitted[len - 1] = static_cast<int32_t>(t);
       int32_t next = -1;
       for (int32_t j = node + 1; j < n && next < 0; ++j) {
-        if (in.parents[base + j] == node && in.tokens[base + j] == best) next = j;
+        if (in.parents[base + j] == node && in.tokens[base + j] == t) next = j;
       }
       if (next < 0) break;  // recovered (a miss) or bonus (a leaf)
       path[len++] = next;
@@ -309,28 +321,6 @@ PYSPEC_LOGIC_HD int WalkRequest(Ops& ops, const WalkInputs& in, int64_t b, bool 
 
     double p_mass = CheckedRowSum(ops, p, V, in.tol, false, row, node, err);
     if (p_mass < 0.0) return err->status;
-    if (!(sampled && num_kids > 0) && !in.skip_residual) {
-      // Target-only walk: sample the target with plain decoding's draw for this position and
-      // follow the child holding that token.
-      const double u = PhiloxUniform(seed, position, kDrawSample, 0);
-      const int64_t t =
-          ops.SampleCdf(V, [&](int64_t v) { return static_cast<double>(p[v]); }, u * p_mass);
-      if (t < 0) {
-        *err = WalkError{kWalkNoMass, node, row, -1, -1, 0.0, 0};
-        return kWalkNoMass;
-      }
-      emitted[len - 1] = static_cast<int32_t>(t);
-      int32_t next = -1;
-      for (int32_t j = node + 1; j < n && next < 0; ++j) {
-        if (in.parents[base + j] == node && in.tokens[base + j] == t) next = j;
-      }
-      if (next < 0) break;
-      path[len++] = next;
-      node = next;
-      ++position;
-      continue;
-    }
-
     // Sampled children: recursive rejection sampling (and, tests only, the broken rule for
     // deterministic children: accept x with probability p(x), keep the unmodified p).
     const float* q = nullptr;

@@ -116,7 +116,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(f"speedup: {plain.seconds / spec_s:.2f}x end to end, {spec_rate / p_rate:.2f}x "
               f"decode (same process, same prompt)")
         same = plain.token_ids == tokens
-        note = "" if args.temperature == 0 else " (sampled: equal in distribution, not per token)"
+        # Deterministic drafts are verified by sampling the target with plain decoding's draws;
+        # a draft model's sampled chains by rejection sampling (equal only in distribution).
+        note = "" if args.temperature == 0 or same else (
+            " (sampled drafts are verified by rejection sampling: equal in distribution, not per "
+            "token)")
         print(f"outputs identical: {same}{note}")
     return 0
 

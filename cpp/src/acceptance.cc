@@ -434,27 +434,19 @@ void WalkRequest(const Batch& in, int64_t b, bool greedy, bool sampled, uint64_t
     const float* p = in.target + row * V;
     const int32_t* kid_begin = s.child_list.data() + s.child_ptr[node];
     const int32_t num_kids = s.child_ptr[node + 1] - s.child_ptr[node];
-    if (greedy) {
-      int64_t best = 0;
-      CheckedRow<true>(p, V, in.tol, "target_probs", row, b, node, &best);
-      s.emitted.push_back(static_cast<int32_t>(best));
-      int32_t next = -1;
-      for (int32_t j = 0; j < num_kids && next < 0; ++j) {
-        if (in.tokens[base + kid_begin[j]] == best) next = kid_begin[j];
+    if (greedy || (!(sampled && num_kids > 0) && !opt.debug_skip_residual)) {
+      // Greedy: the argmax. Target-only walk (deterministic children, or none): a sample of the
+      // target with the draw plain decoding uses at this position. Either way move to the first
+      // child holding that token; a miss (recovered token) or a leaf (bonus) ends the walk.
+      int32_t t;
+      if (greedy) {
+        int64_t best = 0;
+        CheckedRow<true>(p, V, in.tol, "target_probs", row, b, node, &best);
+        t = static_cast<int32_t>(best);
+      } else {
+        const double mass = CheckedRow(p, V, in.tol, "target_probs", row, b, node);
+        t = SampleIndex(p, V, mass, PhiloxUniform(seed, position, kDrawSample, 0));
       }
-      if (next < 0) break;  // recovered (a miss) or bonus (a leaf)
-      s.path.push_back(next);
-      node = next;
-      ++position;
-      continue;
-    }
-
-    double p_mass = CheckedRow(p, V, in.tol, "target_probs", row, b, node);
-    if (!(sampled && num_kids > 0) && !opt.debug_skip_residual) {
-      // Target-only walk: sample the target at this position with the draw plain decoding uses
-      // there, then follow the child holding that token (a miss or a leaf ends the walk).
-      const double u = PhiloxUniform(seed, position, kDrawSample, 0);
-      const int32_t t = SampleIndex(p, V, p_mass, u);
       s.emitted.push_back(t);
       int32_t next = -1;
       for (int32_t j = 0; j < num_kids && next < 0; ++j) {
@@ -467,6 +459,7 @@ void WalkRequest(const Batch& in, int64_t b, bool greedy, bool sampled, uint64_t
       continue;
     }
 
+    double p_mass = CheckedRow(p, V, in.tol, "target_probs", row, b, node);
     // Sampled children: recursive rejection sampling over the children in index order. (Also,
     // for tests only, the deliberately broken rule for deterministic children: accept x with
     // probability p(x) and keep the unmodified p after a rejection.)
