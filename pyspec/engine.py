@@ -77,6 +77,9 @@ class SamplingParams:
 
 
 _PARAM_NAMES = {f.name for f in fields(SamplingParams)}
+# Decode steps without any draft token, under a memory-bound limit at or below the batch, before
+# the engine lifts the limit for a few steps to re-measure (see Engine._update_cost_model).
+BUDGET_PROBE_STEPS = 64
 
 
 @dataclass
@@ -147,6 +150,9 @@ class EngineStats:
     # Extra tokens a step can verify before its forward turns compute-bound (measured; None
     # until the step-time fit has data).
     spec_free_tokens: Optional[int] = None
+    # Times the memory-bound limit was lifted because it had stopped every draft for
+    # BUDGET_PROBE_STEPS steps (so that the step-time fit sees drafting steps again).
+    budget_probes: int = 0
 
 
 @dataclass
@@ -341,6 +347,7 @@ class Engine:
         self._fit = [0.0] * 5  # n, sx, sy, sxx, sxy (exponentially weighted)
         self._draft_time: Dict[str, List[float]] = {}  # drafter -> [seconds, levels] EWMA sums
         self._nodes_per_level = 1.0  # tree nodes verified per draft level (EWMA)
+        self._undrafted_steps = 0  # decode steps in a row that verified no draft token
         self.debug_skip_residual = False  # tests only: a deliberately broken acceptance rule
         # Called with a StepTrace after every step that ran a forward (None: no tracing cost).
         self.trace_hook: Optional[Callable[[StepTrace], None]] = None
@@ -734,6 +741,7 @@ class Engine:
     def _observe_step_time(self, n_dec: int, n_tokens: int, seconds: float) -> None:
         if n_dec == 0:
             return
+        self._undrafted_steps = self._undrafted_steps + 1 if n_tokens <= n_dec else 0
         f = self._fit
         w = 0.97
         x, y = float(n_tokens), float(seconds)
@@ -745,6 +753,17 @@ class Engine:
         self._last_batch = n_dec
 
     def _update_cost_model(self) -> None:
+        # Budget probe: a fit that put the memory-bound limit at or below the batch (noise can)
+        # stops every draft, and with them the spread of step sizes the fit needs to correct
+        # itself. After BUDGET_PROBE_STEPS decode steps without a draft token, lift the limit
+        # until the next update: the steps in between draft again and are measured.
+        limit = self.scheduler.memory_bound_tokens
+        if (0 < limit <= getattr(self, "_last_batch", 1)
+                and self._undrafted_steps >= BUDGET_PROBE_STEPS):
+            self.scheduler.set_memory_bound_tokens(0)
+            self._undrafted_steps = 0
+            self.stats.budget_probes += 1
+            return
         n, sx, sy, sxx, sxy = self._fit
         if n < 4:
             return

@@ -86,7 +86,8 @@ def _summary(rows: List[dict]) -> dict:
 
 
 def evaluate(target: Optional[str], drafts: Dict[str, str], prompts, *, max_tokens: int = 128,
-             temperature: float = 0.0, dtype: str = "float32", progress: bool = True) -> dict:
+             temperature: float = 0.0, dtype: str = "float32", adaptive: bool = True,
+             progress: bool = True) -> dict:
     import pyspec
     from tqdm import tqdm
 
@@ -99,7 +100,7 @@ def evaluate(target: Optional[str], drafts: Dict[str, str], prompts, *, max_toke
 
     def engine(spec):
         return Engine(ModelRunner(base.model, num_blocks=blocks, block_size=16), drafter=spec,
-                      max_num_seqs=1)
+                      max_num_seqs=1, adaptive=adaptive)
 
     plain = engine("none")
     engines = {name: engine(spec) for name, spec in drafts.items()}
@@ -126,7 +127,7 @@ def evaluate(target: Optional[str], drafts: Dict[str, str], prompts, *, max_toke
                 draft_seconds=e.stats.draft_seconds - d0, verify_seconds=e.stats.verify_seconds - v0,
                 identical=r.token_ids == ref.token_ids, fallbacks=st.fallbacks))
     report = dict(target=base.model_path, max_tokens=max_tokens, temperature=temperature,
-                  dtype=dtype, drafters={})
+                  dtype=dtype, adaptive=adaptive, drafters={})
     for name, rs in rows.items():
         s = _summary(rs)
         s["spec"] = drafts[name]
@@ -251,10 +252,12 @@ def record_in_manifest(draft_dir: str, report: dict, args) -> None:
                    f"--prompts {os.path.basename(args.prompts)} --max-tokens {args.max_tokens}"
                    + (f" --limit {args.limit}" if args.limit else "")
                    + (f" --per-category {args.per_category}" if args.per_category else "")
-                   + f" --temperature {args.temperature} --dtype {args.dtype}",
+                   + f" --temperature {args.temperature} --dtype {args.dtype}"
+                   + ("" if report["adaptive"] else " --no-adaptive"),
         "prompts": c["prompts"], "prompts_file": os.path.basename(args.prompts),
         "limit": args.limit, "per_category": args.per_category, "max_tokens": report["max_tokens"],
         "temperature": report["temperature"], "dtype": report["dtype"],
+        "adaptive": report["adaptive"],
         "acceptance_length": round(c["acceptance_length"], 3),
         "tokens_per_target_step": round(c["tokens_per_target_step"], 3),
         "per_position_acceptance": [round(x, 3) for x in c["per_position_acceptance"][:8]],
@@ -277,6 +280,9 @@ def add_parser(sub):
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--no-adaptive", dest="adaptive", action="store_false",
+                   help="fixed draft lengths (the drafter's), no fallback to plain decoding: "
+                        "the drafter's acceptance without the cost model's decisions")
     p.add_argument("--baseline", default=None, help="another drafter to compare (promotion gate)")
     p.add_argument("--threshold", type=float, default=0.05)
     p.add_argument("--gate-speedup", action="store_true", help="also gate on measured speedup")
@@ -306,7 +312,7 @@ def _cmd(args) -> int:
     if args.baseline:
         drafts["baseline"] = args.baseline
     report = evaluate(args.target, drafts, prompts, max_tokens=args.max_tokens,
-                      temperature=args.temperature, dtype=args.dtype)
+                      temperature=args.temperature, dtype=args.dtype, adaptive=args.adaptive)
     paths = write_report(report, args.out)
     if args.record_in_manifest:
         record_in_manifest(heads, report, args)

@@ -203,7 +203,8 @@ def test_eval_draft_reproduces_the_shipped_manifest():
     prompts = read_prompts(os.path.join(os.path.dirname(PROMPTS_FILE), ev["prompts_file"]),
                            ev["limit"], ev["per_category"])
     rep = evaluate(None, {"candidate": ev["draft"]}, prompts, max_tokens=ev["max_tokens"],
-                   temperature=ev["temperature"], dtype=ev["dtype"], progress=False)
+                   temperature=ev["temperature"], dtype=ev["dtype"],
+                   adaptive=ev.get("adaptive", True), progress=False)
     c = rep["drafters"]["candidate"]
     assert c["prompts"] == ev["prompts"]
     assert c["identical_to_plain"] == ev["identical_to_plain"] == ev["prompts"]

@@ -142,7 +142,7 @@ def test_disconnect_mid_stream_frees_kv(server, monkeypatch):
     real_step = eng.step
 
     def slow_step():  # keep the request running long enough to disconnect in the middle
-        time.sleep(0.01)
+        time.sleep(0.05)  # 500 tokens, at most 6 a step: > 4 s, however busy the machine
         return real_step()
 
     monkeypatch.setattr(eng, "step", slow_step)

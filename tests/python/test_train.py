@@ -97,10 +97,14 @@ def test_eval_draft_report_and_promotion_gate(tiny, tmp_path, capsys):
     good = str(tmp_path / "good")
     shutil.copytree(tiny, good)  # the target itself as a draft model: everything is accepted
     out = str(tmp_path / "rep")
+    # Fixed draft lengths: the target as its own draft model costs about a target step per draft
+    # token, so under the cost model whether it pays would hinge on measured timings.
     rc = cli.main(["eval-draft", "--target", tiny, "--draft", good, "--baseline", "ngram",
-                   "--prompts", str(prompts), "--max-tokens", "16", "--out", out])
+                   "--prompts", str(prompts), "--max-tokens", "16", "--out", out,
+                   "--no-adaptive"])
     assert rc == 0, capsys.readouterr().out
     rep = json.load(open(os.path.join(out, "report.json")))
+    assert rep["adaptive"] is False
     c = rep["drafters"]["candidate"]
     assert c["acceptance_length"] > rep["drafters"]["baseline"]["acceptance_length"]
     assert c["identical_to_plain"] == 4 and set(c["per_category"]) == {"a", "b"}
@@ -109,7 +113,8 @@ def test_eval_draft_report_and_promotion_gate(tiny, tmp_path, capsys):
     assert "promotion gate: passed" in capsys.readouterr().out
     # The worse drafter as the candidate fails the gate (exit 1) and says which metric.
     rc = cli.main(["eval-draft", "--target", tiny, "--draft", "ngram", "--baseline", good,
-                   "--prompts", str(prompts), "--max-tokens", "16", "--out", out])
+                   "--prompts", str(prompts), "--max-tokens", "16", "--out", out,
+                   "--no-adaptive"])
     text = capsys.readouterr().out
     assert rc == 1 and "FAILED" in text and "tokens_per_target_step" in text
     assert cli.main(["eval-draft", "--target", tiny, "--prompts", str(tmp_path / "none.jsonl")]) == 2
