@@ -30,6 +30,10 @@ class Metrics:
                                  registry=r)
         self.switches = Counter(p + "drafter_switches", "Requests moved to another drafter",
                                 ["reason"], registry=r)
+        self.budget_probes = Counter(p + "budget_probes",
+                                     "Times the memory-bound draft budget was lifted after it had "
+                                     "stopped every draft for 64 steps (to re-measure)",
+                                     registry=r)
         self.acceptance_ewma = Gauge(p + "acceptance_ewma",
                                      "Deployment-wide EWMA of accepted / drafted per step",
                                      registry=r)
@@ -69,8 +73,9 @@ class Metrics:
         """Counter deltas from the engine's cumulative stats, gauges from the scheduler."""
         st = engine.stats
         cur = (st.drafts, st.draft_tokens, st.accepted_tokens, list(st.accepted_per_position),
-               dict(st.switches), dict(st.fallbacks), st.draft_seconds, st.verify_seconds)
-        last = self._last or (0, 0, 0, [], {}, {}, 0.0, 0.0)
+               dict(st.switches), dict(st.fallbacks), st.draft_seconds, st.verify_seconds,
+               st.budget_probes)
+        last = self._last or (0, 0, 0, [], {}, {}, 0.0, 0.0, 0)
         self.drafts.inc(cur[0] - last[0])
         self.draft_tokens.inc(cur[1] - last[1])
         self.accepted.inc(cur[2] - last[2])
@@ -88,6 +93,8 @@ class Metrics:
             self.draft_latency.observe(cur[6] - last[6])
         if cur[7] > last[7]:
             self.verify_latency.observe(cur[7] - last[7])
+        if cur[8] > last[8]:
+            self.budget_probes.inc(cur[8] - last[8])
         self._last = cur
         if st.acceptance_ewma is not None:
             self.acceptance_ewma.set(st.acceptance_ewma)

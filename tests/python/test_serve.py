@@ -387,3 +387,27 @@ def test_shadow_mode_mirrors_without_touching_responses(server, tmp_path):
     finally:
         srv.should_exit = True
         th.join(timeout=10)
+
+
+def test_engine_counters_become_metric_deltas():
+    """Metrics.after_step turns the engine's cumulative counters into Prometheus increments."""
+    from types import SimpleNamespace
+
+    from pyspec.engine import EngineStats
+    from pyspec.serve.metrics import Metrics
+
+    m = Metrics()
+    st = EngineStats()
+    sched = SimpleNamespace(num_running=1, num_waiting=0, kv_usage_ratio=0.5,
+                            prefix_cache_hit_ratio=0.0)
+    eng = SimpleNamespace(stats=st, scheduler=sched)
+    m.after_step(eng)
+    st.budget_probes, st.drafts, st.fallbacks = 2, 5, {"drafter_error": 1}
+    m.after_step(eng)
+    st.budget_probes = 3
+    m.after_step(eng)
+    get = m.registry.get_sample_value
+    assert get("pyspec_spec_decode_budget_probes_total") == 3
+    assert get("pyspec_spec_decode_num_drafts_total") == 5
+    assert get("pyspec_spec_decode_fallbacks_total", {"reason": "drafter_error"}) == 1
+    assert get("pyspec_num_requests_running") == 1
