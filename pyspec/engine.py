@@ -348,6 +348,7 @@ class Engine:
         self._draft_time: Dict[str, List[float]] = {}  # drafter -> [seconds, levels] EWMA sums
         self._nodes_per_level = 1.0  # tree nodes verified per draft level (EWMA)
         self._undrafted_steps = 0  # decode steps in a row that verified no draft token
+        self._last_batch = 1  # requests in the latest decode-only step
         self.debug_skip_residual = False  # tests only: a deliberately broken acceptance rule
         # Called with a StepTrace after every step that ran a forward (None: no tracing cost).
         self.trace_hook: Optional[Callable[[StepTrace], None]] = None
@@ -758,7 +759,7 @@ class Engine:
         # itself. After BUDGET_PROBE_STEPS decode steps without a draft token, lift the limit
         # until the next update: the steps in between draft again and are measured.
         limit = self.scheduler.memory_bound_tokens
-        if (0 < limit <= getattr(self, "_last_batch", 1)
+        if (0 < limit <= self._last_batch
                 and self._undrafted_steps >= BUDGET_PROBE_STEPS):
             self.scheduler.set_memory_bound_tokens(0)
             self._undrafted_steps = 0
@@ -772,7 +773,7 @@ class Engine:
             return  # no spread in step sizes yet
         slope = max((sxy - sx * sy / n) / var, 0.0)
         base = max(sy / n - slope * sx / n, 1e-6)
-        b = getattr(self, "_last_batch", 1)
+        b = self._last_batch
         plain = base + slope * b  # one plain step of the current batch
         verify = slope / plain * self._nodes_per_level  # per draft level
         sec, tok = 0.0, 0.0

@@ -34,11 +34,13 @@
 // conservative approximation: a tree accepts at least as much as a chain with that alpha).
 // When even the best gamma is predicted slower than plain decoding at an optimistic alpha (the
 // upper end, two standard errors, of the accepted/trial counts of about the last twenty
-// speculative steps, with a uniform prior, kept across fallbacks), the request falls back to RUNNING_PLAIN (counted as a cost
-// fallback): a dip in acceptance for a few steps is noise, not evidence that drafting loses. Without cost_model: +1 after a step that accepted
-// every draft token, -1 (not below 1) after one that accepted fewer than half. A request whose acceptance EWMA (weight ewma_alpha) is
-// below min_acceptance_rate after warmup_steps speculative steps falls back to RUNNING_PLAIN and is
-// probed again (back to RUNNING_SPECULATIVE) after probe_interval plain steps.
+// speculative steps, with a uniform prior, kept across fallbacks), the request falls back to
+// RUNNING_PLAIN (counted as a cost fallback): a dip in acceptance for a few steps is noise, not
+// evidence that drafting loses. Without cost_model: +1 after a step that accepted every draft
+// token, -1 (not below 1) after one that accepted fewer than half. A request whose acceptance EWMA
+// (weight ewma_alpha) is below min_acceptance_rate after warmup_steps speculative steps falls back
+// to RUNNING_PLAIN and is probed again (back to RUNNING_SPECULATIVE) after probe_interval plain
+// steps.
 //
 // Update() applies the runner's results: prefill -> MarkComputed; decode -> Commit(emitted tokens,
 // num_computed = accepted + 1), stats/EWMA, stop conditions (a stop token ends the request and the
