@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -9,7 +10,18 @@ import time
 
 import torch
 
+from pyspec.train.data import PROMPT_SETS
+
 METHODS = ("eagle", "medusa", "draft-model")
+
+
+def _prompt_sets(text: str) -> str:
+    names = text.split(",")
+    bad = [n for n in names if n not in PROMPT_SETS]
+    if bad or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give one or more of {', '.join(PROMPT_SETS)}, comma-separated, each once")
+    return text
 
 
 def train_draft(args) -> str:
@@ -29,16 +41,23 @@ def train_draft(args) -> str:
     torch.manual_seed(args.seed)
     gen = pyspec.LLM(args.target, draft="none", dtype=args.gen_dtype, kv_cache_tokens=1024,
                      progress=True)
-    data_path = args.data or os.path.join(args.out, "data.pt")
-    if args.data and not os.path.isfile(args.data):
-        raise ValueError(f"--data {args.data!r} is not a file")
-    if os.path.isfile(data_path):
-        seqs = torch.load(data_path, weights_only=False)
-        print(f"loaded {len(seqs)} generated sequences from {data_path}")
+    data_paths = [os.path.expanduser(p) for p in (args.data or "").split(",") if p]
+    for p in data_paths:
+        if not os.path.isfile(p):
+            raise ValueError(f"--data: {p!r} is not a file (give data.pt files, comma-separated)")
+    data_path = os.path.join(args.out, "data.pt")
+    if data_paths or os.path.isfile(data_path):
+        seqs = []
+        for p in data_paths or [data_path]:
+            part = torch.load(p, weights_only=False)
+            print(f"loaded {len(part)} generated sequences from {p}")
+            seqs.extend(part)
     else:
-        prompts = D.seed_prompts(args.prompts, seed=args.seed, prompt_set=args.prompt_set)
-        seqs = D.generate_corpus(gen, prompts, max_tokens=args.max_tokens, batch=args.batch,
-                                 seed=args.seed)
+        seqs = []
+        for prompt_set in args.prompt_set.split(","):  # one corpus per set, as separate runs do
+            prompts = D.seed_prompts(args.prompts, seed=args.seed, prompt_set=prompt_set)
+            seqs.extend(D.generate_corpus(gen, prompts, max_tokens=args.max_tokens,
+                                          batch=args.batch, seed=args.seed))
         torch.save(seqs, data_path)
     n_tok = sum(len(s.tokens) for s in seqs)
     n_gen = sum(len(s.tokens) - s.num_prompt for s in seqs)
@@ -50,7 +69,8 @@ def train_draft(args) -> str:
     recipe = {"command": "pyspec train-draft " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in sorted(vars(args).items())
         if k not in ("func", "command", "out") and v is not None),
-        "seed_prompts": args.prompts, "prompt_set": args.prompt_set,
+        **({"data": data_paths} if data_paths else {
+            "seed_prompts": args.prompts, "prompt_set": args.prompt_set}),
         "max_tokens": args.max_tokens, "sequences": len(seqs),
         "tokens": n_tok, "generated_tokens": n_gen, "epochs": args.epochs, "lr": args.lr,
         "gen_dtype": args.gen_dtype}
@@ -109,10 +129,13 @@ def add_parser(sub):
     p.add_argument("--out", required=True, help="output drafter folder (resumes if present)")
     p.add_argument("--prompts", type=int, default=2400, help="seed prompts to generate from")
     p.add_argument("--data", default=None,
-                   help="reuse the generated corpus (data.pt) of an earlier run for this target")
-    p.add_argument("--prompt-set", default="diverse", choices=["basic", "diverse"],
-                   help="seed prompt templates: the 32 basic ones, or those plus personas, "
-                   "reasoning, science, humanities, editing and passage extraction")
+                   help="reuse the generated corpora (data.pt, comma-separated) of earlier runs "
+                   "for this target, concatenated in that order")
+    p.add_argument("--prompt-set", default="diverse", type=_prompt_sets,
+                   help="seed prompt templates: the 32 basic ones; diverse: those plus personas, "
+                   "reasoning, science, humanities, editing and passage extraction; wide: the "
+                   "diverse templates over topics, places, people and objects from larger pools; "
+                   "several comma-separated: --prompts prompts of each, one corpus after another")
     p.add_argument("--max-tokens", type=int, default=192)
     p.add_argument("--batch", type=int, default=64, help="generation batch size")
     p.add_argument("--gen-dtype", default="bfloat16", choices=["float32", "bfloat16"])

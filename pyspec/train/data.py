@@ -168,12 +168,114 @@ BAD = ["me and him goes to the store yesterday and buyed three apple",
        "their going too the park tomorow if it dont rain",
        "the datas shows that less peoples is using cars then before",
        "i has finished the report but it need more work on it's conclusion"]
+PROMPT_SETS = ("basic", "diverse", "wide")
 DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
 
 
-def _passage(rng: random.Random) -> str:
-    a, b = rng.sample(NAMES, 2)
-    place, topic = rng.choice(PLACES), rng.choice(TOPICS)
+# The "wide" set: the same kinds of requests as "diverse", but topics, places, people, roles and
+# objects are composed from far larger word pools. A head trained on the diverse set agreed with
+# the target 0.40 of the time on unseen prompts of its own templates and topics but 0.30 with the
+# same templates over topics it never saw (README, "Drafter training"): with 78 topics it learns the
+# topics' words instead of carrying whatever the prompt names into the answer.
+ANIMALS = [
+    "wolves", "penguins", "octopuses", "elephants", "kangaroos", "owls", "salmon", "bats",
+    "dolphins", "ants", "camels", "tortoises", "hummingbirds", "jellyfish", "gorillas", "foxes",
+    "crows", "sharks", "frogs", "horses", "bison", "parrots", "snails", "polar bears", "lynxes",
+    "beavers", "flamingos", "moths", "lobsters", "hedgehogs", "yaks", "seals", "termites",
+]
+FOODS = [
+    "sourdough bread", "kimchi", "olive oil", "dark chocolate", "ramen", "cheese making", "tofu",
+    "maple syrup", "spices", "rice farming", "pizza", "coffee roasting", "herbal tea", "dumplings",
+    "lentil soup", "pickles", "honey", "avocados", "tortillas", "curry", "smoked fish", "yogurt",
+    "wine making", "mangoes", "falafel", "pasta", "barbecue", "sushi", "porridge", "jam",
+]
+PLACES_WIDE = [
+    "Iceland", "Peru", "Mongolia", "Norway", "Kenya", "Vietnam", "Portugal", "Canada", "Egypt",
+    "New Zealand", "Morocco", "Finland", "Chile", "Nepal", "Scotland", "Madagascar", "Japan",
+    "Mexico", "Greece", "Ghana", "Antarctica", "the Sahara", "the Alps", "the Amazon", "Siberia",
+    "the Arctic", "Patagonia", "Venice", "Berlin", "Mumbai", "Seoul", "Toronto", "Lagos", "Lima",
+    "Oslo", "Dublin", "Havana", "Bangkok", "Cairo", "Melbourne", "Montreal", "Edinburgh", "Quito",
+    "Tbilisi", "Zanzibar", "Bhutan", "Sicily", "Tasmania", "the Andes", "the Mekong delta",
+]
+JOBS = [
+    "nurse", "architect", "electrician", "librarian", "pilot", "farmer", "journalist", "dentist",
+    "firefighter", "translator", "plumber", "astronomer", "baker", "lawyer", "accountant",
+    "veterinarian", "carpenter", "teacher", "software engineer", "geologist", "chef", "tailor",
+    "paramedic", "beekeeper", "surveyor", "pharmacist", "sailor", "photographer", "archivist",
+    "data analyst", "glassblower", "zookeeper", "diplomat", "midwife", "mechanic", "curator",
+]
+OBJECTS = [
+    "umbrella", "telescope", "wristwatch", "sewing machine", "drone", "typewriter", "compass",
+    "refrigerator", "violin", "kayak", "microscope", "lantern", "printer", "skateboard",
+    "thermostat", "vacuum cleaner", "headphones", "wheelbarrow", "e-reader", "sailboat",
+    "pressure cooker", "chess clock", "hammock", "robot vacuum", "fountain pen", "solar lamp",
+    "canoe", "greenhouse", "treadmill", "blender",
+]
+FIELDS = [
+    "marine biology", "economics", "linguistics", "epidemiology", "civil engineering",
+    "psychology", "astronomy", "archaeology", "genetics", "statistics", "philosophy",
+    "materials science", "oceanography", "sociology", "cryptography", "neuroscience",
+    "meteorology", "botany", "anthropology", "game theory", "logistics", "urban ecology",
+    "nutrition science", "acoustics", "seismology", "robotics", "accounting", "ethics",
+    "probability", "immunology", "graph theory", "geometry", "thermodynamics", "optics",
+]
+HISTORY = [
+    "the fall of the Berlin Wall", "the Black Death", "the Apollo program", "the Meiji Restoration",
+    "the Great Depression", "the invention of the telephone", "the Ottoman Empire",
+    "the Viking age", "the Mongol Empire", "the construction of the pyramids", "the gold rush",
+    "the Enlightenment", "the age of exploration", "the first vaccines", "the Inca Empire",
+    "the Industrial Revolution in Britain", "the founding of the United Nations",
+    "the invention of paper", "the Hanseatic League", "the space race",
+]
+HOBBIES = [
+    "rock climbing", "pottery", "chess", "birdwatching", "surfing", "calligraphy", "woodworking",
+    "stargazing", "salsa dancing", "fly fishing", "gardening", "film photography", "sailing",
+    "juggling", "quilting", "trail running", "beekeeping", "model trains", "magic tricks",
+    "archery", "cycling", "watercolor painting", "scuba diving", "crossword puzzles", "yoga",
+]
+TECH = [
+    "electric scooters", "blockchain", "heat pumps", "self-driving cars", "smart homes",
+    "wind turbines", "lithium batteries", "satellite internet", "facial recognition",
+    "gene editing", "nuclear power", "open-source software", "cloud storage", "hydrogen fuel",
+    "noise-cancelling headphones", "password managers", "spreadsheets", "GPS", "QR codes",
+    "vertical farms", "desalination", "virtual reality", "online banking", "email spam filters",
+]
+FIRST = ["Ana", "Bruno", "Chen", "Dara", "Emeka", "Fatima", "Gustav", "Hana", "Ivan", "Jonas",
+         "Keiko", "Leila", "Mateo", "Nadia", "Oskar", "Paula", "Quentin", "Rosa", "Sami", "Tariq",
+         "Uma", "Viktor", "Wen", "Yusuf", "Zoe", "Ingrid", "Rahul", "Amara", "Diego", "Lena"]
+LAST = ["Silva", "Novak", "Kim", "Andersen", "Mensah", "Rahman", "Fischer", "Ito", "Kowalski",
+        "Moreau", "Santos", "Lindqvist", "Adeyemi", "Costa", "Nguyen", "Schmidt", "Haddad",
+        "Petrov", "Byrne", "Ortiz", "Yilmaz", "Sato", "Varga", "Dubois", "Mwangi", "Jensen"]
+WIDE_TOPIC_FORMS = [
+    "{a}", "{food}", "{hobby}", "{tech}", "{field}", "{h}", "the history of {place}",
+    "how {a} survive the winter", "the economy of {place}", "careers in {field}",
+    "{hobby} for beginners", "{tech} in {place}", "the daily work of a {job}",
+    "{food} in {place}", "repairing a {obj}", "the science of {food}", "{a} in {place}",
+    "the future of {tech}", "{field} and {tech}", "the invention of the {obj}",
+    "becoming a {job}", "protecting {a}", "{hobby} in {place}", "what {field} says about {hobby}",
+]
+
+
+def _wide_topic(rng: random.Random) -> str:
+    return rng.choice(WIDE_TOPIC_FORMS).format(
+        a=rng.choice(ANIMALS), food=rng.choice(FOODS), hobby=rng.choice(HOBBIES),
+        tech=rng.choice(TECH), field=rng.choice(FIELDS), h=rng.choice(HISTORY),
+        place=rng.choice(PLACES_WIDE), job=rng.choice(JOBS), obj=rng.choice(OBJECTS))
+
+
+def _wide_role(rng: random.Random) -> str:
+    if rng.random() < 0.3:
+        return rng.choice(ROLES)
+    return f"a {rng.choice(JOBS)} in {rng.choice(PLACES_WIDE)}"
+
+
+def _passage(rng: random.Random, wide: bool = False) -> str:
+    if wide:
+        a, b = (f"{rng.choice(FIRST)} {rng.choice(LAST)}" for _ in range(2))
+        place, topic = rng.choice(PLACES_WIDE), _wide_topic(rng)
+    else:
+        a, b = rng.sample(NAMES, 2)
+        place, topic = rng.choice(PLACES), rng.choice(TOPICS)
     year, n, m = rng.randint(1990, 2025), rng.randint(3, 900), rng.randint(2, 60)
     month = rng.choice(["January", "March", "May", "July", "September", "November"])
     return (f"On {month} {rng.randint(1, 28)}, {year}, {a} opened a small research center on "
@@ -181,35 +283,44 @@ def _passage(rng: random.Random) -> str:
             f"visitors. {b}, who joined as director in {year + rng.randint(1, 4)}, said the goal "
             f"was to make {topic} understandable to everyone. Funding grew by "
             f"{rng.randint(5, 80)} percent the following year, and a second site opened in "
-            f"{rng.choice(PLACES)}.")
+            f"{rng.choice(PLACES_WIDE if wide else PLACES)}.")
 
 
 def seed_prompts(n: int, seed: int = 0, prompt_set: str = "diverse") -> List[str]:
     """``n`` distinct prompts (deterministic for a seed). ``prompt_set``: ``"basic"`` (the 32
-    original templates) or ``"diverse"`` (those plus the category-wide ones above, each drawn
-    with equal chance between the two lists)."""
-    if prompt_set not in ("basic", "diverse"):
-        raise ValueError(f"prompt_set must be 'basic' or 'diverse'; got {prompt_set!r}")
+    original templates), ``"diverse"`` (those plus the category-wide ones above, each drawn with
+    equal chance between the two lists) or ``"wide"`` (the diverse templates over topics, places,
+    people, roles and objects composed from the larger word pools)."""
+    if prompt_set not in PROMPT_SETS:
+        raise ValueError(f"prompt_set must be one of {', '.join(PROMPT_SETS)}; got {prompt_set!r}")
     rng = random.Random(seed)
+    wide = prompt_set == "wide"
     out, seen = [], set()
     tries = 0
     while len(out) < n and tries < 50 * n:
         tries += 1
         if prompt_set == "basic" or rng.random() < 0.5:
             tpl = rng.choice(TEMPLATES)
-            t, u = rng.sample(TOPICS, 2)
+            if wide:
+                t, u = _wide_topic(rng), _wide_topic(rng)
+            else:
+                t, u = rng.sample(TOPICS, 2)
             p = tpl.format(t=t, u=u, c=rng.choice(CODE_TASKS), n=rng.randint(2, 90),
                            m=rng.randint(2, 30), k=rng.randint(1, 12))
         else:
             tpl = rng.choice(DIVERSE_TEMPLATES)
             s1, s2 = rng.sample(SCIENCE, 2)
-            h1, h2 = rng.sample(HUMANITIES, 2)
+            h1, h2 = rng.sample(HUMANITIES + HISTORY if wide else HUMANITIES, 2)
+            # Keyword order is draw order: the diverse set's prompts must stay as they were.
             p = tpl.format(
-                r=rng.choice(ROLES), t=rng.choice(TOPICS), n=rng.randint(2, 90),
+                r=_wide_role(rng) if wide else rng.choice(ROLES),
+                t=_wide_topic(rng) if wide else rng.choice(TOPICS), n=rng.randint(2, 90),
                 m=rng.randint(2, 30), k=rng.randint(1, 12), q=rng.randint(20, 500),
                 p=2 * rng.randint(14, 60), day=rng.choice(DAYS), s=s1, s2=s2, h=h1, h2=h2,
-                bad=rng.choice(BAD), passage=_passage(rng), place=rng.choice(PLACES),
-                thing=rng.choice(THINGS), event=rng.choice(EVENTS), c=rng.choice(CODE_TASKS),
+                bad=rng.choice(BAD), passage=_passage(rng, wide),
+                place=rng.choice(PLACES_WIDE if wide else PLACES),
+                thing=rng.choice(OBJECTS if wide else THINGS), event=rng.choice(EVENTS),
+                c=rng.choice(CODE_TASKS),
                 pattern=rng.choice(PATTERNS))
         if p not in seen:
             seen.add(p)

@@ -1,6 +1,7 @@
 """train-draft on a tiny model (a few steps), drafter manifests, eval-draft reports and the promotion
 gate (a worse drafter fails it)."""
 
+import hashlib
 import json
 import os
 import shutil
@@ -150,12 +151,16 @@ def test_train_draft_model_method(tiny, trained, tmp_path):
     import pyspec
 
     out = str(tmp_path / "dm")
+    corpus = os.path.join(trained, "data.pt")
+    assert cli.main(["train-draft", "--target", tiny, "--out", out, "--method", "draft-model",
+                     "--data", corpus + "," + str(tmp_path / "missing.pt")]) == 2
+    # Several corpora (comma-separated) are concatenated.
     rc = cli.main(["train-draft", "--target", tiny, "--out", out, "--method", "draft-model",
-                   "--data", os.path.join(trained, "data.pt"), "--draft-layers", "1",
-                   "--epochs", "1"])
+                   "--data", corpus + "," + corpus, "--draft-layers", "1", "--epochs", "1"])
     assert rc == 0
     man = json.load(open(os.path.join(out, "pyspec_manifest.json")))
     assert man["method"] == "draft-model" and man["recipe"]["draft_layers"] == 1
+    assert man["recipe"]["sequences"] == 2 * len(torch.load(corpus, weights_only=False))
     assert json.load(open(os.path.join(out, "config.json")))["num_hidden_layers"] == 1
     llm = pyspec.LLM(tiny, draft=out, kv_cache_tokens=2048)
     ref = pyspec.LLM(tiny, draft="none", kv_cache_tokens=2048)
@@ -316,9 +321,63 @@ def test_seed_prompt_sets(tiny, tmp_path):
     assert not any(p.startswith(t.split("{")[0]) for p in basic[:50]
                    for t in DIVERSE_TEMPLATES if len(t.split("{")[0]) > 12)
     assert len(TEMPLATES) == 32
+    # The diverse set is the shipped drafter v3's recipe: it must not drift either.
+    shipped = seed_prompts(2400, seed=0)
+    assert shipped[:400] == diverse
+    assert hashlib.sha256("\n".join(shipped).encode()).hexdigest() == (
+        "351a90fe32b89d94717571fe733edab9fd5c550e50ead14f11c1b394069222a6")
+    # The wide set: the same kinds of requests over far more distinct words (400 prompts name
+    # over 200 of the pools' entries; the diverse set names at most its 78 topics and a few
+    # pool words that happen to be among them).
+    from pyspec.train import data as D
+
+    wide = seed_prompts(400, seed=0, prompt_set="wide")
+    assert len(set(wide)) == 400 and wide == seed_prompts(400, seed=0, prompt_set="wide")
+    pool = (D.ANIMALS + D.FOODS + D.PLACES_WIDE + D.JOBS + D.OBJECTS + D.FIELDS + D.HISTORY
+            + D.HOBBIES + D.TECH)
+    named = sum(any(w in p for p in wide) for w in pool)
+    assert named > 200 and named > 3 * sum(any(w in p for p in diverse) for w in pool)
+    assert sum(any(p.startswith(s) for s in stems) for p in wide) > 100
     with pytest.raises(ValueError, match="prompt_set"):
         seed_prompts(3, prompt_set="mt-bench")
+    # Several sets in one run: one corpus per set, one after the other, from the same prompts
+    # separate runs would use.
+    import pyspec
+
+    out = str(tmp_path / "two")
+    assert cli.main(["train-draft", "--target", tiny, "--out", out, "--prompt-set", "basic,wide",
+                     "--prompts", "3", "--max-tokens", "4", "--epochs", "1", "--draft-vocab",
+                     "80", "--intermediate-size", "32"]) == 0
+    recipe = json.load(open(os.path.join(out, "drafter.json")))["manifest"]["recipe"]
+    assert recipe["prompt_set"] == "basic,wide" and recipe["sequences"] == 6
+    llm = pyspec.LLM(tiny, draft="none", kv_cache_tokens=512)
+    both = seed_prompts(3, seed=0, prompt_set="basic") + seed_prompts(3, prompt_set="wide")
+    want = [llm.chat_prompt([{"role": "user", "content": q}]) for q in both]
+    seqs = torch.load(os.path.join(out, "data.pt"), weights_only=False)
+    assert [q.tokens[:q.num_prompt] for q in seqs] == want
+    for bad in ("mt-bench", "wide,wide", "basic,"):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["train-draft", "--target", tiny, "--out", str(tmp_path / "x"),
+                      "--prompt-set", bad])
+        assert e.value.code == 2
     with pytest.raises(SystemExit) as e:  # argparse: invalid choice, exit status 2
         cli.main(["train-draft", "--target", tiny, "--out", str(tmp_path / "x"),
                   "--prompt-set", "mt-bench"])
     assert e.value.code == 2
+
+
+def test_offline_accuracy_bench_novel_topics_are_unseen(monkeypatch):
+    """bench/eagle_offline_accuracy.py's "unseen topics" set names no entry of any word pool the
+    prompt sets draw from (its README numbers would mean nothing otherwise)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "eagle_offline_accuracy.py")
+    spec = importlib.util.spec_from_file_location("eagle_offline_accuracy", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    prompts = bench.novel_prompts(12)
+    assert len(prompts) == 12
+    assert all(any(t in p for t in bench.NOVEL_TOPICS) for p in prompts)
+    monkeypatch.setattr(bench, "NOVEL_TOPICS", bench.NOVEL_TOPICS + ["honey bees"])
+    with pytest.raises(SystemExit, match="honey bees"):
+        bench.novel_prompts(4)
