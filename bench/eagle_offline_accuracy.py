@@ -1,12 +1,22 @@
 """How well a trained EAGLE head predicts the target, outside the engine: top-1 agreement with the
 target's greedy next token at depth 1 (true features) and depth 2 (the head's own predicted
-features, as a depth-2 tree node sees them), on MT-bench continuations the target generates
-(float32 features) and, when the training folder still holds it, on the head's own training
-corpus (data.pt, bfloat16 features). A large gap between the two says the corpus does not cover
-the traffic.
+features, as a depth-2 tree node sees them), on continuations the target generates (float32
+features) for four prompt sets:
 
-    python bench/eagle_offline_accuracy.py ~/.cache/pyspec/drafters/smollm2-eagle-v2 \
-        --data ~/.cache/pyspec/drafters/smollm2-eagle-v1/data.pt
+- ``mt_bench``: MT-bench first turns (the traffic the goals are stated on);
+- ``heldout``: seed prompts of the head's own prompt set that it never trained on (same
+  templates and word pools, another seed): agreement here close to the training corpus's means
+  the head is not overfitting;
+- ``novel_topics``: the basic templates over topics that no prompt set's pools contain: what the
+  head does with words it never saw;
+- ``training_corpus`` (when the folder, or --data, holds data.pt): the head's last training
+  sequences (bfloat16 features).
+
+Each set also reports how often the target's token lies in the head's draft vocabulary (the head
+cannot propose another) and depth-1 agreement split by the target's own confidence (its top
+probability): a gap between sets at equal confidence is the head's, not the text's.
+
+    python bench/eagle_offline_accuracy.py ~/.cache/pyspec/drafters/smollm2-eagle-v3
 """
 
 from __future__ import annotations
@@ -20,6 +30,16 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
+# Topics for the novel_topics set: none is (or contains, or is contained in) an entry of any word
+# pool of pyspec.train.data (checked at run time).
+NOVEL_TOPICS = [
+    "submarines", "the Eiffel Tower", "hip hop", "tax returns", "Shakespeare's sonnets",
+    "lighthouses", "Mount Everest", "artificial sweeteners", "the Danube", "ballet",
+    "cough medicine", "train stations", "sunscreen", "piano tuning", "crossbows",
+    "medieval monasteries", "the Titanic", "vinyl records", "hurricanes", "credit scores",
+]
+CONFIDENCE_BINS = ((0.0, 0.3), (0.3, 0.5), (0.5, 0.7), (0.7, 0.9), (0.9, 1.01))
+
 
 def head_from(folder, llm):
     from safetensors.torch import load_file
@@ -31,7 +51,7 @@ def head_from(folder, llm):
     head = EagleHead(llm.model, dv, int(conf["eagle"]["intermediate_size"]))
     state = torch.load(os.path.join(folder, "checkpoint.pt"), weights_only=False)["head"]
     head.load_state_dict(state)
-    return head.eval(), dv
+    return head.eval(), dv, conf
 
 
 @torch.no_grad()
@@ -47,56 +67,115 @@ def agreement(head, dv, tokens, feats, target_next):
     return d1, d2
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("folder", help="a train-draft --method eagle output folder (checkpoint.pt)")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--train-seqs", type=int, default=64)
-    ap.add_argument("--data", default=None, help="the training corpus (default: FOLDER/data.pt)")
-    args = ap.parse_args(argv)
+def novel_prompts(n: int):
+    import random
 
-    import pyspec
+    from pyspec.train import data as D
+
+    pools = [w.lower() for w in D.TOPICS + D.SCIENCE + D.HUMANITIES + D.PLACES + D.THINGS
+             + D.ANIMALS + D.FOODS + D.PLACES_WIDE + D.JOBS + D.OBJECTS + D.FIELDS + D.HISTORY
+             + D.HOBBIES + D.TECH]
+    clash = [t for t in NOVEL_TOPICS if any(t.lower() in w or w in t.lower() for w in pools)]
+    if clash:
+        raise SystemExit(f"NOVEL_TOPICS entries found in the training pools: {clash}")
+    rng = random.Random(3)
+    with_topic = [t for t in D.TEMPLATES if "{t}" in t and "{c}" not in t]
+    return [rng.choice(with_topic).format(t=t, u=u)
+            for t, u in (rng.sample(NOVEL_TOPICS, 2) for _ in range(n))]
+
+
+def score(llm, head, dv, prompts, max_tokens):
     from pyspec.runner import ModelRunner, SeqStep
-    from pyspec.train.eagle import _rms
 
-    llm = pyspec.LLM(None, draft="none", progress=False, kv_cache_tokens=2048)
-    head, dv = head_from(args.folder, llm)
-    rows = [json.loads(line) for line in open(os.path.join(HERE, "data",
-                                                           "mt_bench_questions.jsonl"))]
-    rows = rows[::max(1, len(rows) // args.prompts)][:args.prompts]
-    out = {}
-    d1s, d2s = [], []
-    for r in rows:
-        ids = llm.chat_prompt([{"role": "user", "content": r["turns"][0]}])
-        gen = llm.generate([ids], {"max_tokens": args.max_tokens})[0].token_ids
+    d1s, d2s, conf, nxts = [], [], [], []
+    for p in prompts:
+        ids = llm.chat_prompt([{"role": "user", "content": p}])
+        gen = llm.generate([ids], {"max_tokens": max_tokens})[0].token_ids
         full = ids + gen
         runner = ModelRunner(llm.model, num_blocks=(len(full) + 31) // 16, block_size=16)
         res = runner.step([SeqStep(full, 0, list(range(runner.kv.num_blocks)), None, "all")],
                           return_hidden=True)
         nxt = res.logits.argmax(-1)  # the target's prediction after each position
+        top = torch.softmax(res.logits.float(), dim=-1).max(-1).values
         d1, d2 = agreement(head, dv, full[1:], res.hidden[:-1].float(), nxt[1:])
         p0 = len(ids) - 1  # score the generated part only
         d1s.append(d1[p0:])
         d2s.append(d2[p0:])
-    out["mt_bench"] = {"prompts": len(rows), "positions": int(sum(x.numel() for x in d1s)),
-                       "depth1_top1": float(torch.cat(d1s).float().mean()),
-                       "depth2_top1": float(torch.cat(d2s).float().mean())}
+        conf.append(top[1:][p0:p0 + d1[p0:].numel()])
+        nxts.append(nxt[1:][p0:p0 + d1[p0:].numel()])
+    return summarize(torch.cat(d1s), torch.cat(d2s), torch.cat(conf), torch.cat(nxts), dv,
+                     prompts=len(prompts))
+
+
+def summarize(d1, d2, conf, nxt, dv, **extra):
+    in_vocab = torch.zeros(int(max(int(dv.max()), int(nxt.max())) + 1), dtype=torch.bool)
+    in_vocab[dv] = True
+    out = dict(extra, positions=int(d1.numel()), depth1_top1=round(float(d1.float().mean()), 4),
+               depth2_top1=round(float(d2.float().mean()), 4),
+               target_token_in_draft_vocab=round(float(in_vocab[nxt].float().mean()), 4),
+               target_confidence_mean=round(float(conf.mean()), 4))
+    out["depth1_top1_by_target_confidence"] = {
+        f"{lo:.1f}-{min(hi, 1.0):.1f}": [int(m.sum()), round(float(d1[m].float().mean()), 4)
+                                         if bool(m.any()) else None]
+        for lo, hi in CONFIDENCE_BINS for m in [(conf >= lo) & (conf < hi)]}
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("folder", help="a train-draft --method eagle output folder (checkpoint.pt)")
+    ap.add_argument("--prompts", type=int, default=16, help="prompts per generated set")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--train-seqs", type=int, default=64)
+    ap.add_argument("--data", default=None, help="the training corpus (default: FOLDER/data.pt)")
+    ap.add_argument("--heldout-set", default=None, choices=["basic", "diverse", "wide"],
+                    help="the prompt set of the heldout prompts (default: the recipe's; seed-0 "
+                    "prompts of that set, which the recipes train on, are left out)")
+    ap.add_argument("--sets", default="mt_bench,heldout,novel_topics,training_corpus",
+                    help="comma-separated subset of the sets above")
+    args = ap.parse_args(argv)
+    sets = set(args.sets.split(","))
+
+    import pyspec
+    from pyspec.train import data as D
+    from pyspec.train.eagle import _rms
+
+    llm = pyspec.LLM(None, draft="none", progress=False, kv_cache_tokens=2048)
+    head, dv, conf = head_from(args.folder, llm)
+    recipe = (conf.get("manifest") or {}).get("recipe") or {}
+    out = {}
+    if "mt_bench" in sets:
+        rows = [json.loads(line) for line in open(os.path.join(HERE, "data",
+                                                               "mt_bench_questions.jsonl"))]
+        rows = rows[::max(1, len(rows) // args.prompts)][:args.prompts]
+        out["mt_bench"] = score(llm, head, dv, [r["turns"][0] for r in rows], args.max_tokens)
+    if "heldout" in sets:
+        pset = args.heldout_set or (recipe.get("prompt_set") or "diverse").split(",")[-1]
+        seen = set(D.seed_prompts(int(recipe.get("seed_prompts", 2400)), seed=0,
+                                  prompt_set=pset))
+        held = [p for p in D.seed_prompts(20 * args.prompts, seed=777, prompt_set=pset)
+                if p not in seen][:args.prompts]
+        out["heldout"] = dict(score(llm, head, dv, held, args.max_tokens), prompt_set=pset)
+    if "novel_topics" in sets:
+        out["novel_topics"] = score(llm, head, dv, novel_prompts(args.prompts), args.max_tokens)
     data = args.data or os.path.join(args.folder, "data.pt")
-    if os.path.isfile(data) and args.train_seqs > 0:
+    if "training_corpus" in sets and os.path.isfile(data) and args.train_seqs > 0:
         seqs = torch.load(data, weights_only=False)[-args.train_seqs:]
-        d1s, d2s = [], []
+        d1s, d2s, confs, nxts = [], [], [], []
+        lm_head = llm.model.lm_head.float()
         for s in seqs:
             h = s.hidden.float()
-            logits = F.linear(_rms(h, head.teacher_norm, head.eps), head.teacher_head)
-            nxt = dv[logits.argmax(-1)]  # the target's argmax within the draft vocabulary
+            full = F.linear(_rms(h, head.teacher_norm, head.eps), lm_head)
+            nxt = full.argmax(-1)  # the target's prediction after each position
+            top = torch.softmax(full, -1).max(-1).values
             d1, d2 = agreement(head, dv, s.tokens[1:len(h) + 1], h, nxt[1:])
-            d1s.append(d1[s.num_prompt - 1:])
-            d2s.append(d2[s.num_prompt - 1:])
-        out["training_corpus"] = {"sequences": len(seqs),
-                                  "positions": int(sum(x.numel() for x in d1s)),
-                                  "depth1_top1": float(torch.cat(d1s).float().mean()),
-                                  "depth2_top1": float(torch.cat(d2s).float().mean())}
+            p0 = s.num_prompt - 1
+            d1s.append(d1[p0:])
+            d2s.append(d2[p0:])
+            confs.append(top[1:][p0:p0 + d1[p0:].numel()])
+            nxts.append(nxt[1:][p0:p0 + d1[p0:].numel()])
+        out["training_corpus"] = summarize(torch.cat(d1s), torch.cat(d2s), torch.cat(confs),
+                                           torch.cat(nxts), dv, sequences=len(seqs))
     print(json.dumps(out, indent=1))
 
 
