@@ -73,8 +73,7 @@ def novel_prompts(n: int):
     from pyspec.train import data as D
 
     pools = [w.lower() for w in D.TOPICS + D.SCIENCE + D.HUMANITIES + D.PLACES + D.THINGS
-             + D.ANIMALS + D.FOODS + D.PLACES_WIDE + D.JOBS + D.OBJECTS + D.FIELDS + D.HISTORY
-             + D.HOBBIES + D.TECH]
+             + D.WIDE_POOLS]
     clash = [t for t in NOVEL_TOPICS if any(t.lower() in w or w in t.lower() for w in pools)]
     if clash:
         raise SystemExit(f"NOVEL_TOPICS entries found in the training pools: {clash}")
@@ -84,10 +83,20 @@ def novel_prompts(n: int):
             for t, u in (rng.sample(NOVEL_TOPICS, 2) for _ in range(n))]
 
 
+def _generated_part(head, dv, tokens, hidden, logits, p0):
+    """Depth-1/2 agreement, the target's confidence and its token at every position from ``p0``
+    (the last prompt position) on; ``logits[p]`` is the target's prediction after position p."""
+    nxt = logits.argmax(-1)
+    top = torch.softmax(logits.float(), dim=-1).max(-1).values
+    d1, d2 = agreement(head, dv, tokens[1:len(hidden) + 1], hidden, nxt[1:])
+    m = d1[p0:].numel()
+    return d1[p0:], d2[p0:], top[1:][p0:p0 + m], nxt[1:][p0:p0 + m]
+
+
 def score(llm, head, dv, prompts, max_tokens):
     from pyspec.runner import ModelRunner, SeqStep
 
-    d1s, d2s, conf, nxts = [], [], [], []
+    parts = []
     for p in prompts:
         ids = llm.chat_prompt([{"role": "user", "content": p}])
         gen = llm.generate([ids], {"max_tokens": max_tokens})[0].token_ids
@@ -95,19 +104,13 @@ def score(llm, head, dv, prompts, max_tokens):
         runner = ModelRunner(llm.model, num_blocks=(len(full) + 31) // 16, block_size=16)
         res = runner.step([SeqStep(full, 0, list(range(runner.kv.num_blocks)), None, "all")],
                           return_hidden=True)
-        nxt = res.logits.argmax(-1)  # the target's prediction after each position
-        top = torch.softmax(res.logits.float(), dim=-1).max(-1).values
-        d1, d2 = agreement(head, dv, full[1:], res.hidden[:-1].float(), nxt[1:])
-        p0 = len(ids) - 1  # score the generated part only
-        d1s.append(d1[p0:])
-        d2s.append(d2[p0:])
-        conf.append(top[1:][p0:p0 + d1[p0:].numel()])
-        nxts.append(nxt[1:][p0:p0 + d1[p0:].numel()])
-    return summarize(torch.cat(d1s), torch.cat(d2s), torch.cat(conf), torch.cat(nxts), dv,
-                     prompts=len(prompts))
+        parts.append(_generated_part(head, dv, full, res.hidden[:-1].float(), res.logits,
+                                     len(ids) - 1))
+    return summarize(parts, dv, prompts=len(prompts))
 
 
-def summarize(d1, d2, conf, nxt, dv, **extra):
+def summarize(parts, dv, **extra):
+    d1, d2, conf, nxt = (torch.cat(x) for x in zip(*parts))
     in_vocab = torch.zeros(int(max(int(dv.max()), int(nxt.max())) + 1), dtype=torch.bool)
     in_vocab[dv] = True
     out = dict(extra, positions=int(d1.numel()), depth1_top1=round(float(d1.float().mean()), 4),
@@ -129,8 +132,9 @@ def main(argv=None):
     ap.add_argument("--train-seqs", type=int, default=64)
     ap.add_argument("--data", default=None, help="the training corpus (default: FOLDER/data.pt)")
     ap.add_argument("--heldout-set", default=None, choices=["basic", "diverse", "wide"],
-                    help="the prompt set of the heldout prompts (default: the recipe's; seed-0 "
-                    "prompts of that set, which the recipes train on, are left out)")
+                    help="the prompt set of the heldout prompts (default: the recipe's, its last "
+                    "if several; seed-0 prompts of that set, which the recipes train on, are "
+                    "left out)")
     ap.add_argument("--sets", default="mt_bench,heldout,novel_topics,training_corpus",
                     help="comma-separated subset of the sets above")
     args = ap.parse_args(argv)
@@ -161,21 +165,13 @@ def main(argv=None):
     data = args.data or os.path.join(args.folder, "data.pt")
     if "training_corpus" in sets and os.path.isfile(data) and args.train_seqs > 0:
         seqs = torch.load(data, weights_only=False)[-args.train_seqs:]
-        d1s, d2s, confs, nxts = [], [], [], []
         lm_head = llm.model.lm_head.float()
+        parts = []
         for s in seqs:
             h = s.hidden.float()
-            full = F.linear(_rms(h, head.teacher_norm, head.eps), lm_head)
-            nxt = full.argmax(-1)  # the target's prediction after each position
-            top = torch.softmax(full, -1).max(-1).values
-            d1, d2 = agreement(head, dv, s.tokens[1:len(h) + 1], h, nxt[1:])
-            p0 = s.num_prompt - 1
-            d1s.append(d1[p0:])
-            d2s.append(d2[p0:])
-            confs.append(top[1:][p0:p0 + d1[p0:].numel()])
-            nxts.append(nxt[1:][p0:p0 + d1[p0:].numel()])
-        out["training_corpus"] = summarize(torch.cat(d1s), torch.cat(d2s), torch.cat(confs),
-                                           torch.cat(nxts), dv, sequences=len(seqs))
+            logits = F.linear(_rms(h, head.teacher_norm, head.eps), lm_head)
+            parts.append(_generated_part(head, dv, s.tokens, h, logits, s.num_prompt - 1))
+        out["training_corpus"] = summarize(parts, dv, sequences=len(seqs))
     print(json.dumps(out, indent=1))
 
 
