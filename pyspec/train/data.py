@@ -168,15 +168,15 @@ BAD = ["me and him goes to the store yesterday and buyed three apple",
        "their going too the park tomorow if it dont rain",
        "the datas shows that less peoples is using cars then before",
        "i has finished the report but it need more work on it's conclusion"]
-PROMPT_SETS = ("basic", "diverse", "wide")
 DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
 
 
 # The "wide" set: the same kinds of requests as "diverse", but topics, places, people, roles and
-# objects are composed from far larger word pools. A head trained on the diverse set agreed with
-# the target 0.40 of the time on unseen prompts of its own templates and topics but 0.30 with the
-# same templates over topics it never saw (README, "Drafter training"): with 78 topics it learns the
-# topics' words instead of carrying whatever the prompt names into the answer.
+# objects are composed from far larger word pools. Written because a head trained on the diverse
+# set agreed with the target 0.40 of the time on unseen prompts of its own templates and topics
+# but 0.30 over topics it never saw; a head trained on this set instead did no better on either
+# unseen topics or MT-bench (README, "Where the MT-bench gap comes from"). Kept for variety: the
+# shipped drafter trains on both sets.
 ANIMALS = [
     "wolves", "penguins", "octopuses", "elephants", "kangaroos", "owls", "salmon", "bats",
     "dolphins", "ants", "camels", "tortoises", "hummingbirds", "jellyfish", "gorillas", "foxes",
@@ -246,6 +246,7 @@ FIRST = ["Ana", "Bruno", "Chen", "Dara", "Emeka", "Fatima", "Gustav", "Hana", "I
 LAST = ["Silva", "Novak", "Kim", "Andersen", "Mensah", "Rahman", "Fischer", "Ito", "Kowalski",
         "Moreau", "Santos", "Lindqvist", "Adeyemi", "Costa", "Nguyen", "Schmidt", "Haddad",
         "Petrov", "Byrne", "Ortiz", "Yilmaz", "Sato", "Varga", "Dubois", "Mwangi", "Jensen"]
+WIDE_POOLS = ANIMALS + FOODS + PLACES_WIDE + JOBS + OBJECTS + FIELDS + HISTORY + HOBBIES + TECH
 WIDE_TOPIC_FORMS = [
     "{a}", "{food}", "{hobby}", "{tech}", "{field}", "{h}", "the history of {place}",
     "how {a} survive the winter", "the economy of {place}", "careers in {field}",
@@ -284,6 +285,9 @@ def _passage(rng: random.Random, wide: bool = False) -> str:
             f"was to make {topic} understandable to everyone. Funding grew by "
             f"{rng.randint(5, 80)} percent the following year, and a second site opened in "
             f"{rng.choice(PLACES_WIDE if wide else PLACES)}.")
+
+
+PROMPT_SETS = ("basic", "diverse", "wide")
 
 
 def seed_prompts(n: int, seed: int = 0, prompt_set: str = "diverse") -> List[str]:

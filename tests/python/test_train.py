@@ -333,10 +333,8 @@ def test_seed_prompt_sets(tiny, tmp_path):
 
     wide = seed_prompts(400, seed=0, prompt_set="wide")
     assert len(set(wide)) == 400 and wide == seed_prompts(400, seed=0, prompt_set="wide")
-    pool = (D.ANIMALS + D.FOODS + D.PLACES_WIDE + D.JOBS + D.OBJECTS + D.FIELDS + D.HISTORY
-            + D.HOBBIES + D.TECH)
-    named = sum(any(w in p for p in wide) for w in pool)
-    assert named > 200 and named > 3 * sum(any(w in p for p in diverse) for w in pool)
+    named = sum(any(w in p for p in wide) for w in D.WIDE_POOLS)
+    assert named > 200 and named > 3 * sum(any(w in p for p in diverse) for w in D.WIDE_POOLS)
     assert sum(any(p.startswith(s) for s in stems) for p in wide) > 100
     with pytest.raises(ValueError, match="prompt_set"):
         seed_prompts(3, prompt_set="mt-bench")
