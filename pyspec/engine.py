@@ -734,6 +734,10 @@ class Engine:
             r.drafter = nxt
             r.tried.append(nxt)
             r.ewma, r.spec_steps_here = -1.0, 0
+            # The scheduler's acceptance evidence was about the previous drafter: the new one
+            # starts from the initial draft length (and speculates even if the old one had
+            # fallen back to plain decoding).
+            self.scheduler.reset_acceptance(ids[i])
             r.stats.drafter = nxt
             r.stats.drafters_used.append(nxt)
             r.stats.switches["low_acceptance"] = r.stats.switches.get("low_acceptance", 0) + 1

@@ -239,6 +239,10 @@ that do not match the last step) raise ValueError.)doc")
            "Finish with 'abort' from any state, freeing its KV now. False if already finished.")
       .def("release", &Scheduler::Release, py::arg("request_id"),
            "Forget a finished request.")
+      .def("reset_acceptance", &Scheduler::ResetAcceptance, py::arg("request_id"),
+           "Another drafter serves the request: drop the acceptance evidence about the previous "
+           "one, restart its draft length and leave plain decoding. Between update() and step(); "
+           "False if finished.")
       .def("step", &Scheduler::Step, "Build the next batch (a ScheduleOutput).")
       .def(
           "update",

@@ -125,6 +125,25 @@ void Scheduler::AddRequest(int64_t id, std::vector<int32_t> prompt, SamplingPara
   waiting_.push_back(id);
 }
 
+bool Scheduler::ResetAcceptance(int64_t id) {
+  Request& r = Get(id, "ResetAcceptance");
+  if (r.finished()) return false;
+  PYSPEC_CHECK(in_flight_set_.count(id) == 0, "ResetAcceptance(", id,
+               "): the request is in the step being run; call it between update() and step()");
+  AcceptanceStats& st = r.stats;
+  st.ewma = -1.0;
+  st.alpha_num = st.alpha_den = 0.0;
+  st.fb_hits = st.fb_trials = 0.0;
+  r.draft_len = config_.initial_draft_tokens;
+  if (r.state() == RequestState::kRunningPlain &&
+      RunningStateFor(r) == RequestState::kRunningSpeculative) {
+    r.TransitionTo(RequestState::kRunningSpeculative);
+    r.draft_len = std::max<int64_t>(r.draft_len, 1);
+  }
+  r.steps_since_switch = 0;
+  return true;
+}
+
 bool Scheduler::Abort(int64_t id) {
   Request& r = Get(id, "Abort");
   if (r.finished()) return false;

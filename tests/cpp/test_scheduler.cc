@@ -761,6 +761,67 @@ TEST(CostModel, SchedulerAdaptsAndFallsBack) {
   EXPECT_THROW(s.SetCostModel(std::nan(""), 0.0), pyspec::ValueError);
 }
 
+TEST(CostModel, ResetAcceptanceGivesANewDrafterAFreshStart) {
+  // A drafter that is never right drives the request to plain decoding; after
+  // ResetAcceptance (another drafter takes over) it speculates at once with the initial draft
+  // length, judged on new evidence only: one fully accepted step moves the estimate to 1.
+  pyspec::SchedulerConfig c;
+  c.cost_model = true;
+  c.max_draft_tokens = 8;
+  c.initial_draft_tokens = 3;
+  c.warmup_steps = 2;
+  c.probe_interval = 50;
+  c.draft_cost = 0.3;
+  c.verify_cost = 0.05;
+  pyspec::Scheduler s(c, 256, 4, false);
+  s.AddRequest(1, {1, 2, 3}, [] { pyspec::SamplingParams p; p.max_tokens = 200; return p; }());
+  int64_t last_budget = -1;
+  auto run_step = [&](bool accept_all) {
+    auto out = s.Step();
+    pyspec::StepResult res;
+    for (size_t i = 0; i < out.ids.size(); ++i) {
+      if (out.kinds[i] == pyspec::StepKind::kPrefill) {
+        res.AddPrefill(out.ids[i], out.token_indptr[i + 1] - out.token_indptr[i]);
+      } else {
+        int64_t b = out.draft_budget[i];
+        last_budget = b;
+        int64_t a = accept_all ? b : 0;
+        res.AddDecode(out.ids[i], std::vector<int32_t>(a + 1, 5), b, a);
+      }
+    }
+    s.Update(res);
+  };
+  run_step(true);  // prefill
+  int steps = 0;
+  while (s.GetRequest(1).state() != pyspec::RequestState::kRunningPlain && steps < 60) {
+    run_step(false);
+    ++steps;
+  }
+  ASSERT_EQ(s.GetRequest(1).state(), pyspec::RequestState::kRunningPlain);
+  run_step(false);
+  EXPECT_EQ(last_budget, 0);  // plain: no draft
+  const int64_t spec_steps = s.GetRequest(1).stats.num_spec_steps;
+  EXPECT_TRUE(s.ResetAcceptance(1));
+  const pyspec::Request& r = s.GetRequest(1);
+  EXPECT_EQ(r.state(), pyspec::RequestState::kRunningSpeculative);
+  EXPECT_EQ(r.draft_len, 3);
+  EXPECT_LT(r.stats.TokenAcceptance(), 0.0);  // no estimate yet
+  EXPECT_EQ(r.stats.num_spec_steps, spec_steps);  // lifetime counters stay
+  run_step(true);
+  EXPECT_EQ(last_budget, 3);
+  EXPECT_GT(s.GetRequest(1).stats.TokenAcceptance(), 0.99);
+  EXPECT_THROW(s.ResetAcceptance(99), pyspec::ValueError);
+  // In the middle of a step (after Step(), before Update()) it is refused.
+  auto out = s.Step();
+  EXPECT_THROW(s.ResetAcceptance(1), pyspec::ValueError);
+  pyspec::StepResult res;
+  res.AddDecode(1, std::vector<int32_t>(out.draft_budget[0] + 1, 5), out.draft_budget[0],
+                out.draft_budget[0]);
+  s.Update(res);
+  EXPECT_TRUE(s.Abort(1));
+  EXPECT_FALSE(s.ResetAcceptance(1));
+}
+
 namespace {
 
 // A depth-1 drafter right with probability `hit` at a cost of draft_cost + verify_cost plain steps

@@ -197,6 +197,45 @@ def test_router_and_switching(model, plain):
         Engine(runner, router=Router(default="nope"))
 
 
+def test_a_switch_gives_the_new_drafter_a_fresh_start(model, plain):
+    """The scheduler's acceptance evidence about the drafter a request leaves is dropped: right
+    after the switch the request speculates from the initial draft length, even where the old
+    drafter's misses had shrunk it to 1, and the new drafter (the target itself: always right)
+    then has every token accepted."""
+    runner = ModelRunner(model, num_blocks=64, block_size=8)
+    bad = Exploding(set(), "none")
+    good = ModelDrafter(LlamaForCausalLM.random(model.cfg, seed=0), runner, max_depth=3)
+    eng = Engine(runner, drafter=bad, drafters={"self": good},
+                 router=pyspec_router(default="exploding", switch_order=["self"]),
+                 adaptive=False, switch_below=0.5, max_draft_tokens=3)
+    rid = eng.add_request(prompts()[3], SamplingParams(max_tokens=40))
+    before = None
+    while eng.has_unfinished():
+        snap = eng.scheduler.request(rid)
+        eng.step()
+        r = eng._reqs[rid]
+        if r.stats.switches.get("low_acceptance"):
+            before = snap
+            break
+    assert before is not None and before.draft_len == 1  # the old drafter's misses
+    after = eng.scheduler.request(rid)
+    assert after.state == "RUNNING_SPECULATIVE" and after.token_acceptance is None
+    assert after.draft_len == 3  # initial_draft_tokens = min(4, max_draft_tokens)
+    accepted = eng._reqs[rid].stats.accepted_tokens
+    eng.step()
+    assert eng._reqs[rid].stats.accepted_tokens - accepted == 3
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.result(rid).token_ids == decode_one(ModelRunner(model, 64, 8), prompts()[3],
+                                                   40).tokens
+
+
+def pyspec_router(**kw):
+    from pyspec.engine import Router
+
+    return Router(**kw)
+
+
 def test_adaptive_falls_back_and_reprobes(model, plain):
     runner = ModelRunner(model, num_blocks=64, block_size=8)
     # Never right, but nearly free on this tiny model: the cost model alone would keep it (its

@@ -185,6 +185,12 @@ class Scheduler {
   bool Abort(int64_t id);
   // Forgets a finished request. Throws ValueError if unknown or not finished.
   void Release(int64_t id);
+  // Another drafter now serves request `id`: the acceptance evidence gathered about the previous
+  // one (EWMA, cost-model estimate, fallback test) is dropped, draft_len starts over at
+  // initial_draft_tokens, and a request that fell back to plain decoding speculates again (when
+  // it may). Call between Update() and Step(). Lifetime counters stay. False if the request has
+  // finished; throws ValueError for an unknown id.
+  bool ResetAcceptance(int64_t id);
 
   // Builds the next batch. Throws ValueError if the previous Step() was not followed by Update().
   ScheduleOutput Step();
