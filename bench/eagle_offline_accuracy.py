@@ -48,7 +48,8 @@ def head_from(folder, llm):
 
     conf = json.load(open(os.path.join(folder, "drafter.json")))
     dv = load_file(os.path.join(folder, "drafter.safetensors"))["draft_vocab"]
-    head = EagleHead(llm.model, dv, int(conf["eagle"]["intermediate_size"]))
+    head = EagleHead(llm.model, dv, int(conf["eagle"]["intermediate_size"]),
+                     conf["eagle"].get("feature_layers"))
     state = torch.load(os.path.join(folder, "checkpoint.pt"), weights_only=False)["head"]
     head.load_state_dict(state)
     return head.eval(), dv, conf
@@ -103,7 +104,7 @@ def score(llm, head, dv, prompts, max_tokens):
         full = ids + gen
         runner = ModelRunner(llm.model, num_blocks=(len(full) + 31) // 16, block_size=16)
         res = runner.step([SeqStep(full, 0, list(range(runner.kv.num_blocks)), None, "all")],
-                          return_hidden=True)
+                          return_hidden=head.feature_layers)
         parts.append(_generated_part(head, dv, full, res.hidden[:-1].float(), res.logits,
                                      len(ids) - 1))
     return summarize(parts, dv, prompts=len(prompts))
@@ -162,14 +163,17 @@ def main(argv=None):
         out["heldout"] = dict(score(llm, head, dv, held, args.max_tokens), prompt_set=pset)
     if "novel_topics" in sets:
         out["novel_topics"] = score(llm, head, dv, novel_prompts(args.prompts), args.max_tokens)
-    data = args.data or os.path.join(args.folder, "data.pt")
+    layers = head.feature_layers
+    data = args.data or os.path.join(args.folder, "data.pt" if len(layers) == 1 else
+                                     "features-" + "-".join(map(str, layers)) + ".pt")
     if "training_corpus" in sets and os.path.isfile(data) and args.train_seqs > 0:
         seqs = torch.load(data, weights_only=False)[-args.train_seqs:]
         lm_head = llm.model.lm_head.float()
         parts = []
         for s in seqs:
             h = s.hidden.float()
-            logits = F.linear(_rms(h, head.teacher_norm, head.eps), lm_head)
+            logits = F.linear(_rms(h[:, -head.cfg.hidden_size:], head.teacher_norm, head.eps),
+                              lm_head)
             parts.append(_generated_part(head, dv, s.tokens, h, logits, s.num_prompt - 1))
         out["training_corpus"] = summarize(parts, dv, sequences=len(seqs))
     print(json.dumps(out, indent=1))

@@ -42,7 +42,8 @@ import torch
 
 from pyspec import TokenTree, _C
 from pyspec.drafters import Drafter, make_drafter
-from pyspec.drafters.base import Draft, DraftRequest, PrefillChunk, Verified
+from pyspec.drafters.base import (Draft, DraftRequest, PrefillChunk, Verified, layers_of,
+                                  select_layers, union_layers)
 from pyspec.runner import ModelRunner, SeqStep
 from pyspec.sampling import accept, apply_sampling_filters
 
@@ -338,7 +339,12 @@ class Engine:
         except TypeError as e:  # an unknown keyword
             raise ValueError(str(e)) from None
         self._pools = [p for d in self.drafters.values() for p in d.kv_pools()]
-        self._need_hidden = any(d.needs_hidden for d in self.drafters.values())
+        # The target layers any drafter reads (False: none); each drafter gets its own.
+        depth = runner.model.cfg.num_hidden_layers
+        self._hidden_layers = union_layers(self.drafters.values(), depth)
+        self._need_hidden = self._hidden_layers or False
+        self._layers_of = {name: layers_of(d, depth) for name, d in self.drafters.items()
+                           if d.needs_hidden}
         self._reqs: Dict[int, _Req] = {}
         self._next_id = 0
         self._chains: Dict[int, TokenTree] = {}
@@ -642,7 +648,7 @@ class Engine:
                 if r.drafter is not None and not r.failed:
                     chunks.setdefault(r.drafter, []).append(PrefillChunk(
                         rid, all_tokens[tok_ptr[i]:tok_ptr[i + 1]], starts[i], tables[i],
-                        r.context, hidden[base:base + n] if hidden is not None else None))
+                        r.context, self._hidden_for(r.drafter, hidden, slice(base, base + n))))
                 continue
             j = dec_pos
             dec_pos += 1
@@ -669,7 +675,7 @@ class Engine:
             if r.drafter is not None and not r.failed:
                 verified.setdefault(r.drafter, []).append(Verified(
                     rid, starts[i], [dr.tokens[n] for n in path], emitted[j][:a + 1], tables[i],
-                    hidden[[base + n for n in path]] if hidden is not None else None))
+                    self._hidden_for(r.drafter, hidden, [base + n for n in path])))
         if src_rows:
             # row_indptr[0] == 0, so request 0's "local" rows are the global scratch rows: one
             # materialization for the whole batch instead of one per request.
@@ -688,6 +694,13 @@ class Engine:
             trace.end = time.perf_counter()
             self.trace_hook(trace)
         return outs
+
+    def _hidden_for(self, name: str, hidden, rows):
+        """Rows ``rows`` of the step's hidden states, the layers drafter ``name`` reads."""
+        want = self._layers_of.get(name)
+        if hidden is None or want is None:
+            return None
+        return select_layers(hidden[rows], self._hidden_layers, want)
 
     def _notify(self, name: str, what: str, items) -> None:
         d = self.drafters[name]

@@ -48,7 +48,7 @@ class StepOutput:
     row_indptr: List[int]  # [B + 1] offsets of each request's new tokens in the scratch K/V
     k_new: torch.Tensor  # [L, T, Hkv, D]
     v_new: torch.Tensor
-    hidden: Optional[torch.Tensor] = None  # [T, hidden] when asked
+    hidden: Optional[torch.Tensor] = None  # [T, hidden] (x the layers asked) when asked
 
     def logits_of(self, i: int) -> torch.Tensor:
         return self.logits[self.logits_indptr[i]:self.logits_indptr[i + 1]]
@@ -102,9 +102,11 @@ class ModelRunner:
         return self.kv.block_size
 
     @torch.inference_mode()
-    def step(self, seqs: Sequence[SeqStep], return_hidden: bool = False,
+    def step(self, seqs: Sequence[SeqStep], return_hidden=False,
              inputs_embeds: Optional[torch.Tensor] = None) -> StepOutput:
-        """``inputs_embeds`` ``[T, hidden]``: layer-0 inputs for the flattened rows instead of
+        """``return_hidden``: ``True`` for the final hidden states, or a sequence of layer numbers
+        for their concatenation (see ``LlamaForCausalLM.forward``). ``inputs_embeds``
+        ``[T, hidden]``: layer-0 inputs for the flattened rows instead of
         the token embeddings (the token ids then only size the rows)."""
         if not seqs:
             raise ValueError("a step needs at least one sequence")
@@ -171,7 +173,7 @@ class ModelRunner:
                                  logits_rows=rows, return_hidden=return_hidden,
                                  rope_lens=torch.cat(rope_lens).to(self.model.device)
                                  if dynamic else None, inputs_embeds=inputs_embeds)
-        logits, hidden = out if return_hidden else (out, None)
+        logits, hidden = out if isinstance(out, tuple) else (out, None)
         return StepOutput(logits, logits_indptr, row_indptr, k_new, v_new, hidden)
 
     def commit_kv(self, out: StepOutput, seq_index: int, local_rows, slots) -> None:

@@ -24,7 +24,7 @@ draft-tree nodes live in per-step scratch, exactly like the target's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -100,7 +100,10 @@ class Drafter:
     """Base class; subclasses override :meth:`propose` and what they need of the rest."""
 
     name = "drafter"
-    needs_hidden = False  # wants the target's final hidden states in prefill/observe
+    needs_hidden = False  # wants the target's hidden states in prefill/observe
+    # Which target layers' outputs those are (concatenated in this order; the last must be the
+    # final layer); None: the final hidden state alone.
+    hidden_layers: Optional[Tuple[int, ...]] = None
     max_draft_depth = 5  # deepest tree it drafts (the scheduler's draft length is in depth units)
 
     def node_budget(self, depth: int) -> int:
@@ -125,6 +128,26 @@ class Drafter:
 
     def describe(self) -> str:
         return self.name
+
+
+def layers_of(drafter: Drafter, num_layers: int) -> Tuple[int, ...]:
+    """The target layers whose outputs ``drafter`` reads (see :attr:`Drafter.hidden_layers`)."""
+    return tuple(drafter.hidden_layers) if drafter.hidden_layers else (num_layers,)
+
+
+def union_layers(drafters, num_layers: int) -> Optional[Tuple[int, ...]]:
+    """Sorted union of the layers the drafters that need hidden states read (None: none do)."""
+    want = {n for d in drafters if d.needs_hidden for n in layers_of(d, num_layers)}
+    return tuple(sorted(want)) if want else None
+
+
+def select_layers(hidden: Optional[torch.Tensor], have: Sequence[int], want: Sequence[int]):
+    """The columns of layers ``want`` in ``hidden`` (``[T, len(have) * H]``, layers ``have``)."""
+    if hidden is None or tuple(have) == tuple(want):
+        return hidden
+    t, h = hidden.shape[0], hidden.shape[-1] // len(have)
+    idx = torch.tensor([list(have).index(n) for n in want])
+    return hidden.view(t, len(have), h).index_select(1, idx).reshape(t, len(want) * h)
 
 
 def slots_of(block_table: Sequence[int], block_size: int, start: int, n: int) -> List[int]:

@@ -6,11 +6,13 @@ On-disk format (a folder; :func:`save_heads` writes it, :func:`load_heads` reads
                            "method": "eagle" | "medusa", "hidden_size": H, "vocab_size": V,
                            "eagle":  {"intermediate_size", "num_attention_heads",
                                       "num_key_value_heads", "head_dim",
-                                      "draft_vocab_size": null | Vd},
+                                      "draft_vocab_size": null | Vd,
+                                      "feature_layers": null | [l_1, .., L]},
                            "medusa": {"num_heads": K, "tree": [[0], [1], [0, 0], ...]},
                            "defaults": {"width": .., "max_depth": .., "max_nodes": ..},
                            "manifest": {...free-form: version, target hash, recipe, report}}
     drafter.safetensors   EAGLE:  fc.weight [H, 2H] (fc.bias [H] optional), norm.weight [H],
+                                  fuse.weight [H, K*H] with eagle.feature_layers (K layers),
                                   layer.{input_layernorm, post_attention_layernorm}.weight [H],
                                   layer.self_attn.{q,k,v,o}_proj.weight,
                                   layer.mlp.{gate,up,down}_proj.weight,
@@ -20,8 +22,9 @@ On-disk format (a folder; :func:`save_heads` writes it, :func:`load_heads` reads
                           Medusa: heads.{k}.weight [H, H], heads.{k}.bias [H], k < K.
 
 EAGLE: one decoder layer over ``fc([embed(t_{p+1}); f_p])`` (f = the target's last hidden state
-before the final norm) predicts ``f_{p+1}``; ``lm_head(norm(f))`` gives the next-token draft
-distribution. Its KV (one layer) lives in a pool with the target's block geometry, filled with the
+before the final norm, or with ``feature_layers`` EAGLE-3's ``fuse([h^{l_1}_p; ..; h^L_p])`` over
+the outputs of those target layers) predicts ``f_{p+1}``; ``lm_head(norm(f))`` gives the
+next-token draft distribution. Its KV (one layer) lives in a pool with the target's block geometry, filled with the
 *true* target features of committed positions; tree nodes use predicted features in scratch. Trees
 are EAGLE-2 dynamic trees (:mod:`pyspec.drafters.tree_builder`).
 
@@ -246,6 +249,21 @@ class EagleDrafter(Drafter):
         cfg = dataclasses.replace(tc, num_hidden_layers=1, intermediate_size=inter,
                                   num_attention_heads=nh, num_key_value_heads=nkv, head_dim=hd,
                                   tie_word_embeddings=False, attention_bias=False)
+        layers = head_cfg.get("feature_layers")
+        self.fuse_w = None
+        if layers:
+            from pyspec.models.llama import hidden_layers
+
+            layers = hidden_layers(layers, tc.num_hidden_layers)
+            if layers[-1] != tc.num_hidden_layers:
+                raise ValueError(f"eagle feature_layers must end with the target's final layer "
+                                 f"({tc.num_hidden_layers}); got {list(layers)}")
+            if len(layers) > 1:
+                self.hidden_layers = layers
+                self.fuse_w = _shape(weights, "fuse.weight", (h, len(layers) * h)).to(tm.dtype)
+        if self.fuse_w is None and "fuse.weight" in weights:
+            raise ValueError("the drafter has fuse.weight but its config names no eagle "
+                             "feature_layers (the target layers it was trained on)")
         self.fc_w = _shape(weights, "fc.weight", (h, 2 * h)).to(tm.dtype)
         self.fc_b = weights.get("fc.bias")
         if self.fc_b is not None:
@@ -293,6 +311,8 @@ class EagleDrafter(Drafter):
         return min(self.max_nodes, max(depth, round(self.max_nodes * depth / self.max_depth)))
 
     def _push(self, rid: int, start: int, feats: torch.Tensor, next_tokens: Sequence[int]) -> None:
+        if self.fuse_w is not None:  # the target's layers fused into one feature (EAGLE-3)
+            feats = F.linear(feats.to(self.fuse_w.dtype), self.fuse_w)
         dc = self._dc.get(rid)
         have = len(self._feat.get(rid, ()))
         if dc is None or dc + have != start:  # first chunk, or a gap (e.g. after a cache hit)
@@ -429,7 +449,8 @@ class EagleDrafter(Drafter):
 
     @staticmethod
     def random_weights(target_cfg, seed: int = 0, intermediate_size: Optional[int] = None,
-                       draft_vocab: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+                       draft_vocab: Optional[torch.Tensor] = None,
+                       num_feature_layers: int = 1) -> Dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(seed)
         h = target_cfg.hidden_size
         inter = intermediate_size or target_cfg.intermediate_size
@@ -449,10 +470,15 @@ class EagleDrafter(Drafter):
         if draft_vocab is not None:
             t["draft_vocab"] = draft_vocab.to(torch.int64)
             t["lm_head.weight"] = mat(draft_vocab.numel(), h)
+        if num_feature_layers > 1:
+            t["fuse.weight"] = mat(h, num_feature_layers * h)
         return t
 
     def describe(self) -> str:
-        return (f"eagle (1-layer head, dynamic tree: width {self.width}, depth {self.max_depth}, "
+        fused = (f"reads target layers {','.join(map(str, self.hidden_layers))}, "
+                 if self.hidden_layers else "")
+        return (f"eagle (1-layer head, {fused}dynamic tree: width {self.width}, "
+                f"depth {self.max_depth}, "
                 f"<= {self.max_nodes} nodes)")
 
 

@@ -17,9 +17,11 @@ from, which a merged tree no longer has; such a step uses that part's draft alon
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, List, Sequence, Tuple
 
-from pyspec.drafters.base import Draft, Drafter, DraftRequest, PrefillChunk, Verified
+from pyspec.drafters.base import (Draft, Drafter, DraftRequest, PrefillChunk, Verified,
+                                  layers_of, select_layers, union_layers)
 
 
 class MergedDrafter(Drafter):
@@ -30,6 +32,12 @@ class MergedDrafter(Drafter):
         self.parts = parts
         self.name = "+".join(p.name for p in parts)
         self.needs_hidden = any(p.needs_hidden for p in parts)
+        # Parts may read different target layers: this drafter asks for their union and hands
+        # each part its own. An explicit layer list ends with the final layer, which names the
+        # target's depth for the parts that read the final hidden state alone.
+        explicit = [p.hidden_layers for p in parts if p.needs_hidden and p.hidden_layers]
+        self._depth = max(int(x[-1]) for x in explicit) if explicit else None
+        self.hidden_layers = union_layers(parts, self._depth) if explicit else None
         # What reports and manifests read: the first part that carries them (a trained drafter).
         for key in ("manifest", "path"):
             val = next((getattr(p, key) for p in parts if getattr(p, key, None)), None)
@@ -46,13 +54,21 @@ class MergedDrafter(Drafter):
     def kv_pools(self) -> list:
         return [q for p in self.parts for q in p.kv_pools()]
 
+    def _own(self, part: Drafter, items):
+        """``items`` (prefill chunks or verifications) with the hidden states ``part`` reads."""
+        if self.hidden_layers is None or not part.needs_hidden:
+            return items
+        want = layers_of(part, self._depth)
+        return [dataclasses.replace(x, hidden=select_layers(x.hidden, self.hidden_layers, want))
+                for x in items]
+
     def prefill(self, chunks: List[PrefillChunk]) -> None:
         for p in self.parts:
-            p.prefill(chunks)
+            p.prefill(self._own(p, chunks))
 
     def observe(self, results: List[Verified]) -> None:
         for p in self.parts:
-            p.observe(results)
+            p.observe(self._own(p, results))
 
     def release(self, request_id: int) -> None:
         for p in self.parts:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,25 @@ def rope_inv_freq(cfg: ModelConfig, seq_len: int) -> torch.Tensor:
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv = torch.where(medium, blended, scaled)
     return inv
+
+
+def hidden_layers(spec, num_layers: int) -> Optional[Tuple[int, ...]]:
+    """Normalize a ``return_hidden`` value: ``False``/``None`` -> None, ``True`` -> the last layer,
+    a sequence of layer numbers -> that tuple (validated: 1 .. ``num_layers``, no repeats)."""
+    if spec is None or spec is False:
+        return None
+    if spec is True:
+        return (num_layers,)
+    try:
+        taps = tuple(int(n) for n in spec)
+    except (TypeError, ValueError):
+        raise ValueError(f"return_hidden must be a bool or a sequence of layer numbers; got "
+                         f"{spec!r}") from None
+    if not taps or any(not 1 <= n <= num_layers for n in taps) or len(set(taps)) != len(taps):
+        raise ValueError(f"hidden layers must be distinct layer numbers in [1, {num_layers}] "
+                         f"(the output of that layer; {num_layers} is the final hidden state); "
+                         f"got {list(taps)}")
+    return taps
 
 
 class LlamaForCausalLM:
@@ -182,7 +201,10 @@ class LlamaForCausalLM:
             k_pages, v_pages: ``[L, num_blocks, block_size, Hkv, D]`` KV pool (model dtype).
             k_new, v_new: ``[L, T, Hkv, D]`` scratch, filled with this step's K/V.
             logits_rows: int64 rows whose logits are wanted (``None``: all rows).
-            return_hidden: also return the final hidden states ``[T, hidden]`` (before the norm).
+            return_hidden: also return hidden states: ``True`` the final ones ``[T, hidden]``
+                (before the norm); a sequence of layer numbers (1 .. num_hidden_layers, the
+                output of that layer; the last is the final hidden state) their concatenation
+                ``[T, len * hidden]`` in that order (EAGLE-3-style heads read several depths).
             rope_lens: int64 ``[T]``, dynamic-RoPE scaling length per row (see ``rope_tables``).
             inputs_embeds: ``[T, hidden]`` layer-0 inputs used instead of the token embeddings
                 (EAGLE-style heads feed fused token + feature vectors).
@@ -191,6 +213,8 @@ class LlamaForCausalLM:
             float32 logits ``[R, vocab]`` (and the hidden states when asked).
         """
         cfg = self.cfg
+        taps = hidden_layers(return_hidden, cfg.num_hidden_layers)
+        kept = {}
         t = input_ids.shape[0]
         cos, sin = self.rope_tables(positions, rope_lens)
         cos, sin = cos[:, None, :], sin[:, None, :]
@@ -210,7 +234,9 @@ class LlamaForCausalLM:
             gu = self.linear(h, layer["wgu"])
             inter = cfg.intermediate_size
             x = x + self.linear(F.silu(gu[:, :inter]) * gu[:, inter:], layer["wd"])
-        hidden = x
+            if taps is not None and li + 1 in taps:
+                kept[li + 1] = x
+        hidden = x if taps is None or len(taps) == 1 else torch.cat([kept[n] for n in taps], -1)
         xs = x if logits_rows is None else x.index_select(0, logits_rows)
         logits = self.linear(self._rms(xs, self.norm), self.lm_head).float()
-        return (logits, hidden) if return_hidden else logits
+        return (logits, hidden) if taps is not None else logits

@@ -24,6 +24,16 @@ def _prompt_sets(text: str) -> str:
     return text
 
 
+def _feature_layers(text):
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in str(text).split(",") if x.strip()] or None
+    except ValueError:
+        raise ValueError(f"--feature-layers must be comma-separated layer numbers (e.g. "
+                         f"3,15,27,30); got {text!r}") from None
+
+
 def train_draft(args) -> str:
     import pyspec
     from pyspec.train import data as D
@@ -36,6 +46,9 @@ def train_draft(args) -> str:
                  "draft_layers", "medusa_heads", "unroll_steps"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    layers = _feature_layers(args.feature_layers)
+    if layers and args.method != "eagle":
+        raise ValueError("--feature-layers applies to --method eagle only")
     t0 = time.time()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(args.seed)
@@ -59,6 +72,20 @@ def train_draft(args) -> str:
             seqs.extend(D.generate_corpus(gen, prompts, max_tokens=args.max_tokens,
                                           batch=args.batch, seed=args.seed))
         torch.save(seqs, data_path)
+    if layers:
+        from pyspec.models.llama import hidden_layers
+
+        layers = list(hidden_layers(layers, gen.model.cfg.num_hidden_layers))
+        if layers[-1] != gen.model.cfg.num_hidden_layers:
+            raise ValueError(f"--feature-layers must end with the final layer "
+                             f"({gen.model.cfg.num_hidden_layers}); got {layers}")
+        feat_path = os.path.join(args.out, "features-" + "-".join(map(str, layers)) + ".pt")
+        if os.path.isfile(feat_path):
+            seqs = torch.load(feat_path, weights_only=False)
+            print(f"loaded the layer {layers} features from {feat_path}")
+        else:
+            seqs = D.with_feature_layers(gen, seqs, layers)
+            torch.save(seqs, feat_path)
     n_tok = sum(len(s.tokens) for s in seqs)
     n_gen = sum(len(s.tokens) - s.num_prompt for s in seqs)
     t_data = time.time() - t0
@@ -109,9 +136,10 @@ def train_draft(args) -> str:
         return out
     head = E.train(target, seqs, args.out, draft_vocab=vocab,
                    intermediate_size=args.intermediate_size, epochs=args.epochs, lr=args.lr,
-                   steps=args.unroll_steps, seed=args.seed)
+                   steps=args.unroll_steps, seed=args.seed, feature_layers=layers)
     recipe.update(draft_vocab=int(vocab.numel()), draft_vocab_token_coverage=round(covered, 4),
-                  intermediate_size=args.intermediate_size, unroll_steps=args.unroll_steps)
+                  intermediate_size=args.intermediate_size, unroll_steps=args.unroll_steps,
+                  **({"feature_layers": layers} if layers else {}))
     t_total = time.time() - t0
     manifest.update(training_seconds=round(t_total, 1), data_seconds=round(t_data, 1))
     out = E.write_drafter(head, args.out, manifest=manifest, width=args.tree_width,
@@ -147,6 +175,10 @@ def add_parser(sub):
     p.add_argument("--unroll-steps", type=int, default=3,
                    help="eagle: train the head over this many of its own steps (training-time "
                    "test; 1 = teacher-forced features only)")
+    p.add_argument("--feature-layers", default=None,
+                   help="eagle: the target layers the head reads, comma-separated, ending with the "
+                   "final one (e.g. 3,15,27,30 on a 30-layer target: EAGLE-3's fused low, middle "
+                   "and high features); default: the final hidden state only")
     p.add_argument("--tree-width", type=int, default=4)
     p.add_argument("--tree-depth", type=int, default=5)
     p.add_argument("--tree-nodes", type=int, default=24)

@@ -425,3 +425,45 @@ def draft_vocabulary(seqs: List[Sequence_], vocab: int, size: int,
         counts[torch.tensor(always)] = float("inf")
     size = min(size, vocab)
     return counts.topk(size).indices.sort().values
+
+
+@torch.inference_mode()
+def with_feature_layers(llm, seqs: List[Sequence_], layers, *, progress: bool = True
+                        ) -> List[Sequence_]:
+    """The corpus with the target's outputs of ``layers`` (the last the final layer) at every
+    position instead of its recorded final hidden states: one teacher-forced forward per sequence
+    over the recorded tokens (a prefill is much cheaper than generating them again)."""
+    from tqdm import tqdm
+
+    from pyspec.models.llama import hidden_layers
+    from pyspec.runner import ModelRunner, SeqStep
+
+    m = llm.model
+    layers = hidden_layers(layers, m.cfg.num_hidden_layers)
+    if layers[-1] != m.cfg.num_hidden_layers:
+        raise ValueError(f"feature layers must end with the final layer "
+                         f"({m.cfg.num_hidden_layers}); got {list(layers)}")
+    # Several sequences per forward (up to ``budget`` tokens), each in its own pages.
+    budget = max(4096, max(len(s.tokens) for s in seqs))
+    runner = ModelRunner(m, num_blocks=budget // 16 + 64, block_size=16)
+    out: List[Optional[Sequence_]] = [None] * len(seqs)
+    bar = tqdm(total=len(seqs), desc="features", disable=not progress, unit="seq")
+    i = 0
+    while i < len(seqs):
+        batch, steps, used = [], [], 0
+        while i < len(seqs) and (not batch or used + len(seqs[i].tokens) <= budget):
+            n = len(seqs[i].tokens) - 1
+            nb = (n + 15) // 16
+            table = list(range(used // 16, used // 16 + nb))
+            steps.append(SeqStep(seqs[i].tokens[:-1], 0, table, None, "none"))
+            batch.append(i)
+            used += nb * 16
+            i += 1
+        res = runner.step(steps, return_hidden=layers)
+        for j, k in enumerate(batch):
+            s = seqs[k]
+            lo, hi = res.row_indptr[j], res.row_indptr[j + 1]
+            out[k] = Sequence_(s.tokens, res.hidden[lo:hi].to(torch.bfloat16), s.num_prompt)
+        bar.update(len(batch))
+    bar.close()
+    return out

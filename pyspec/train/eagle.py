@@ -40,11 +40,26 @@ def _rms(x, w, eps):
 
 
 class EagleHead(nn.Module):
-    def __init__(self, target, draft_vocab: torch.Tensor, intermediate_size: int):
+    def __init__(self, target, draft_vocab: torch.Tensor, intermediate_size: int,
+                 feature_layers=None):
         super().__init__()
         cfg = target.cfg
         h = cfg.hidden_size
         self.cfg = cfg
+        # The target layers whose outputs feed the head (EAGLE-3 fuses low, middle and high
+        # ones): the last is the final hidden state, which also gives the teacher distribution.
+        self.feature_layers = tuple(feature_layers or (cfg.num_hidden_layers,))
+        if self.feature_layers[-1] != cfg.num_hidden_layers:
+            raise ValueError(f"feature_layers must end with the final layer "
+                             f"({cfg.num_hidden_layers}); got {list(self.feature_layers)}")
+        self.fuse = None
+        if len(self.feature_layers) > 1:
+            # Starts as "read the final hidden state only" (the single-layer head).
+            k = len(self.feature_layers)
+            self.fuse = nn.Linear(k * h, h, bias=False)
+            with torch.no_grad():
+                self.fuse.weight.zero_()
+                self.fuse.weight[:, (k - 1) * h:] = torch.eye(h)
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
         self.fc = nn.Linear(2 * h, h, bias=False)
@@ -82,6 +97,8 @@ class EagleHead(nn.Module):
         (``earlier``: list of (k, v)) and to itself: exactly what a tree node at that depth sees
         at inference."""
         b, t, _ = feats.shape
+        if self.fuse is not None and feats.shape[-1] != self.cfg.hidden_size:
+            feats = self.fuse(feats)  # the target's multi-layer features (pass 1)
         x = self.fc(torch.cat([F.embedding(next_tokens, self.embed), feats], dim=-1))
         hx = _rms(x, self.ln1, self.eps)
         q = self.q(hx).view(b, t, self.nh, self.hd).transpose(1, 2)
@@ -121,7 +138,8 @@ class EagleHead(nn.Module):
 
     def export(self) -> dict:
         p = {k: v.detach().float().contiguous() for k, v in self.state_dict().items()}
-        return {
+        fuse = {"fuse.weight": p["fuse.weight"]} if self.fuse is not None else {}
+        return {**fuse,
             "fc.weight": p["fc.weight"], "norm.weight": p["norm"],
             "layer.input_layernorm.weight": p["ln1"],
             "layer.post_attention_layernorm.weight": p["ln2"],
@@ -155,19 +173,21 @@ def _batches(seqs, max_entries: int, max_len: int, rng: torch.Generator):
     return [out[k] for k in perm]
 
 
-def _tensors(seqs, idx, max_len):
+def _tensors(seqs, idx, max_len, h_final):
+    """Batch rows: next tokens, input features (all feature layers), the final layer's features
+    one position on (the teacher), mask."""
     n = [min(len(seqs[i].tokens) - 2, max_len) for i in idx]
     t = max(n)
     h = seqs[idx[0]].hidden.shape[-1]
     nxt = torch.zeros(len(idx), t, dtype=torch.int64)
     feats = torch.zeros(len(idx), t, h)
-    tgt = torch.zeros(len(idx), t, h)
+    tgt = torch.zeros(len(idx), t, h_final)
     mask = torch.zeros(len(idx), t, dtype=torch.bool)
     for b, (i, m) in enumerate(zip(idx, n)):
         s = seqs[i]
         nxt[b, :m] = torch.tensor(s.tokens[1:m + 1])
         feats[b, :m] = s.hidden[:m].float()
-        tgt[b, :m] = s.hidden[1:m + 1].float()
+        tgt[b, :m] = s.hidden[1:m + 1, -h_final:].float()
         mask[b, :m] = True
     return nxt, feats, tgt, mask
 
@@ -175,7 +195,7 @@ def _tensors(seqs, idx, max_len):
 def train(llm, seqs, out_dir: str, *, draft_vocab: torch.Tensor, intermediate_size: int = 1024,
           epochs: int = 4, lr: float = 1e-3, max_entries: int = 6144, max_len: int = 512,
           steps: int = 3, step_decay: float = 0.8, reg_weight: float = 0.0, noise: float = 0.05,
-          seed: int = 0, progress: bool = True, log=print) -> EagleHead:
+          seed: int = 0, feature_layers=None, progress: bool = True, log=print) -> EagleHead:
     """Train (resuming from ``out_dir/checkpoint.pt`` when present) and return the head.
 
     ``steps`` > 1 unrolls the head as it runs at inference ("training-time test", EAGLE-3): pass
@@ -193,23 +213,38 @@ def train(llm, seqs, out_dir: str, *, draft_vocab: torch.Tensor, intermediate_si
     if steps < 1:
         raise ValueError(f"steps must be >= 1; got {steps}")
     torch.manual_seed(seed)
-    head = EagleHead(llm.model, draft_vocab, intermediate_size)
+    head = EagleHead(llm.model, draft_vocab, intermediate_size, feature_layers)
+    h = llm.model.cfg.hidden_size
+    k_layers = len(head.feature_layers)
+    if seqs[0].hidden.shape[-1] != k_layers * h:
+        raise ValueError(f"the corpus holds features of width {seqs[0].hidden.shape[-1]}, but "
+                         f"feature layers {list(head.feature_layers)} need {k_layers * h} "
+                         "(generate it with the same --feature-layers)")
     params = [p for p in head.parameters() if p.requires_grad]
     run = L.start(head, params, seqs, out_dir, "checkpoint.pt", "head", epochs=epochs, lr=lr,
                   max_entries=max_entries, max_len=max_len, seed=seed, log=log)
     opt, rng, step = run.opt, run.rng, run.step
-    scale = torch.cat([s.hidden[:64].float() for s in seqs[:256]]).std().item() or 1.0
+    # Feature noise: relative to the final layer's overall spread there (as for a single-layer
+    # head), to each dimension's spread in the other layers (their scales differ by orders of
+    # magnitude across dimensions: a few carry huge activations).
+    sample = torch.cat([s.hidden[:64].float() for s in seqs[:256]]).view(-1, k_layers, h)
+    scale = sample[:, -1].std().item() or 1.0
+    noise_scale = torch.full((k_layers, h), scale)
+    if k_layers > 1:
+        noise_scale[:-1] = sample[:, :-1].std(dim=0).clamp_min(1e-6)
+    noise_scale = noise_scale.reshape(-1)
     cos_full, sin_full = head.rope(max_len + steps)
     weights = [step_decay ** k for k in range(steps)]
     for ep in range(run.start_epoch, epochs):
         bar = tqdm(run.plan[ep], desc=f"epoch {ep + 1}/{epochs}", disable=not progress)
         agg = [0.0] * (2 * steps + 1)
         for idx in bar:
-            nxt, feats, tgt, mask = _tensors(seqs, idx, max_len)
+            nxt, feats, tgt, mask = _tensors(seqs, idx, max_len, h)
             t = feats.shape[1]
             L.set_lr(opt, lr, step, run.total)
             if noise > 0:
-                feats = feats + (torch.rand(feats.shape, generator=rng) - 0.5) * (2 * noise * scale)
+                feats = feats + (torch.rand(feats.shape, generator=rng) - 0.5) * (
+                    2 * noise * noise_scale)
             with torch.no_grad():
                 teacher = F.linear(_rms(tgt, head.teacher_norm, head.eps), head.teacher_head)
                 tprob = torch.softmax(teacher.float(), dim=-1)
@@ -272,6 +307,8 @@ def write_drafter(head: EagleHead, out_dir: str, *, manifest: dict, width: int =
     tensors = {k: (v if k == "draft_vocab" else v.to(dtype)) for k, v in head.export().items()}
     conf = {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
             "eagle": {"intermediate_size": head.gate.out_features,
+                      **({"feature_layers": list(head.feature_layers)} if head.fuse is not None
+                         else {}),
                       "num_attention_heads": head.nh, "num_key_value_heads": head.nkv,
                       "head_dim": head.hd, "draft_vocab_size": int(head.draft_vocab.numel())},
             "defaults": {"width": width, "max_depth": max_depth, "max_nodes": max_nodes},

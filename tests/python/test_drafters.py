@@ -44,12 +44,15 @@ def _heads_dir(tmp, model, method):
         t = MedusaDrafter.random_weights(cfg.hidden_size, 3, seed=1, scale=0.5)
         conf = {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
                 "medusa": {"num_heads": 3, "tree": [[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 1]]}}
-    else:
-        t = EagleDrafter.random_weights(cfg, seed=2, intermediate_size=128)
+    else:  # "eagle", or "eagle-fused": reading target layers 1 and 2 (EAGLE-3 style)
+        fused = method == "eagle-fused"
+        t = EagleDrafter.random_weights(cfg, seed=2, intermediate_size=128,
+                                        num_feature_layers=2 if fused else 1)
         conf = {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
-                "eagle": {"intermediate_size": 128},
+                "eagle": {"intermediate_size": 128, **({"feature_layers": [1, 2]} if fused
+                                                       else {})},
                 "defaults": {"width": 3, "max_depth": 4, "max_nodes": 10}}
-    return save_heads(os.path.join(tmp, method), method, t, conf)
+    return save_heads(os.path.join(tmp, method), method.split("-")[0], t, conf)
 
 
 def _drafter(kind, runner, model, tmp):
@@ -65,8 +68,10 @@ def _drafter(kind, runner, model, tmp):
     if kind == "draft-model-tree":
         return ModelDrafter(LlamaForCausalLM.random(model.cfg, seed=0), runner, width=3,
                             max_depth=3)
-    if kind in ("medusa", "eagle"):
+    if kind in ("medusa", "eagle", "eagle-fused"):
         return load_heads(_heads_dir(tmp, model, kind), runner)
+    if kind == "medusa+eagle-fused":  # parts reading different target layers
+        return _heads_dir(tmp, model, "medusa") + "+" + _heads_dir(tmp, model, "eagle-fused")
     if kind == "ngram+eagle":  # merged trees, through the spec syntax
         return "ngram+" + _heads_dir(tmp, model, "eagle")
     if kind == "ngram|eagle":  # prompt lookup, else the head
@@ -75,7 +80,7 @@ def _drafter(kind, runner, model, tmp):
 
 
 KINDS = ["ngram", "layer-skip", "draft-model-self", "draft-model", "draft-model-tree", "medusa",
-         "eagle", "ngram+eagle", "ngram|eagle"]
+         "eagle", "eagle-fused", "ngram+eagle", "ngram|eagle", "medusa+eagle-fused"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -281,6 +286,24 @@ def test_heads_files_and_errors(model, tmp_path):
     wrong_vocab = LlamaForCausalLM.random(tiny_config(vocab=97), seed=0)
     with pytest.raises(ValueError, match="vocabulary"):
         ModelDrafter(wrong_vocab, runner)
+    # Fused target layers: the layer list must fit the target and the fuse weight the list.
+    f = _heads_dir(str(tmp_path), model, "eagle-fused")
+    fused = load_heads(f, runner)
+    assert fused.hidden_layers == (1, 2) and "reads target layers 1,2" in fused.describe()
+    conf_path = os.path.join(f, "drafter.json")
+    good = json.load(open(conf_path))
+    for layers, match in (([1, 3], r"\[1, 2\]"), ([2, 1], "final layer"), ([0, 2], r"\[1, 2\]"),
+                          ([1, 1, 2], "distinct")):
+        conf = json.loads(json.dumps(good))
+        conf["eagle"]["feature_layers"] = layers
+        json.dump(conf, open(conf_path, "w"))
+        with pytest.raises(ValueError, match=match):
+            load_heads(f, runner)
+    conf = json.loads(json.dumps(good))
+    conf["eagle"].pop("feature_layers")  # a fuse weight the config does not account for
+    json.dump(conf, open(conf_path, "w"))
+    with pytest.raises(ValueError, match="feature_layers"):
+        load_heads(f, runner)
 
 
 def test_eagle_reduced_vocab(model, plain, tmp_path):

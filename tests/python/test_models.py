@@ -146,6 +146,25 @@ def test_mixed_batch_matches_single_requests(tmp_path):
         torch.testing.assert_close(mixed.logits_of(i), alone, atol=1e-5, rtol=1e-5)
 
 
+def test_hidden_layers(tmp_path):
+    """``return_hidden`` with layer numbers: the outputs of those layers, concatenated in the order
+    asked; layer 1 matches transformers' hidden_states[1], the last the final hidden state."""
+    hf, path = _hf_model("llama", tmp_path)
+    model, runner = _ours(path)
+    toks = torch.randint(0, 111, (10,), generator=torch.Generator().manual_seed(4)).tolist()
+    table = list(range(3))
+    final = runner.step([SeqStep(toks, 0, table, None, "none")], return_hidden=True).hidden
+    both = runner.step([SeqStep(toks, 0, table, None, "none")], return_hidden=(2, 1)).hidden
+    assert both.shape == (10, 2 * 128)
+    torch.testing.assert_close(both[:, :128], final)
+    with torch.no_grad():
+        ref = hf(torch.tensor([toks]), output_hidden_states=True).hidden_states[1][0]
+    torch.testing.assert_close(both[:, 128:], ref, atol=1e-4, rtol=1e-4)
+    for bad in ((0, 2), (1, 3), (2, 2), (), "x"):
+        with pytest.raises(ValueError, match="layer"):
+            runner.step([SeqStep(toks, 0, table, None, "none")], return_hidden=bad)
+
+
 def test_bf16_runs_close_to_fp32(tmp_path):
     _, path = _hf_model("llama", tmp_path)
     m32 = LlamaForCausalLM.from_pretrained(path, dtype="float32")

@@ -209,6 +209,63 @@ def test_train_medusa_method(tiny, trained, tmp_path):
     assert loss(learned) < loss(fresh) - 1e-3
 
 
+def test_train_eagle_on_fused_target_layers(tiny, trained, tmp_path):
+    """--feature-layers: the corpus's features are recomputed for those target layers (kept next
+    to the drafter), the head learns to read them fused (its fuse starts as "the final layer
+    only"), the drafter records them and loads as a lossless drafter reading those layers."""
+    import pyspec
+    from safetensors.torch import load_file
+
+    from pyspec.train.eagle import EagleHead
+
+    out = str(tmp_path / "fused")
+    corpus = os.path.join(trained, "data.pt")
+    base = ["train-draft", "--target", tiny, "--out", out, "--data", corpus]
+    for bad in (["--feature-layers", "1"], ["--feature-layers", "1,x"],
+                ["--feature-layers", "2,1"], ["--feature-layers", "1,2", "--method", "medusa"]):
+        assert cli.main(base + bad) == 2, bad
+    rc = cli.main(base + ["--feature-layers", "1,2", "--epochs", "2", "--lr", "3e-3",
+                          "--draft-vocab", "80", "--intermediate-size", "32"])
+    assert rc == 0
+    conf = json.load(open(os.path.join(out, "drafter.json")))
+    assert conf["eagle"]["feature_layers"] == [1, 2]
+    assert conf["manifest"]["recipe"]["feature_layers"] == [1, 2]
+    h = conf["hidden_size"]
+    assert load_file(os.path.join(out, "drafter.safetensors"))["fuse.weight"].shape == (h, 2 * h)
+    feats = torch.load(os.path.join(out, "features-1-2.pt"), weights_only=False)
+    seqs = torch.load(corpus, weights_only=False)
+    assert [s.tokens for s in feats] == [s.tokens for s in seqs]
+    # The recomputed final layer is the recorded one (same target, bf16 storage).
+    for a, b in zip(feats, seqs):
+        torch.testing.assert_close(a.hidden[:, h:].float(), b.hidden.float(), atol=0.1, rtol=0.05)
+    llm = pyspec.LLM(tiny, draft=out, kv_cache_tokens=2048)
+    ref = pyspec.LLM(tiny, draft="none", kv_cache_tokens=2048)
+    p = ["the cat sat on the mat", "abc abc"]
+    assert [o.token_ids for o in llm.generate(p, {"max_tokens": 12})] == \
+        [o.token_ids for o in ref.generate(p, {"max_tokens": 12})]
+    assert "reads target layers 1,2" in llm.drafter_name
+    # Training moved the fuse off its start (the final layer only) and lowered the loss.
+    dv = load_file(os.path.join(out, "drafter.safetensors"))["draft_vocab"]
+    fresh = EagleHead(ref.model, dv, 32, (1, 2))
+    learned = EagleHead(ref.model, dv, 32, (1, 2))
+    learned.load_state_dict(torch.load(os.path.join(out, "checkpoint.pt"),
+                                       weights_only=False)["head"])
+    assert float(learned.fuse.weight.detach()[:, :h].abs().sum()) > 0
+
+    def loss(m):
+        from pyspec.train.eagle import _rms, _tensors
+
+        nxt, f, tgt, mask = _tensors(feats, list(range(len(feats))), 512, h)
+        with torch.no_grad():
+            t = torch.softmax(torch.nn.functional.linear(_rms(tgt, m.teacher_norm, m.eps),
+                                                         m.teacher_head), -1)
+            cos, sin = m.rope(f.shape[1])
+            _, logits, _ = m(nxt, f, cos, sin)
+            return float(-(t * torch.log_softmax(logits, -1)).sum(-1)[mask].mean())
+
+    assert loss(learned) < loss(fresh) - 1e-3
+
+
 def test_unrolled_training_passes_see_what_tree_nodes_see(tiny):
     """Pass k of the unrolled EAGLE training attends like a depth-k tree node at inference: row p
     equals the last row of a plain causal pass over the true rows 0..p followed by the row's own
@@ -240,7 +297,8 @@ def test_unrolled_training_passes_see_what_tree_nodes_see(tiny):
             assert torch.allclose(logits[:, p + 2], l3[:, p], atol=1e-4), p
 
 
-def test_eagle_drafter_runs_the_head_as_trained(tiny, tmp_path):
+@pytest.mark.parametrize("layers", [None, (1, 2)])
+def test_eagle_drafter_runs_the_head_as_trained(tiny, tmp_path, layers):
     """The inference drafter (its own paged KV, one tree step per level) computes what the training
     module computes: the width-1 chain EagleDrafter drafts equals the greedy chain of EagleHead run
     causally over the true features followed by its own predicted features. One batch of three
@@ -249,7 +307,8 @@ def test_eagle_drafter_runs_the_head_as_trained(tiny, tmp_path):
     draft for (as after plain steps, or steps prompt lookup served), caught up in one causal chunk
     at the draft (as part of the first tree they would exceed the tree depth limit). A fourth
     request shares the long prompt's first four blocks as a prefix-cache hit and drafts before it:
-    it reads the head KV that the long prompt's prefill wrote into the shared pages."""
+    it reads the head KV that the long prompt's prefill wrote into the shared pages. With
+    ``layers`` the head reads the outputs of both target layers, fused (EAGLE-3)."""
     import pyspec
     from pyspec.drafters import DraftRequest, PrefillChunk, Verified, make_drafter
     from pyspec.runner import ModelRunner, SeqStep
@@ -259,7 +318,7 @@ def test_eagle_drafter_runs_the_head_as_trained(tiny, tmp_path):
     vocab = llm.model.cfg.vocab_size
     torch.manual_seed(1)
     dv = torch.randperm(vocab)[:48].sort().values
-    head = EagleHead(llm.model, dv, 32)
+    head = EagleHead(llm.model, dv, 32, layers)
     with torch.no_grad():
         for p in head.parameters():
             p.add_(torch.randn_like(p) * 0.5)
@@ -267,6 +326,7 @@ def test_eagle_drafter_runs_the_head_as_trained(tiny, tmp_path):
                         max_nodes=3, dtype=torch.float32)
     runner = ModelRunner(llm.model, num_blocks=32, block_size=16)
     drafter = make_drafter(out, runner)
+    assert drafter.hidden_layers == layers
     # id: (length, prefilled part, cached prefix length)
     cases = {1: (12, None, 0), 2: (90, None, 0), 3: (90, 10, 0), 4: (80, None, 64)}
     reqs, expect, ctxs, tables = [], {}, {}, {}
@@ -278,7 +338,8 @@ def test_eagle_drafter_runs_the_head_as_trained(tiny, tmp_path):
             table[:cached // 16] = tables[2][:cached // 16]
         ctxs[rid], tables[rid] = ctx, table
         n = len(ctx) - 1  # the committed tokens; ctx[-1] is the root
-        res = runner.step([SeqStep(ctx[:n], 0, table, None, "last")], return_hidden=True)
+        res = runner.step([SeqStep(ctx[:n], 0, table, None, "last")],
+                          return_hidden=layers or True)
         k = part or n
         drafter.prefill([PrefillChunk(rid, ctx[cached:k], cached, table, ctx,
                                       res.hidden[cached:k])])
@@ -288,10 +349,12 @@ def test_eagle_drafter_runs_the_head_as_trained(tiny, tmp_path):
         reqs.append(DraftRequest(rid, ctx, n, table, 3, max_depth=3))
 
         toks = torch.tensor(ctx[1:])[None]
-        feats = res.hidden[None].float()
         cos, sin = head.rope(n + 3)
         chain = []
         with torch.no_grad():
+            feats = res.hidden[None].float()
+            if layers:  # fused once; the head's own predicted features are appended as they are
+                feats = head.fuse(feats)
             for _ in range(3):
                 t = toks.shape[1]
                 x, logits, _ = head(toks, feats, cos[:t], sin[:t])
