@@ -714,6 +714,29 @@ TEST(CostModel, MatchesBruteForceOptimum) {
   EXPECT_THROW(pyspec::OptimalDraftLength(0.5, 0.0, 0.0, 0), pyspec::ValueError);
 }
 
+namespace {
+
+// One step in which every draft token is accepted (accept_all) or none is; returns the last
+// decode entry's draft budget (-1 when the step had no decode).
+int64_t StepAcceptingAllOrNone(pyspec::Scheduler& s, bool accept_all) {
+  auto out = s.Step();
+  pyspec::StepResult res;
+  int64_t budget = -1;
+  for (size_t i = 0; i < out.ids.size(); ++i) {
+    if (out.kinds[i] == pyspec::StepKind::kPrefill) {
+      res.AddPrefill(out.ids[i], out.token_indptr[i + 1] - out.token_indptr[i]);
+    } else {
+      budget = out.draft_budget[i];
+      int64_t a = accept_all ? budget : 0;
+      res.AddDecode(out.ids[i], std::vector<int32_t>(a + 1, 5), budget, a);
+    }
+  }
+  s.Update(res);
+  return budget;
+}
+
+}  // namespace
+
 TEST(CostModel, SchedulerAdaptsAndFallsBack) {
   pyspec::SchedulerConfig c;
   c.cost_model = true;
@@ -725,20 +748,7 @@ TEST(CostModel, SchedulerAdaptsAndFallsBack) {
   c.verify_cost = 0.01;
   pyspec::Scheduler s(c, 256, 4, false);
   s.AddRequest(1, {1, 2, 3}, [] { pyspec::SamplingParams p; p.max_tokens = 200; return p; }());
-  auto run_step = [&](bool accept_all) {
-    auto out = s.Step();
-    pyspec::StepResult res;
-    for (size_t i = 0; i < out.ids.size(); ++i) {
-      if (out.kinds[i] == pyspec::StepKind::kPrefill) {
-        res.AddPrefill(out.ids[i], out.token_indptr[i + 1] - out.token_indptr[i]);
-      } else {
-        int64_t b = out.draft_budget[i];
-        int64_t a = accept_all ? b : 0;
-        res.AddDecode(out.ids[i], std::vector<int32_t>(a + 1, 5), b, a);
-      }
-    }
-    s.Update(res);
-  };
+  auto run_step = [&](bool accept_all) { StepAcceptingAllOrNone(s, accept_all); };
   run_step(true);  // prefill
   for (int i = 0; i < 6; ++i) run_step(true);
   EXPECT_EQ(s.GetRequest(1).draft_len, 8);  // everything accepted: the longest draft pays
@@ -776,21 +786,7 @@ TEST(CostModel, ResetAcceptanceGivesANewDrafterAFreshStart) {
   pyspec::Scheduler s(c, 256, 4, false);
   s.AddRequest(1, {1, 2, 3}, [] { pyspec::SamplingParams p; p.max_tokens = 200; return p; }());
   int64_t last_budget = -1;
-  auto run_step = [&](bool accept_all) {
-    auto out = s.Step();
-    pyspec::StepResult res;
-    for (size_t i = 0; i < out.ids.size(); ++i) {
-      if (out.kinds[i] == pyspec::StepKind::kPrefill) {
-        res.AddPrefill(out.ids[i], out.token_indptr[i + 1] - out.token_indptr[i]);
-      } else {
-        int64_t b = out.draft_budget[i];
-        last_budget = b;
-        int64_t a = accept_all ? b : 0;
-        res.AddDecode(out.ids[i], std::vector<int32_t>(a + 1, 5), b, a);
-      }
-    }
-    s.Update(res);
-  };
+  auto run_step = [&](bool accept_all) { last_budget = StepAcceptingAllOrNone(s, accept_all); };
   run_step(true);  // prefill
   int steps = 0;
   while (s.GetRequest(1).state() != pyspec::RequestState::kRunningPlain && steps < 60) {

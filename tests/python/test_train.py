@@ -26,13 +26,24 @@ def _train(target, out, seed=0, epochs=1):
     return out
 
 
+def _lossless(target, draft, prompts=("the cat sat on the mat", "abc abc"), max_tokens=12):
+    """Greedy output with ``draft`` equals plain greedy output; returns (drafting LLM, plain)."""
+    import pyspec
+
+    llm = pyspec.LLM(target, draft=draft, kv_cache_tokens=2048)
+    ref = pyspec.LLM(target, draft="none", kv_cache_tokens=2048)
+    p = list(prompts)
+    assert [o.token_ids for o in llm.generate(p, {"max_tokens": max_tokens})] == \
+        [o.token_ids for o in ref.generate(p, {"max_tokens": max_tokens})]
+    return llm, ref
+
+
 @pytest.fixture(scope="module")
 def trained(tiny, tmp_path_factory):
     return _train(tiny, str(tmp_path_factory.mktemp("drafter") / "d"))
 
 
 def test_train_writes_a_loadable_drafter_with_manifest(tiny, trained):
-    import pyspec
     from pyspec.models.loader import weights_sha256
 
     conf = json.load(open(os.path.join(trained, "drafter.json")))
@@ -42,12 +53,7 @@ def test_train_writes_a_loadable_drafter_with_manifest(tiny, trained):
     assert man["recipe"]["sequences"] == 12 and man["recipe"]["draft_vocab"] == 80
     assert "pyspec train-draft" in man["recipe"]["command"]
     assert conf["eagle"]["draft_vocab_size"] == 80
-    llm = pyspec.LLM(tiny, draft=trained, kv_cache_tokens=2048)
-    ref = pyspec.LLM(tiny, draft="none", kv_cache_tokens=2048)
-    p = ["the cat sat on the mat", "abc abc"]
-    a = llm.generate(p, {"max_tokens": 12})
-    b = ref.generate(p, {"max_tokens": 12})
-    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    _lossless(tiny, trained)
 
 
 def test_training_is_deterministic_and_resumable(tiny, trained, tmp_path):
@@ -148,8 +154,6 @@ def test_eval_records_into_manifest(tiny, trained, tmp_path):
 
 
 def test_train_draft_model_method(tiny, trained, tmp_path):
-    import pyspec
-
     out = str(tmp_path / "dm")
     corpus = os.path.join(trained, "data.pt")
     assert cli.main(["train-draft", "--target", tiny, "--out", out, "--method", "draft-model",
@@ -162,17 +166,12 @@ def test_train_draft_model_method(tiny, trained, tmp_path):
     assert man["method"] == "draft-model" and man["recipe"]["draft_layers"] == 1
     assert man["recipe"]["sequences"] == 2 * len(torch.load(corpus, weights_only=False))
     assert json.load(open(os.path.join(out, "config.json")))["num_hidden_layers"] == 1
-    llm = pyspec.LLM(tiny, draft=out, kv_cache_tokens=2048)
-    ref = pyspec.LLM(tiny, draft="none", kv_cache_tokens=2048)
-    p = ["the cat sat on the mat", "abc abc"]
-    assert [o.token_ids for o in llm.generate(p, {"max_tokens": 10})] == \
-        [o.token_ids for o in ref.generate(p, {"max_tokens": 10})]
+    llm, _ = _lossless(tiny, out, max_tokens=10)
     assert "draft model" in llm.drafter_name
 
 
 def test_train_medusa_method(tiny, trained, tmp_path):
     """Medusa heads trained on a corpus learn (loss falls), load as a drafter, stay lossless."""
-    import pyspec
     from pyspec.train import medusa as M
 
     out = str(tmp_path / "medusa")
@@ -184,11 +183,7 @@ def test_train_medusa_method(tiny, trained, tmp_path):
     assert conf["method"] == "medusa" and conf["medusa"]["num_heads"] == 3
     assert conf["manifest"]["recipe"]["medusa_heads"] == 3
     assert all(len(p) <= 3 for p in conf["medusa"]["tree"])
-    llm = pyspec.LLM(tiny, draft=out, kv_cache_tokens=2048)
-    ref = pyspec.LLM(tiny, draft="none", kv_cache_tokens=2048)
-    p = ["the cat sat on the mat", "abc abc abc abc"]
-    assert [o.token_ids for o in llm.generate(p, {"max_tokens": 12})] == \
-        [o.token_ids for o in ref.generate(p, {"max_tokens": 12})]
+    llm, ref = _lossless(tiny, out, ("the cat sat on the mat", "abc abc abc abc"))
     assert "medusa" in llm.drafter_name
     # Training lowers the distillation loss of every head (heads start as the target's own head).
     import torch
@@ -213,7 +208,6 @@ def test_train_eagle_on_fused_target_layers(tiny, trained, tmp_path):
     """--feature-layers: the corpus's features are recomputed for those target layers (kept next
     to the drafter), the head learns to read them fused (its fuse starts as "the final layer
     only"), the drafter records them and loads as a lossless drafter reading those layers."""
-    import pyspec
     from safetensors.torch import load_file
 
     from pyspec.train.eagle import EagleHead
@@ -238,11 +232,7 @@ def test_train_eagle_on_fused_target_layers(tiny, trained, tmp_path):
     # The recomputed final layer is the recorded one (same target, bf16 storage).
     for a, b in zip(feats, seqs):
         torch.testing.assert_close(a.hidden[:, h:].float(), b.hidden.float(), atol=0.1, rtol=0.05)
-    llm = pyspec.LLM(tiny, draft=out, kv_cache_tokens=2048)
-    ref = pyspec.LLM(tiny, draft="none", kv_cache_tokens=2048)
-    p = ["the cat sat on the mat", "abc abc"]
-    assert [o.token_ids for o in llm.generate(p, {"max_tokens": 12})] == \
-        [o.token_ids for o in ref.generate(p, {"max_tokens": 12})]
+    llm, ref = _lossless(tiny, out)
     assert "reads target layers 1,2" in llm.drafter_name
     # Training moved the fuse off its start (the final layer only) and lowered the loss.
     dv = load_file(os.path.join(out, "drafter.safetensors"))["draft_vocab"]
