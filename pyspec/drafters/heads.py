@@ -24,9 +24,9 @@ On-disk format (a folder; :func:`save_heads` writes it, :func:`load_heads` reads
 EAGLE: one decoder layer over ``fc([embed(t_{p+1}); f_p])`` (f = the target's last hidden state
 before the final norm, or with ``feature_layers`` EAGLE-3's ``fuse([h^{l_1}_p; ..; h^L_p])`` over
 the outputs of those target layers) predicts ``f_{p+1}``; ``lm_head(norm(f))`` gives the
-next-token draft distribution. Its KV (one layer) lives in a pool with the target's block geometry, filled with the
-*true* target features of committed positions; tree nodes use predicted features in scratch. Trees
-are EAGLE-2 dynamic trees (:mod:`pyspec.drafters.tree_builder`).
+next-token draft distribution. Its KV (one layer) lives in a pool with the target's block
+geometry, filled with the *true* target features of committed positions; tree nodes use
+predicted features in scratch. Trees are EAGLE-2 dynamic trees (:mod:`pyspec.drafters.tree_builder`).
 
 Medusa: head ``k`` maps the target's normed hidden state ``h`` at the last committed position to
 ``h + SiLU(W_k h + b_k)`` and the target's lm_head, proposing the token ``k + 2`` positions ahead

@@ -236,7 +236,8 @@ class LlamaForCausalLM:
             x = x + self.linear(F.silu(gu[:, :inter]) * gu[:, inter:], layer["wd"])
             if taps is not None and li + 1 in taps:
                 kept[li + 1] = x
-        hidden = x if taps is None or len(taps) == 1 else torch.cat([kept[n] for n in taps], -1)
+        hidden = x if taps is None else kept[taps[0]] if len(taps) == 1 else torch.cat(
+            [kept[n] for n in taps], -1)
         xs = x if logits_rows is None else x.index_select(0, logits_rows)
         logits = self.linear(self._rms(xs, self.norm), self.lm_head).float()
         return (logits, hidden) if taps is not None else logits

@@ -160,6 +160,8 @@ def test_hidden_layers(tmp_path):
     with torch.no_grad():
         ref = hf(torch.tensor([toks]), output_hidden_states=True).hidden_states[1][0]
     torch.testing.assert_close(both[:, 128:], ref, atol=1e-4, rtol=1e-4)
+    first = runner.step([SeqStep(toks, 0, table, None, "none")], return_hidden=[1]).hidden
+    torch.testing.assert_close(first, both[:, 128:])  # one layer that is not the last
     for bad in ((0, 2), (1, 3), (2, 2), (), "x"):
         with pytest.raises(ValueError, match="layer"):
             runner.step([SeqStep(toks, 0, table, None, "none")], return_hidden=bad)
