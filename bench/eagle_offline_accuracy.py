@@ -126,13 +126,15 @@ def summarize(parts, dv, **extra):
 
 
 def main(argv=None):
+    from pyspec.train.data import PROMPT_SETS
+
     ap = argparse.ArgumentParser()
     ap.add_argument("folder", help="a train-draft --method eagle output folder (checkpoint.pt)")
     ap.add_argument("--prompts", type=int, default=16, help="prompts per generated set")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--train-seqs", type=int, default=64)
     ap.add_argument("--data", default=None, help="the training corpus (default: FOLDER/data.pt)")
-    ap.add_argument("--heldout-set", default=None, choices=["basic", "diverse", "wide"],
+    ap.add_argument("--heldout-set", default=None, choices=PROMPT_SETS,
                     help="the prompt set of the heldout prompts (default: the recipe's, its last "
                     "if several; seed-0 prompts of that set, which the recipes train on, are "
                     "left out)")

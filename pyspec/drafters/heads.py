@@ -252,12 +252,9 @@ class EagleDrafter(Drafter):
         layers = head_cfg.get("feature_layers")
         self.fuse_w = None
         if layers:
-            from pyspec.models.llama import hidden_layers
+            from pyspec.models.llama import feature_layers
 
-            layers = hidden_layers(layers, tc.num_hidden_layers)
-            if layers[-1] != tc.num_hidden_layers:
-                raise ValueError(f"eagle feature_layers must end with the target's final layer "
-                                 f"({tc.num_hidden_layers}); got {list(layers)}")
+            layers = feature_layers(layers, tc.num_hidden_layers)
             if len(layers) > 1:
                 self.hidden_layers = layers
                 self.fuse_w = _shape(weights, "fuse.weight", (h, len(layers) * h)).to(tm.dtype)

@@ -67,6 +67,16 @@ def hidden_layers(spec, num_layers: int) -> Optional[Tuple[int, ...]]:
     return taps
 
 
+def feature_layers(spec, num_layers: int) -> Tuple[int, ...]:
+    """The target layers a drafter reads (:func:`hidden_layers`'s checks, and the last must be
+    the final layer: it also gives the target's own distribution); ``None``: the final alone."""
+    taps = hidden_layers(True if spec is None else spec, num_layers)
+    if taps[-1] != num_layers:
+        raise ValueError(f"feature layers must end with the final layer ({num_layers}); got "
+                         f"{list(taps)}")
+    return taps
+
+
 class LlamaForCausalLM:
     """Inference-only Llama/Mistral/Qwen2 with fused QKV and gate/up projections."""
 

@@ -73,12 +73,9 @@ def train_draft(args) -> str:
                                           batch=args.batch, seed=args.seed))
         torch.save(seqs, data_path)
     if layers:
-        from pyspec.models.llama import hidden_layers
+        from pyspec.models.llama import feature_layers
 
-        layers = list(hidden_layers(layers, gen.model.cfg.num_hidden_layers))
-        if layers[-1] != gen.model.cfg.num_hidden_layers:
-            raise ValueError(f"--feature-layers must end with the final layer "
-                             f"({gen.model.cfg.num_hidden_layers}); got {layers}")
+        layers = list(feature_layers(layers, gen.model.cfg.num_hidden_layers))
         feat_path = os.path.join(args.out, "features-" + "-".join(map(str, layers)) + ".pt")
         if os.path.isfile(feat_path):
             seqs = torch.load(feat_path, weights_only=False)

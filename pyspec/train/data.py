@@ -435,29 +435,25 @@ def with_feature_layers(llm, seqs: List[Sequence_], layers, *, progress: bool = 
     over the recorded tokens (a prefill is much cheaper than generating them again)."""
     from tqdm import tqdm
 
-    from pyspec.models.llama import hidden_layers
+    from pyspec.models.llama import feature_layers
     from pyspec.runner import ModelRunner, SeqStep
 
     m = llm.model
-    layers = hidden_layers(layers, m.cfg.num_hidden_layers)
-    if layers[-1] != m.cfg.num_hidden_layers:
-        raise ValueError(f"feature layers must end with the final layer "
-                         f"({m.cfg.num_hidden_layers}); got {list(layers)}")
-    # Several sequences per forward (up to ``budget`` tokens), each in its own pages.
-    budget = max(4096, max(len(s.tokens) for s in seqs))
-    runner = ModelRunner(m, num_blocks=budget // 16 + 64, block_size=16)
+    layers = feature_layers(layers, m.cfg.num_hidden_layers)
+    # Several sequences per forward (up to ``budget`` pages), each in its own pages.
+    pages = [(len(s.tokens) - 1 + 15) // 16 for s in seqs]
+    budget = max(256, max(pages))
+    runner = ModelRunner(m, num_blocks=budget, block_size=16)
     out: List[Optional[Sequence_]] = [None] * len(seqs)
     bar = tqdm(total=len(seqs), desc="features", disable=not progress, unit="seq")
     i = 0
     while i < len(seqs):
         batch, steps, used = [], [], 0
-        while i < len(seqs) and (not batch or used + len(seqs[i].tokens) <= budget):
-            n = len(seqs[i].tokens) - 1
-            nb = (n + 15) // 16
-            table = list(range(used // 16, used // 16 + nb))
+        while i < len(seqs) and used + pages[i] <= budget:
+            table = list(range(used, used + pages[i]))
             steps.append(SeqStep(seqs[i].tokens[:-1], 0, table, None, "none"))
             batch.append(i)
-            used += nb * 16
+            used += pages[i]
             i += 1
         res = runner.step(steps, return_hidden=layers)
         for j, k in enumerate(batch):

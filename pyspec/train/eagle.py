@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pyspec.drafters.heads import save_heads
+from pyspec.models.llama import feature_layers as checked_layers
 
 
 def target_hash(model_path: str) -> str:
@@ -48,10 +49,7 @@ class EagleHead(nn.Module):
         self.cfg = cfg
         # The target layers whose outputs feed the head (EAGLE-3 fuses low, middle and high
         # ones): the last is the final hidden state, which also gives the teacher distribution.
-        self.feature_layers = tuple(feature_layers or (cfg.num_hidden_layers,))
-        if self.feature_layers[-1] != cfg.num_hidden_layers:
-            raise ValueError(f"feature_layers must end with the final layer "
-                             f"({cfg.num_hidden_layers}); got {list(self.feature_layers)}")
+        self.feature_layers = checked_layers(feature_layers, cfg.num_hidden_layers)
         self.fuse = None
         if len(self.feature_layers) > 1:
             # Starts as "read the final hidden state only" (the single-layer head).
