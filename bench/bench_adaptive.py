@@ -4,7 +4,9 @@ For each drafter (--drafters), three engines over the same MT-bench first turns,
 prompt with plain decoding (greedy, batch 1, float32, --max-tokens new tokens): the adaptive
 defaults (cost-model draft length; fallback only when an optimistic acceptance predicts no gain),
 the same plus a hard acceptance floor (--floor, the former default 0.3), and no adaptation at all
-(the drafter's full draft every step, never falling back). Prints tokens/s relative to plain,
+(the drafter's full draft every step, never falling back); for a combined drafter whose parts draft
+separately (`ngram|DIR`, `default`) also the adaptive defaults with one acceptance estimate shared
+by its parts (as before per-part estimates). Prints tokens/s relative to plain,
 tokens per target step and the fallbacks each policy took; --out writes the JSON.
 
     python bench/bench_adaptive.py --per-category 1 --drafters "ngram,DIR@width=3,depth=1,nodes=3"
@@ -30,6 +32,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     import pyspec
+    from pyspec.drafters import make_drafter
     from pyspec.engine import Engine, SamplingParams
     from pyspec.runner import ModelRunner
     from pyspec.train.evaluate import read_prompts
@@ -40,13 +43,18 @@ def main(argv=None):
     enc = [base.chat_prompt([{"role": "user", "content": p}]) for _, p in prompts]
     blocks = 8 + (max(len(e) for e in enc) + args.max_tokens + 64) // 16
 
-    def engine(spec, **kw):
-        return Engine(ModelRunner(base.model, num_blocks=blocks, block_size=16), drafter=spec,
-                      max_num_seqs=1, **kw)
+    def engine(spec, one_estimate=False, **kw):
+        runner = ModelRunner(base.model, num_blocks=blocks, block_size=16)
+        drafter = make_drafter(spec, runner)
+        if one_estimate:
+            drafter.num_draft_sources = 1  # the engine then never names the drafting part
+        return Engine(runner, drafter=drafter, max_num_seqs=1, **kw)
 
     engines = {"plain": engine("none")}
     for spec in args.drafters.split(","):
-        engines[f"{spec} | adaptive"] = engine(spec)
+        adaptive = engines[f"{spec} | adaptive"] = engine(spec)
+        if adaptive.drafters[adaptive.default_drafter].num_draft_sources > 1:
+            engines[f"{spec} | adaptive, one estimate for all parts"] = engine(spec, True)
         engines[f"{spec} | adaptive + floor {args.floor}"] = engine(
             spec, min_acceptance_rate=args.floor)
         engines[f"{spec} | fixed"] = engine(spec, adaptive=False)

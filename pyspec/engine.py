@@ -345,6 +345,15 @@ class Engine:
         self._need_hidden = self._hidden_layers or False
         self._layers_of = {name: layers_of(d, depth) for name, d in self.drafters.items()
                            if d.needs_hidden}
+        # Drafters whose parts draft separately (`A|B`): name -> number of sources.
+        self._sourced = {}
+        for name, d in self.drafters.items():
+            n = getattr(d, "num_draft_sources", 1)
+            if not isinstance(n, int) or not 1 <= n <= _C.MAX_DRAFT_SOURCES:
+                raise ValueError(f"drafter {name!r} has {n!r} draft sources; allowed: 1 .. "
+                                 f"{_C.MAX_DRAFT_SOURCES} (combine fewer drafters with '|')")
+            if n > 1:
+                self._sourced[name] = n
         self._reqs: Dict[int, _Req] = {}
         self._next_id = 0
         self._chains: Dict[int, TokenTree] = {}
@@ -557,6 +566,8 @@ class Engine:
         """Run one scheduler step over the whole batch; returns the requests that progressed."""
         sched, runner = self.scheduler, self.runner
         trace = StepTrace(time.perf_counter()) if self.trace_hook is not None else None
+        if self._sourced:
+            self._set_draft_sources()
         so = sched.step()
         for rid in so.preempted_ids:
             self._release_drafters(rid)  # its KV is gone: drafters start over at its prefill
@@ -694,6 +705,24 @@ class Engine:
             trace.end = time.perf_counter()
             self.trace_hook(trace)
         return outs
+
+    def _set_draft_sources(self) -> None:
+        """Tell the scheduler which part of an ``A|B`` drafter drafts each running request's next
+        step, so it sizes the step from that part's own acceptance estimate."""
+        sched = self.scheduler
+        for rid in sched.running_queue:
+            r = self._reqs.get(rid)
+            if r is None or r.failed or r.drafter not in self._sourced:
+                continue
+            try:
+                src = int(self.drafters[r.drafter].draft_source(r.context))
+                if not 0 <= src < self._sourced[r.drafter]:
+                    raise ValueError(f"draft source {src} is not in [0, "
+                                     f"{self._sourced[r.drafter]})")
+            except Exception as e:  # noqa: BLE001 - a drafter's failure is its request's alone
+                self._fail(rid, detail=f"draft_source: {type(e).__name__}: {e}")
+                continue
+            sched.set_draft_source(rid, src)
 
     def _hidden_for(self, name: str, hidden, rows):
         """Rows ``rows`` of the step's hidden states, the layers drafter ``name`` reads."""

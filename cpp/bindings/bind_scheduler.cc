@@ -46,6 +46,7 @@ std::vector<std::string> LogitsNames(const std::vector<LogitsKind>& kinds) {
 }  // namespace
 
 void RegisterScheduler(py::module_& m) {
+  m.attr("MAX_DRAFT_SOURCES") = kMaxDraftSources;
   m.def(
       "optimal_draft_length",
       [](double alpha, double draft_cost, double verify_cost, int64_t max_len) {
@@ -73,6 +74,7 @@ void RegisterScheduler(py::module_& m) {
       .def_readonly("num_preemptions", &Request::num_preemptions)
       .def_readonly("num_cached_tokens", &Request::num_cached_tokens)
       .def_readonly("draft_len", &Request::draft_len)
+      .def_readonly("draft_source", &Request::draft_source)
       .def_property_readonly("max_tokens", [](const Request& r) { return r.params.max_tokens; })
       .def_property_readonly("num_spec_steps",
                              [](const Request& r) { return r.stats.num_spec_steps; })
@@ -243,6 +245,11 @@ that do not match the last step) raise ValueError.)doc")
            "Another drafter serves the request: drop the acceptance evidence about the previous "
            "one, restart its draft length and leave plain decoding. Between update() and step(); "
            "False if finished.")
+      .def("set_draft_source", &Scheduler::SetDraftSource, py::arg("request_id"),
+           py::arg("source"),
+           "The request's next steps are drafted by part `source` of a combined drafter: use "
+           "that part's own acceptance estimate and draft length (each part keeps its own). "
+           "Between update() and step(); False if finished.")
       .def("step", &Scheduler::Step, "Build the next batch (a ScheduleOutput).")
       .def(
           "update",

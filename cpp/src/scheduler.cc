@@ -135,12 +135,34 @@ bool Scheduler::ResetAcceptance(int64_t id) {
   st.alpha_num = st.alpha_den = 0.0;
   st.fb_hits = st.fb_trials = 0.0;
   r.draft_len = config_.initial_draft_tokens;
+  r.saved_sources.clear();
   if (r.state() == RequestState::kRunningPlain &&
       RunningStateFor(r) == RequestState::kRunningSpeculative) {
     r.TransitionTo(RequestState::kRunningSpeculative);
     r.draft_len = std::max<int64_t>(r.draft_len, 1);
   }
   r.steps_since_switch = 0;
+  return true;
+}
+
+bool Scheduler::SetDraftSource(int64_t id, int32_t source) {
+  Request& r = Get(id, "SetDraftSource");
+  PYSPEC_CHECK(source >= 0 && source < kMaxDraftSources, "SetDraftSource(", id, "): source ",
+               source, " is out of range [0, ", kMaxDraftSources, ")");
+  if (r.finished()) return false;
+  PYSPEC_CHECK(in_flight_set_.count(id) == 0, "SetDraftSource(", id,
+               "): the request is in the step being run; call it between update() and step()");
+  if (source == r.draft_source) return true;
+  const size_t need = static_cast<size_t>(std::max(source, r.draft_source)) + 1;
+  if (r.saved_sources.size() < need) r.saved_sources.resize(need);
+  AcceptanceStats& st = r.stats;
+  r.saved_sources[r.draft_source] = {st.ewma, st.alpha_num, st.alpha_den, r.draft_len};
+  const DraftSourceEstimate& next = r.saved_sources[source];
+  st.ewma = next.ewma;
+  st.alpha_num = next.alpha_num;
+  st.alpha_den = next.alpha_den;
+  r.draft_len = next.draft_len > 0 ? next.draft_len : config_.initial_draft_tokens;
+  r.draft_source = source;
   return true;
 }
 

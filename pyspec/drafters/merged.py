@@ -18,7 +18,7 @@ from, which a merged tree no longer has; such a step uses that part's draft alon
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from pyspec.drafters.base import (Draft, Drafter, DraftRequest, PrefillChunk, Verified,
                                   layers_of, select_layers, union_layers)
@@ -97,6 +97,21 @@ class FirstDrafter(MergedDrafter):
     def __init__(self, parts: Sequence[Drafter]):
         super().__init__(parts)
         self.name = "|".join(p.name for p in self.parts)
+        self.num_draft_sources = len(self.parts)
+
+    def draft_source(self, context: Sequence[int]) -> int:
+        """The first part that will (or may: it cannot tell) draft for ``context``. Prompt lookup
+        copying a repeated run and a head guessing new text are right at very different rates:
+        the scheduler keeps an estimate for each, so one's misses do not shorten the other's
+        drafts."""
+        for k, p in enumerate(self.parts):
+            if p.will_draft(context) is not False:
+                return k
+        return len(self.parts) - 1
+
+    def will_draft(self, context: Sequence[int]) -> Optional[bool]:
+        answers = [p.will_draft(context) for p in self.parts]
+        return True if any(answers) else (None if None in answers else False)
 
     def propose(self, reqs: List[DraftRequest]) -> List[Draft]:
         out: List[Draft] = [None] * len(reqs)  # type: ignore[list-item]

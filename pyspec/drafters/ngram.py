@@ -29,5 +29,9 @@ class NgramDrafter(Drafter):
                              list(range(-1, len(chain)))))
         return out
 
+    def will_draft(self, context) -> bool:
+        ctx = context if isinstance(context, list) else list(context)
+        return bool(self._lookup(ctx, 1))
+
     def describe(self) -> str:
         return f"ngram (prompt lookup, n <= {self.max_ngram})"

@@ -818,6 +818,62 @@ TEST(CostModel, ResetAcceptanceGivesANewDrafterAFreshStart) {
   EXPECT_FALSE(s.ResetAcceptance(1));
 }
 
+TEST(CostModel, DraftSourcesKeepTheirOwnEstimates) {
+  // `ngram|HEAD`: source 0 (prompt lookup) is right about every token it copies, source 1 (a
+  // head) about none. Each keeps its own estimate and draft length, so the head's misses do not
+  // shorten prompt lookup's drafts, and prompt lookup's hits do not lengthen the head's.
+  pyspec::SchedulerConfig c;
+  c.cost_model = true;
+  c.max_draft_tokens = 8;
+  c.initial_draft_tokens = 3;
+  c.draft_cost = 0.0;
+  c.verify_cost = 0.02;
+  pyspec::Scheduler s(c, 256, 4, false);
+  s.AddRequest(1, {1, 2, 3}, [] { pyspec::SamplingParams p; p.max_tokens = 400; return p; }());
+  int64_t last_budget = -1;
+  auto run_step = [&](bool accept_all) { last_budget = StepAcceptingAllOrNone(s, accept_all); };
+  run_step(true);  // prefill
+  EXPECT_EQ(s.GetRequest(1).draft_source, 0);
+  for (int i = 0; i < 5; ++i) run_step(true);
+  EXPECT_EQ(s.GetRequest(1).draft_len, 8);
+  EXPECT_TRUE(s.SetDraftSource(1, 1));  // a source never used starts fresh
+  EXPECT_EQ(s.GetRequest(1).draft_len, 3);
+  EXPECT_LT(s.GetRequest(1).stats.TokenAcceptance(), 0.0);
+  run_step(false);
+  EXPECT_EQ(last_budget, 3);
+  run_step(false);
+  EXPECT_LT(last_budget, 3);  // the head's own evidence shortens its drafts
+  const int64_t head_len = s.GetRequest(1).draft_len;
+  EXPECT_LT(s.GetRequest(1).stats.TokenAcceptance(), 0.01);
+  EXPECT_TRUE(s.SetDraftSource(1, 0));  // prompt lookup's estimate is as it left it
+  EXPECT_EQ(s.GetRequest(1).draft_len, 8);
+  EXPECT_GT(s.GetRequest(1).stats.TokenAcceptance(), 0.99);
+  run_step(true);
+  EXPECT_EQ(last_budget, 8);
+  EXPECT_TRUE(s.SetDraftSource(1, 1));
+  EXPECT_EQ(s.GetRequest(1).draft_len, head_len);
+  EXPECT_TRUE(s.SetDraftSource(1, 1));  // the same source: nothing changes
+  EXPECT_EQ(s.GetRequest(1).draft_len, head_len);
+  // Lifetime counters cover every source.
+  EXPECT_EQ(s.GetRequest(1).stats.num_spec_steps, 8);
+  // A drafter switch drops every source's evidence.
+  EXPECT_TRUE(s.ResetAcceptance(1));
+  EXPECT_TRUE(s.SetDraftSource(1, 0));
+  EXPECT_EQ(s.GetRequest(1).draft_len, 3);
+  EXPECT_LT(s.GetRequest(1).stats.TokenAcceptance(), 0.0);
+  EXPECT_THROW(s.SetDraftSource(1, -1), pyspec::ValueError);
+  EXPECT_THROW(s.SetDraftSource(1, pyspec::kMaxDraftSources), pyspec::ValueError);
+  EXPECT_THROW(s.SetDraftSource(99, 0), pyspec::ValueError);
+  auto out = s.Step();  // refused mid-step
+  EXPECT_THROW(s.SetDraftSource(1, 1), pyspec::ValueError);
+  pyspec::StepResult res;
+  res.AddDecode(1, std::vector<int32_t>(out.draft_budget[0] + 1, 5), out.draft_budget[0],
+                out.draft_budget[0]);
+  s.Update(res);
+  EXPECT_TRUE(s.Abort(1));
+  EXPECT_FALSE(s.SetDraftSource(1, 1));
+}
+
 namespace {
 
 // A depth-1 drafter right with probability `hit` at a cost of draft_cost + verify_cost plain steps

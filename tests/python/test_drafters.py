@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from pyspec import _C
 from pyspec.decode import decode_one
 from pyspec.drafters import (Draft, Drafter, EagleDrafter, FirstDrafter, LayerSkipDrafter,
                              MedusaDrafter, MergedDrafter, ModelDrafter, load_heads, make_drafter,
@@ -233,6 +234,96 @@ def test_a_switch_gives_the_new_drafter_a_fresh_start(model, plain):
         eng.step()
     assert eng.result(rid).token_ids == decode_one(ModelRunner(model, 64, 8), prompts()[3],
                                                    40).tokens
+
+
+class SomeSteps(Drafter):
+    """Drafts with ``inner`` only when the context's length is 0, 1 or 2 modulo 5, and says so
+    beforehand (a fully accepted depth-3 draft adds 4 tokens, a miss 1: the parts alternate)."""
+
+    name = "some-steps"
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.max_draft_depth = inner.max_draft_depth
+
+    def will_draft(self, context):
+        return len(context) % 5 < 3
+
+    def kv_pools(self):
+        return self.inner.kv_pools()
+
+    def prefill(self, chunks):
+        self.inner.prefill(chunks)
+
+    def observe(self, results):
+        self.inner.observe(results)
+
+    def release(self, request_id):
+        self.inner.release(request_id)
+
+    def propose(self, reqs):
+        out = self.inner.propose(reqs)
+        return [d if self.will_draft(r.context) else Draft([r.context[-1]], [-1])
+                for r, d in zip(reqs, out)]
+
+
+@pytest.mark.parametrize("sourced", [True, False])
+def test_first_drafter_parts_keep_their_own_draft_length(model, sourced):
+    """``A|B``: A (the target itself, so always right) drafts on some steps, B (never right) on the
+    others. The scheduler sizes each step from the acceptance of the part that drafts it, so B's
+    misses do not shorten A's drafts: once A has reached the longest draft, every A step drafts
+    and has accepted all of it. Without the per-part estimates (``sourced=False``, the engine not
+    naming the part) A's drafts shrink after B's misses, which the test checks too, so it can
+    fail."""
+    runner = ModelRunner(model, num_blocks=64, block_size=8)
+    good = SomeSteps(ModelDrafter(LlamaForCausalLM.random(model.cfg, seed=0), runner,
+                                       max_depth=3))
+    first = FirstDrafter([good, Exploding(set(), "none")])
+    assert first.num_draft_sources == 2
+    eng = Engine(runner, drafter=first, adaptive=False, max_draft_tokens=3)
+    if not sourced:
+        eng._sourced = {}
+    steps = []
+    eng.trace_hook = lambda t: steps.append(t.decisions)
+    rid = eng.add_request(prompts()[3], SamplingParams(max_tokens=60))
+    sources = []
+    while eng.has_unfinished():
+        r = eng._reqs[rid]
+        # (the part that drafts, whether max_tokens leaves room for the longest draft)
+        sources.append((first.draft_source(r.context), 60 - len(r.generated) > 4))
+        eng.step()
+    a_steps = [d[rid] for (s, _), d in zip(sources, steps) if s == 0 and rid in d]
+    b_steps = [d[rid] for (s, _), d in zip(sources, steps) if s == 1 and rid in d]
+    roomy = [d[rid] for (s, room), d in zip(sources, steps) if s == 0 and room and rid in d]
+    assert len(a_steps) >= 4 and len(b_steps) >= 4
+    assert all(a == 0 for _, _, a, _ in b_steps)  # B is never right
+    assert all(a == depth for _, depth, a, _ in a_steps)  # A always is
+    later = [depth for _, depth, _, _ in roomy[2:]]
+    assert len(later) >= 3
+    if sourced:
+        assert later == [3] * len(later), a_steps
+    else:
+        assert min(later) < 3, a_steps
+    assert eng.result(rid).token_ids == decode_one(ModelRunner(model, 64, 8), prompts()[3],
+                                                   60).tokens
+
+
+def test_a_failing_draft_source_fails_over_to_plain_decoding(model, caplog):
+    class Broken(Exploding):
+        def will_draft(self, context):
+            raise RuntimeError("cannot tell")
+
+    runner = ModelRunner(model, num_blocks=64, block_size=8)
+    first = FirstDrafter([Broken(set(), "none"), Exploding(set(), "none")])
+    eng = Engine(runner, drafter=first)
+    res = eng.generate(prompts()[:2], SamplingParams(max_tokens=20))
+    for i, r in enumerate(res):
+        assert r.token_ids == decode_one(ModelRunner(model, 64, 8), prompts()[i], 20).tokens
+        assert r.stats.fallbacks.get("drafter_error") == 1
+    assert "draft_source: RuntimeError: cannot tell" in caplog.text
+    many = FirstDrafter([Exploding(set(), "none")] * (_C.MAX_DRAFT_SOURCES + 1))
+    with pytest.raises(ValueError, match="draft sources"):
+        Engine(ModelRunner(model, num_blocks=16, block_size=8), drafter=many)
 
 
 def pyspec_router(**kw):

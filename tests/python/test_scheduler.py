@@ -196,3 +196,42 @@ def test_optimal_draft_length_matches_leviathan_formula():
         s.set_cost_model(0.1, float("inf"))
     with pytest.raises(ValueError, match="draft_cost"):
         _C.Scheduler(16, 4, draft_cost=-1.0)
+
+
+def test_draft_sources_keep_their_own_draft_length():
+    """Through the binding: source 0 always right, source 1 never; each keeps its own length."""
+    sched = _C.Scheduler(64, 4, max_draft_tokens=6, initial_draft_tokens=2)
+    sched.add_request(1, [1, 2, 3], max_tokens=100)
+
+    def step(all_right):
+        out = sched.step()
+        res = _C.StepResult()
+        for i, rid in enumerate(out.ids):
+            if out.kinds[i] == "prefill":
+                res.add_prefill(rid, len(out.tokens_of(i)))
+            else:
+                b = out.draft_budget[i]
+                a = b if all_right else 0
+                res.add_decode(rid, [7] * (a + 1), num_drafted=b, num_accepted=a)
+        sched.update(res)
+
+    step(True)  # prefill
+    lengths = {0: [], 1: []}
+    for k in range(12):
+        src = k % 2
+        assert sched.set_draft_source(1, src) is True
+        assert sched.request(1).draft_source == src
+        lengths[src].append(sched.request(1).draft_len)
+        step(src == 0)
+    assert lengths[0] == [2, 3, 4, 5, 6, 6]  # +1 per fully accepted step, up to the maximum
+    assert lengths[1] == [2, 1, 1, 1, 1, 1]  # -1 per miss, not below 1
+    for bad in (-1, _C.MAX_DRAFT_SOURCES):
+        with pytest.raises(ValueError, match="out of range"):
+            sched.set_draft_source(1, bad)
+    with pytest.raises(ValueError, match="unknown request"):
+        sched.set_draft_source(99, 0)
+    sched.step()
+    with pytest.raises(ValueError, match="between update"):
+        sched.set_draft_source(1, 0)
+    sched.abort(1)
+    assert sched.set_draft_source(1, 0) is False

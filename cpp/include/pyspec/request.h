@@ -83,6 +83,21 @@ struct AcceptanceStats {
   }
 };
 
+// A combined drafter's part (`ngram|HEAD`: prompt lookup when the context repeats, the head
+// otherwise) drafts some steps of a request, another part others, with acceptance rates far apart.
+// The scheduler keeps one acceptance estimate and draft length per source and uses the one of the
+// source that will draft the step (Scheduler::SetDraftSource); this holds a source's while
+// another is active.
+struct DraftSourceEstimate {
+  double ewma = -1.0;
+  double alpha_num = 0.0;
+  double alpha_den = 0.0;
+  int64_t draft_len = 0;  // 0: never active (starts at initial_draft_tokens)
+};
+
+// Draft sources a request can have (Scheduler::SetDraftSource).
+inline constexpr int32_t kMaxDraftSources = 16;
+
 struct Request {
   Request(int64_t id, std::vector<int32_t> prompt, SamplingParams params, int64_t arrival,
           bool record_transitions);
@@ -120,6 +135,10 @@ struct Request {
   // Steps decoded since the last SPECULATIVE<->PLAIN switch (drives fallback and probing).
   int64_t steps_since_switch = 0;
   AcceptanceStats stats;
+  // The draft source of the next steps; stats.ewma / alpha_* and draft_len are its estimate, the
+  // others' wait in saved_sources[source] (grown on demand).
+  int32_t draft_source = 0;
+  std::vector<DraftSourceEstimate> saved_sources;
   // Every state visited, in order (only when the scheduler records transitions; for tests).
   std::vector<RequestState> history;
 

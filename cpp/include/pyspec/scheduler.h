@@ -191,6 +191,14 @@ class Scheduler {
   // it may). Call between Update() and Step(). Lifetime counters stay. False if the request has
   // finished; throws ValueError for an unknown id.
   bool ResetAcceptance(int64_t id);
+  // The next steps of request `id` are drafted by source `source` (in [0, kMaxDraftSources)): a
+  // part of a combined drafter. Each source keeps its own acceptance estimate (EWMA and the cost
+  // model's alpha) and draft_len; this makes `source`'s current (a source never used starts at
+  // initial_draft_tokens with no evidence) and keeps the previous one's for its next turn. The
+  // fallback test's evidence and the lifetime counters stay per request: whether drafting pays
+  // at all is judged over every source. Call between Update() and Step(). False if the request
+  // has finished; throws ValueError for an unknown id, a source out of range or mid-step.
+  bool SetDraftSource(int64_t id, int32_t source);
 
   // Builds the next batch. Throws ValueError if the previous Step() was not followed by Update().
   ScheduleOutput Step();
