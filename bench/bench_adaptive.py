@@ -28,6 +28,9 @@ def main(argv=None):
     ap.add_argument("--per-category", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--floor", type=float, default=0.3)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature (seed 0; outputs still match plain sampling: "
+                         "acceptance draws are keyed by position)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -60,9 +63,11 @@ def main(argv=None):
         engines[f"{spec} | fixed"] = engine(spec, adaptive=False)
     for e in engines.values():  # warm-up outside the timings
         e.generate([enc[0][:16]], SamplingParams(max_tokens=4))
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    tot = {n: dict(seconds=0.0, tokens=0, steps=0, identical=0, fallbacks={}) for n in engines}
-    for ids in enc:
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True,
+                            temperature=args.temperature, seed=0)
+    tot = {n: dict(seconds=0.0, tokens=0, steps=0, identical=0, fallbacks={}, per_category={})
+           for n in engines}
+    for (category, _), ids in zip(prompts, enc):
         ref = None
         for name, e in engines.items():
             t0 = time.perf_counter()
@@ -71,6 +76,9 @@ def main(argv=None):
             t["seconds"] += time.perf_counter() - t0
             t["tokens"] += len(r.token_ids)
             t["steps"] += r.stats.steps
+            c = t["per_category"].setdefault(category, [0, 0])
+            c[0] += len(r.token_ids)
+            c[1] += r.stats.steps
             ref = r.token_ids if ref is None else ref
             t["identical"] += r.token_ids == ref
             for k, v in r.stats.fallbacks.items():
@@ -82,7 +90,9 @@ def main(argv=None):
         rows[name] = dict(tokens_per_second=round(tps, 2), vs_plain=round(tps / plain, 3),
                           tokens_per_target_step=round(t["tokens"] / t["steps"], 3),
                           identical_to_plain=f"{t['identical']}/{len(enc)}",
-                          fallbacks=t["fallbacks"])
+                          fallbacks=t["fallbacks"],
+                          tokens_per_target_step_per_category={
+                              c: round(n / k, 3) for c, (n, k) in t["per_category"].items()})
         print(f"{name:60s} {tps:6.1f} tok/s  {tps / plain:5.3f}x  "
               f"{t['tokens'] / t['steps']:.2f} tok/step  {t['identical']}/{len(enc)} identical  "
               f"fallbacks {t['fallbacks']}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, List, Optional, Sequence
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -51,20 +51,26 @@ class DecodeResult:
         return len(self.tokens) / t if t > 0 else float("inf")
 
 
+def prompt_lookup_match(context: List[int], max_ngram: int = 3) -> Tuple[int, int]:
+    """(n, where): the longest n <= max_ngram whose last-n-token suffix occurred earlier in
+    ``context`` with a token after it, and the index right after that latest occurrence (the
+    copied continuation starts there); (0, -1) when none did."""
+    n_ctx = len(context)
+    for n in range(min(max_ngram, n_ctx - 1), 0, -1):
+        tail = context[n_ctx - n:]
+        for start in range(n_ctx - n - 1, -1, -1):
+            if context[start:start + n] == tail:
+                return n, start + n
+    return 0, -1
+
+
 def prompt_lookup_drafter(max_ngram: int = 3) -> ChainDrafter:
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the context's last
     n tokens (n = max_ngram..1)."""
 
     def draft(context: List[int], gamma: int) -> List[int]:
-        n_ctx = len(context)
-        for n in range(min(max_ngram, n_ctx - 1), 0, -1):
-            tail = context[n_ctx - n:]
-            for start in range(n_ctx - n - 1, -1, -1):
-                if context[start:start + n] == tail:
-                    follow = context[start + n:start + n + gamma]
-                    if follow:
-                        return follow
-        return []
+        n, where = prompt_lookup_match(context, max_ngram)
+        return context[where:where + gamma] if n else []
 
     return draft
 

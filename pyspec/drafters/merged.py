@@ -97,17 +97,20 @@ class FirstDrafter(MergedDrafter):
     def __init__(self, parts: Sequence[Drafter]):
         super().__init__(parts)
         self.name = "|".join(p.name for p in self.parts)
-        self.num_draft_sources = len(self.parts)
+        # Every part's sources, numbered part after part.
+        self._offsets = [0]
+        for p in self.parts:
+            self._offsets.append(self._offsets[-1] + int(p.num_draft_sources))
+        self.num_draft_sources = self._offsets[-1]
 
     def draft_source(self, context: Sequence[int]) -> int:
-        """The first part that will (or may: it cannot tell) draft for ``context``. Prompt lookup
-        copying a repeated run and a head guessing new text are right at very different rates:
-        the scheduler keeps an estimate for each, so one's misses do not shorten the other's
-        drafts."""
-        for k, p in enumerate(self.parts):
-            if p.will_draft(context) is not False:
-                return k
-        return len(self.parts) - 1
+        """The source, within the first part that will (or may: it cannot tell) draft for
+        ``context``. Prompt lookup copying a repeated run and a head guessing new text are right
+        at very different rates: the scheduler keeps an estimate for each, so one's misses do not
+        shorten the other's drafts."""
+        k = next((k for k, p in enumerate(self.parts) if p.will_draft(context) is not False),
+                 len(self.parts) - 1)
+        return self._offsets[k] + int(self.parts[k].draft_source(context))
 
     def will_draft(self, context: Sequence[int]) -> Optional[bool]:
         answers = [p.will_draft(context) for p in self.parts]

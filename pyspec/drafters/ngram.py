@@ -1,13 +1,17 @@
 """N-gram / prompt-lookup drafting (no weights): the tokens that followed the latest earlier
-occurrence of the context's last n tokens, n = max_ngram .. min_ngram (Saxena 2023, "prompt lookup
+occurrence of the context's last n tokens, n = max_ngram .. 1 (Saxena 2023, "prompt lookup
 decoding"; HF transformers' ``prompt_lookup_num_tokens``). Drafts are deterministic chains, so the
-target verifies them with the target-only walk when sampling."""
+target verifies them with the target-only walk when sampling.
+
+A continuation copied after a 3-token match (a passage being quoted) is right far more often than
+one after a single repeated token: each match length is its own draft source, so the scheduler
+keeps an acceptance estimate and a draft length per match length."""
 
 from __future__ import annotations
 
 from typing import List
 
-from pyspec.decode import prompt_lookup_drafter
+from pyspec.decode import prompt_lookup_drafter, prompt_lookup_match
 from pyspec.drafters.base import Draft, Drafter, DraftRequest
 
 
@@ -19,6 +23,7 @@ class NgramDrafter(Drafter):
             raise ValueError(f"max_ngram must be an int in [1, 16]; got {max_ngram!r}")
         self.max_ngram = max_ngram
         self._lookup = prompt_lookup_drafter(max_ngram)
+        self.num_draft_sources = max_ngram  # source k: a match of max_ngram - k tokens
 
     def propose(self, reqs: List[DraftRequest]) -> List[Draft]:
         out = []
@@ -30,8 +35,15 @@ class NgramDrafter(Drafter):
         return out
 
     def will_draft(self, context) -> bool:
+        return self._match(context) > 0
+
+    def draft_source(self, context) -> int:
+        n = self._match(context)
+        return self.max_ngram - n if n else 0
+
+    def _match(self, context) -> int:
         ctx = context if isinstance(context, list) else list(context)
-        return bool(self._lookup(ctx, 1))
+        return prompt_lookup_match(ctx, self.max_ngram)[0]
 
     def describe(self) -> str:
         return f"ngram (prompt lookup, n <= {self.max_ngram})"

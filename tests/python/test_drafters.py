@@ -12,8 +12,8 @@ import torch
 from pyspec import _C
 from pyspec.decode import decode_one
 from pyspec.drafters import (Draft, Drafter, EagleDrafter, FirstDrafter, LayerSkipDrafter,
-                             MedusaDrafter, MergedDrafter, ModelDrafter, load_heads, make_drafter,
-                             save_heads)
+                             MedusaDrafter, MergedDrafter, ModelDrafter, NgramDrafter, load_heads,
+                             make_drafter, save_heads)
 from pyspec.engine import Engine, SamplingParams
 from pyspec.models.llama import LlamaForCausalLM
 from pyspec.runner import ModelRunner
@@ -236,6 +236,33 @@ def test_a_switch_gives_the_new_drafter_a_fresh_start(model, plain):
                                                    40).tokens
 
 
+def test_prompt_lookup_sources_are_match_lengths():
+    from pyspec.decode import prompt_lookup_match
+    from pyspec.drafters.base import DraftRequest
+
+    d = NgramDrafter(3)
+    assert d.num_draft_sources == 3
+    ctx = [5, 6, 7, 8, 1, 6, 7, 8]  # "6 7 8" occurred before, followed by 1
+    assert prompt_lookup_match(ctx, 3) == (3, 4)
+    assert d.will_draft(ctx) and d.draft_source(ctx) == 0
+    ctx = [5, 7, 8, 1, 2, 7, 8]  # "7 8" occurred before ("2 7 8" did not), followed by 1
+    assert prompt_lookup_match(ctx, 3) == (2, 3)
+    assert d.draft_source(ctx) == 1
+    ctx = [1, 2, 3, 9, 4, 3]  # only the single token 3 repeats
+    assert prompt_lookup_match(ctx, 3) == (1, 3)
+    assert d.draft_source(ctx) == 2
+    ctx = [1, 2, 3, 4]
+    assert prompt_lookup_match(ctx, 3) == (0, -1)
+    assert d.will_draft(ctx) is False
+    req = DraftRequest(0, ctx, 3, [0], 3)
+    assert d.propose([req])[0].tokens == [4]  # nothing drafted, as it said
+    # In `ngram|B`, B's sources follow prompt lookup's three.
+    first = FirstDrafter([d, SomeSteps(d)])
+    assert first.num_draft_sources == 4
+    assert first.draft_source([1, 2, 3, 4, 5]) == 3  # no match: B (5 % 5 < 3)
+    assert first.draft_source([1, 2, 3, 9, 4, 3]) == 2
+
+
 class SomeSteps(Drafter):
     """Drafts with ``inner`` only when the context's length is 0, 1 or 2 modulo 5, and says so
     beforehand (a fully accepted depth-3 draft adds 4 tokens, a miss 1: the parts alternate)."""
@@ -321,9 +348,17 @@ def test_a_failing_draft_source_fails_over_to_plain_decoding(model, caplog):
         assert r.token_ids == decode_one(ModelRunner(model, 64, 8), prompts()[i], 20).tokens
         assert r.stats.fallbacks.get("drafter_error") == 1
     assert "draft_source: RuntimeError: cannot tell" in caplog.text
-    many = FirstDrafter([Exploding(set(), "none")] * (_C.MAX_DRAFT_SOURCES + 1))
+    # More sources than the scheduler keeps estimates for: the last ones share one.
+    many = FirstDrafter([NgramDrafter(16), NgramDrafter(2)])
+    assert many.num_draft_sources == _C.MAX_DRAFT_SOURCES + 2
+    eng = Engine(ModelRunner(model, num_blocks=64, block_size=8), drafter=many)
+    res = eng.generate(prompts()[:2], SamplingParams(max_tokens=20))
+    for i, r in enumerate(res):
+        assert r.token_ids == decode_one(ModelRunner(model, 64, 8), prompts()[i], 20).tokens
+    broken = Exploding(set(), "none")
+    broken.num_draft_sources = 0
     with pytest.raises(ValueError, match="draft sources"):
-        Engine(ModelRunner(model, num_blocks=16, block_size=8), drafter=many)
+        Engine(ModelRunner(model, num_blocks=16, block_size=8), drafter=broken)
 
 
 def pyspec_router(**kw):
