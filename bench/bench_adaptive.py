@@ -4,9 +4,9 @@ For each drafter (--drafters), three engines over the same MT-bench first turns,
 prompt with plain decoding (greedy, batch 1, float32, --max-tokens new tokens): the adaptive
 defaults (cost-model draft length; fallback only when an optimistic acceptance predicts no gain),
 the same plus a hard acceptance floor (--floor, the former default 0.3), and no adaptation at all
-(the drafter's full draft every step, never falling back); for a combined drafter whose parts draft
-separately (`ngram|DIR`, `default`) also the adaptive defaults with one acceptance estimate shared
-by its parts (as before per-part estimates). Prints tokens/s relative to plain,
+(the drafter's full draft every step, never falling back); for a drafter with several draft
+sources (`ngram`'s match lengths, the parts of `ngram|DIR` and `default`) also the adaptive
+defaults with one acceptance estimate shared by all its sources (as before draft sources). Prints tokens/s relative to plain,
 tokens per target step and the fallbacks each policy took; --out writes the JSON.
 
     python bench/bench_adaptive.py --per-category 1 --drafters "ngram,DIR@width=3,depth=1,nodes=3"
@@ -50,14 +50,14 @@ def main(argv=None):
         runner = ModelRunner(base.model, num_blocks=blocks, block_size=16)
         drafter = make_drafter(spec, runner)
         if one_estimate:
-            drafter.num_draft_sources = 1  # the engine then never names the drafting part
+            drafter.num_draft_sources = 1  # the engine then never names the drafting source
         return Engine(runner, drafter=drafter, max_num_seqs=1, **kw)
 
     engines = {"plain": engine("none")}
     for spec in args.drafters.split(","):
         adaptive = engines[f"{spec} | adaptive"] = engine(spec)
         if adaptive.drafters[adaptive.default_drafter].num_draft_sources > 1:
-            engines[f"{spec} | adaptive, one estimate for all parts"] = engine(spec, True)
+            engines[f"{spec} | adaptive, one estimate for all sources"] = engine(spec, True)
         engines[f"{spec} | adaptive + floor {args.floor}"] = engine(
             spec, min_acceptance_rate=args.floor)
         engines[f"{spec} | fixed"] = engine(spec, adaptive=False)

@@ -350,7 +350,7 @@ class Engine:
         # sources beyond share the last.
         self._sourced = {}
         for name, d in self.drafters.items():
-            n = getattr(d, "num_draft_sources", 1)
+            n = d.num_draft_sources
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 raise ValueError(f"drafter {name!r} has {n!r} draft sources; allowed: an int >= 1")
             if n > 1:
@@ -708,15 +708,19 @@ class Engine:
         return outs
 
     def _set_draft_sources(self) -> None:
-        """Tell the scheduler which part of an ``A|B`` drafter drafts each running request's next
-        step, so it sizes the step from that part's own acceptance estimate."""
+        """Tell the scheduler which source of its drafter (``A|B``'s part, prompt lookup's match
+        length) drafts each running request's next step, so it sizes the step from that source's
+        own acceptance estimate."""
         sched = self.scheduler
         for rid in sched.running_queue:
             r = self._reqs.get(rid)
             if r is None or r.failed or r.drafter not in self._sourced:
                 continue
             try:
-                src = int(self.drafters[r.drafter].draft_source(r.context))
+                src = self.drafters[r.drafter].draft_source(r.context)
+                if src is None:  # nothing will be drafted: no evidence to attribute
+                    continue
+                src = int(src)
                 if not 0 <= src < self._sourced[r.drafter]:
                     raise ValueError(f"draft source {src} is not in [0, "
                                      f"{self._sourced[r.drafter]})")

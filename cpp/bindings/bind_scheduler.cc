@@ -247,8 +247,9 @@ that do not match the last step) raise ValueError.)doc")
            "False if finished.")
       .def("set_draft_source", &Scheduler::SetDraftSource, py::arg("request_id"),
            py::arg("source"),
-           "The request's next steps are drafted by part `source` of a combined drafter: use "
-           "that part's own acceptance estimate and draft length (each part keeps its own). "
+           "The request's next steps are drafted by source `source` of its drafter (a part of "
+           "`A|B`, a prompt-lookup match length): use that source's own acceptance estimate and "
+           "draft length (each source keeps its own). "
            "Between update() and step(); False if finished.")
       .def("step", &Scheduler::Step, "Build the next batch (a ScheduleOutput).")
       .def(

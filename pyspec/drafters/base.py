@@ -114,19 +114,15 @@ class Drafter:
         """KV pools to keep in step with the target's (copy-on-write block copies)."""
         return []
 
-    def will_draft(self, context: Sequence[int]) -> Optional[bool]:
-        """Whether :meth:`propose` will draft anything beyond the root for a request whose
-        context (the root last) is ``context``; None: it cannot tell without drafting."""
-        return None
-
-    # Parts that draft separately (``A|B``): the scheduler keeps an acceptance estimate and a
-    # draft length per source, and the engine names the source of each request's next step
-    # (:meth:`draft_source`) before the scheduler sizes it.
+    # Sources drafting at different rates (``A|B``'s parts, prompt lookup's match lengths): the
+    # scheduler keeps an acceptance estimate and a draft length per source, and the engine names
+    # the source of each request's next step (:meth:`draft_source`) before the scheduler sizes it.
     num_draft_sources = 1
 
-    def draft_source(self, context: Sequence[int]) -> int:
+    def draft_source(self, context: Sequence[int]) -> Optional[int]:
         """Which source (``0 .. num_draft_sources - 1``) drafts the next step of a request whose
-        context is ``context``."""
+        context (the root last) is ``context``; None when :meth:`propose` will draft nothing
+        beyond the root. A drafter that cannot tell without drafting says 0."""
         return 0
 
     def prefill(self, chunks: List[PrefillChunk]) -> None:

@@ -103,18 +103,16 @@ class FirstDrafter(MergedDrafter):
             self._offsets.append(self._offsets[-1] + int(p.num_draft_sources))
         self.num_draft_sources = self._offsets[-1]
 
-    def draft_source(self, context: Sequence[int]) -> int:
+    def draft_source(self, context: Sequence[int]) -> Optional[int]:
         """The source, within the first part that will (or may: it cannot tell) draft for
         ``context``. Prompt lookup copying a repeated run and a head guessing new text are right
         at very different rates: the scheduler keeps an estimate for each, so one's misses do not
         shorten the other's drafts."""
-        k = next((k for k, p in enumerate(self.parts) if p.will_draft(context) is not False),
-                 len(self.parts) - 1)
-        return self._offsets[k] + int(self.parts[k].draft_source(context))
-
-    def will_draft(self, context: Sequence[int]) -> Optional[bool]:
-        answers = [p.will_draft(context) for p in self.parts]
-        return True if any(answers) else (None if None in answers else False)
+        for k, p in enumerate(self.parts):
+            src = p.draft_source(context)
+            if src is not None:
+                return self._offsets[k] + int(src)
+        return None
 
     def propose(self, reqs: List[DraftRequest]) -> List[Draft]:
         out: List[Draft] = [None] * len(reqs)  # type: ignore[list-item]

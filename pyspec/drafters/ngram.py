@@ -9,7 +9,7 @@ keeps an acceptance estimate and a draft length per match length."""
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 from pyspec.decode import prompt_lookup_drafter, prompt_lookup_match
 from pyspec.drafters.base import Draft, Drafter, DraftRequest
@@ -34,16 +34,10 @@ class NgramDrafter(Drafter):
                              list(range(-1, len(chain)))))
         return out
 
-    def will_draft(self, context) -> bool:
-        return self._match(context) > 0
-
-    def draft_source(self, context) -> int:
-        n = self._match(context)
-        return self.max_ngram - n if n else 0
-
-    def _match(self, context) -> int:
+    def draft_source(self, context) -> Optional[int]:
         ctx = context if isinstance(context, list) else list(context)
-        return prompt_lookup_match(ctx, self.max_ngram)[0]
+        n = prompt_lookup_match(ctx, self.max_ngram)[0]
+        return self.max_ngram - n if n else None
 
     def describe(self) -> str:
         return f"ngram (prompt lookup, n <= {self.max_ngram})"

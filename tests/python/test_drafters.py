@@ -244,7 +244,7 @@ def test_prompt_lookup_sources_are_match_lengths():
     assert d.num_draft_sources == 3
     ctx = [5, 6, 7, 8, 1, 6, 7, 8]  # "6 7 8" occurred before, followed by 1
     assert prompt_lookup_match(ctx, 3) == (3, 4)
-    assert d.will_draft(ctx) and d.draft_source(ctx) == 0
+    assert d.draft_source(ctx) == 0
     ctx = [5, 7, 8, 1, 2, 7, 8]  # "7 8" occurred before ("2 7 8" did not), followed by 1
     assert prompt_lookup_match(ctx, 3) == (2, 3)
     assert d.draft_source(ctx) == 1
@@ -253,7 +253,7 @@ def test_prompt_lookup_sources_are_match_lengths():
     assert d.draft_source(ctx) == 2
     ctx = [1, 2, 3, 4]
     assert prompt_lookup_match(ctx, 3) == (0, -1)
-    assert d.will_draft(ctx) is False
+    assert d.draft_source(ctx) is None
     req = DraftRequest(0, ctx, 3, [0], 3)
     assert d.propose([req])[0].tokens == [4]  # nothing drafted, as it said
     # In `ngram|B`, B's sources follow prompt lookup's three.
@@ -273,8 +273,8 @@ class SomeSteps(Drafter):
         self.inner = inner
         self.max_draft_depth = inner.max_draft_depth
 
-    def will_draft(self, context):
-        return len(context) % 5 < 3
+    def draft_source(self, context):
+        return 0 if len(context) % 5 < 3 else None
 
     def kv_pools(self):
         return self.inner.kv_pools()
@@ -290,7 +290,7 @@ class SomeSteps(Drafter):
 
     def propose(self, reqs):
         out = self.inner.propose(reqs)
-        return [d if self.will_draft(r.context) else Draft([r.context[-1]], [-1])
+        return [d if self.draft_source(r.context) is not None else Draft([r.context[-1]], [-1])
                 for r, d in zip(reqs, out)]
 
 
@@ -337,7 +337,7 @@ def test_first_drafter_parts_keep_their_own_draft_length(model, sourced):
 
 def test_a_failing_draft_source_fails_over_to_plain_decoding(model, caplog):
     class Broken(Exploding):
-        def will_draft(self, context):
+        def draft_source(self, context):
             raise RuntimeError("cannot tell")
 
     runner = ModelRunner(model, num_blocks=64, block_size=8)

@@ -83,8 +83,9 @@ struct AcceptanceStats {
   }
 };
 
-// A combined drafter's part (`ngram|HEAD`: prompt lookup when the context repeats, the head
-// otherwise) drafts some steps of a request, another part others, with acceptance rates far apart.
+// A draft source (a combined drafter's part, `ngram|HEAD`: prompt lookup when the context repeats,
+// the head otherwise; within prompt lookup, the length of the match it copies after) drafts some
+// steps of a request, another source others, with acceptance rates far apart.
 // The scheduler keeps one acceptance estimate and draft length per source and uses the one of the
 // source that will draft the step (Scheduler::SetDraftSource); this holds a source's while
 // another is active.

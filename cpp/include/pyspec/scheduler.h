@@ -192,7 +192,7 @@ class Scheduler {
   // finished; throws ValueError for an unknown id.
   bool ResetAcceptance(int64_t id);
   // The next steps of request `id` are drafted by source `source` (in [0, kMaxDraftSources)): a
-  // part of a combined drafter. Each source keeps its own acceptance estimate (EWMA and the cost
+  // part of a combined drafter, a prompt-lookup match length. Each source keeps its own acceptance estimate (EWMA and the cost
   // model's alpha) and draft_len; this makes `source`'s current (a source never used starts at
   // initial_draft_tokens with no evidence) and keeps the previous one's for its next turn. The
   // fallback test's evidence and the lifetime counters stay per request: whether drafting pays
