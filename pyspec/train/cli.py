@@ -68,7 +68,16 @@ def train_draft(args) -> str:
     else:
         seqs = []
         for prompt_set in args.prompt_set.split(","):  # one corpus per set, as separate runs do
-            prompts = D.seed_prompts(args.prompts, seed=args.seed, prompt_set=prompt_set)
+            if prompt_set == "self":
+                prompts = D.self_prompts(gen, args.prompts, seed=args.seed, batch=args.batch)
+                if not prompts:
+                    raise ValueError("--prompt-set self: the target wrote no complete request "
+                                     "(none ended its turn); choose another prompt set")
+                with open(os.path.join(args.out, "self-prompts.jsonl"), "w") as f:
+                    for p in prompts:
+                        f.write(json.dumps({"prompt": p}) + "\n")
+            else:
+                prompts = D.seed_prompts(args.prompts, seed=args.seed, prompt_set=prompt_set)
             seqs.extend(D.generate_corpus(gen, prompts, max_tokens=args.max_tokens,
                                           batch=args.batch, seed=args.seed))
         torch.save(seqs, data_path)
@@ -160,7 +169,9 @@ def add_parser(sub):
                    help="seed prompt templates: the 32 basic ones; diverse: those plus personas, "
                    "reasoning, science, humanities, editing and passage extraction; wide: the "
                    "diverse templates over topics, places, people and objects from larger pools; "
-                   "several comma-separated: --prompts prompts of each, one corpus after another")
+                   "self: requests the target writes itself after its chat template's user-turn "
+                   "header (kept in DIR/self-prompts.jsonl); several comma-separated: --prompts "
+                   "prompts of each, one corpus after another")
     p.add_argument("--max-tokens", type=int, default=192)
     p.add_argument("--batch", type=int, default=64, help="generation batch size")
     p.add_argument("--gen-dtype", default="bfloat16", choices=["float32", "bfloat16"])

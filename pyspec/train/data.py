@@ -3,8 +3,10 @@ engine, and the target's final hidden states of every position are recorded on t
 recording drafter that proposes nothing sees the prefill chunks and the committed tokens).
 
 The seed prompts are written here from templates x topics (instructions, explanations, lists,
-stories, code, math, rewriting, dialogue); they never come from MT-bench or HumanEval, which are
-for measurement only.
+stories, code, math, rewriting, dialogue), or, for the ``self`` set, written by the target itself:
+given only the opening of a user turn in its chat template, an instruction-tuned model writes a
+request of the kind it was tuned on (the "Magpie" method). They never come from MT-bench or
+HumanEval, which are for measurement only.
 """
 
 from __future__ import annotations
@@ -287,14 +289,17 @@ def _passage(rng: random.Random, wide: bool = False) -> str:
             f"{rng.choice(PLACES_WIDE if wide else PLACES)}.")
 
 
-PROMPT_SETS = ("basic", "diverse", "wide")
+PROMPT_SETS = ("basic", "diverse", "wide", "self")
 
 
 def seed_prompts(n: int, seed: int = 0, prompt_set: str = "diverse") -> List[str]:
     """``n`` distinct prompts (deterministic for a seed). ``prompt_set``: ``"basic"`` (the 32
     original templates), ``"diverse"`` (those plus the category-wide ones above, each drawn with
     equal chance between the two lists) or ``"wide"`` (the diverse templates over topics, places,
-    people, roles and objects composed from the larger word pools)."""
+    people, roles and objects composed from the larger word pools). The ``self`` set needs the
+    target: :func:`self_prompts`."""
+    if prompt_set == "self":
+        raise ValueError("the 'self' prompt set is written by the target: use self_prompts(llm, n)")
     if prompt_set not in PROMPT_SETS:
         raise ValueError(f"prompt_set must be one of {', '.join(PROMPT_SETS)}; got {prompt_set!r}")
     rng = random.Random(seed)
@@ -329,6 +334,74 @@ def seed_prompts(n: int, seed: int = 0, prompt_set: str = "diverse") -> List[str
         if p not in seen:
             seen.add(p)
             out.append(p)
+    return out
+
+
+def user_turn_prefix(llm) -> List[int]:
+    """The token ids of the target's chat template up to where a user's text starts (the system
+    turn the template adds by default, then the user turn's header)."""
+    mark = "\u2063pyspec-user-text\u2063"
+    if not llm.tokenizer.chat_template:
+        raise ValueError(f"the model at {llm.model_path} has no chat template: the 'self' prompt "
+                         f"set needs one")
+    text = llm.tokenizer.apply_chat_template([{"role": "user", "content": mark}],
+                                             add_generation_prompt=False)
+    if text.count(mark) != 1:
+        raise ValueError("the target's chat template does not place a user's text verbatim; "
+                         "the 'self' prompt set needs one that does")
+    return llm.tokenizer.encode(text[:text.index(mark)], add_special_tokens=False)
+
+
+def self_prompts(llm, n: int, seed: int = 0, *, batch: int = 64, max_tokens: int = 128,
+                 temperature: float = 0.8, top_p: float = 0.95, min_words: int = 3,
+                 progress: bool = True) -> List[str]:
+    """``n`` distinct user requests written by the target itself (deterministic for a seed): it
+    samples a user turn after :func:`user_turn_prefix`. Kept: requests that end their turn within
+    ``max_tokens`` tokens, have at least ``min_words`` words, and are not duplicates; the rest are drawn
+    again, up to ``10 * n`` tries in all (fewer than ``n`` then comes back, with a note)."""
+    from tqdm import tqdm
+
+    from pyspec.engine import Engine, SamplingParams
+    from pyspec.runner import ModelRunner
+
+    if n < 1:
+        raise ValueError(f"n must be >= 1; got {n}")
+    prefix = user_turn_prefix(llm)
+    eos = [int(e) for e in llm.tokenizer.eos_token_ids]
+    blocks = batch * ((len(prefix) + max_tokens + 32) // 16 + 2)
+    runner = ModelRunner(llm.model, num_blocks=blocks, block_size=16)
+    eng = Engine(runner, drafter=None, max_num_seqs=batch, max_num_batched_tokens=4096,
+                 enable_prefix_cache=False, adaptive=False)
+    out: List[str] = []
+    seen = set()
+    tries = 0
+    bar = tqdm(total=n, desc="writing prompts", disable=not progress, unit="prompt")
+    while len(out) < n and tries < 10 * n:
+        k = min(batch, 10 * n - tries)
+        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                 seed=seed * 1_000_003 + 500_000_000 + tries + i,
+                                 stop_token_ids=eos) for i in range(k)]
+        tries += k
+        rids = [eng.add_request(list(prefix), sp) for sp in params]
+        while eng.has_unfinished():
+            eng.step()
+        for rid in rids:
+            res = eng.result(rid, pop=True)
+            if res.finish_reason != "stop" or len(out) >= n:
+                continue  # ran past max_tokens: a truncated request
+            text = llm.tokenizer.decode([t for t in res.token_ids if t not in eos]).strip()
+            key = " ".join(text.lower().split())
+            if len(text.split()) < min_words or key in seen:
+                continue
+            seen.add(key)
+            out.append(text)
+            bar.update(1)
+    bar.close()
+    if progress:
+        print(f"the target wrote {len(out)} distinct requests in {tries} tries")
+    if len(out) < n:
+        print(f"note: the target wrote {len(out)} distinct requests in {tries} tries; "
+              f"{n} were asked for")
     return out
 
 

@@ -119,7 +119,6 @@ def test_seeded_sampling_with_the_default_drafter_is_plain_sampling(target):
     for token. A divergence is accepted only where float rounding can explain it: plain decoding's
     draw at that position lies within CDF_ROUNDING of the boundary between the two tokens in the
     target's cumulative distribution, with no mass between them."""
-    import torch
 
     from pyspec import _C
     from pyspec.engine import Engine, SamplingParams

@@ -417,6 +417,73 @@ def test_seed_prompt_sets(tiny, tmp_path):
     assert e.value.code == 2
 
 
+def test_self_prompt_set(tiny, tmp_path):
+    """The 'self' set: requests the target writes after its chat template's user-turn header."""
+    import pyspec
+    from pyspec.train import data as D
+
+    llm = pyspec.LLM(tiny, draft="none", kv_cache_tokens=2048)
+    prefix = D.user_turn_prefix(llm)
+    assert llm.tokenizer.decode(prefix).endswith("<|im_start|>user\n")
+    assert llm.chat_prompt([{"role": "user", "content": "hi"}])[:len(prefix)] == prefix
+    with pytest.raises(ValueError, match="self_prompts"):
+        D.seed_prompts(3, prompt_set="self")
+    with pytest.raises(ValueError, match="n must be"):
+        D.self_prompts(llm, 0)
+    # A random tiny model rarely ends a turn: let most byte tokens end it, so that short
+    # requests (and duplicates among them) come back.
+    llm.tokenizer.eos_token_ids = set(range(3, 259, 3)) | {2}
+    kw = dict(batch=8, max_tokens=6, min_words=1, progress=False)
+    a = D.self_prompts(llm, 6, seed=1, **kw)
+    assert len(a) == 6 and len({" ".join(x.lower().split()) for x in a}) == 6
+    assert all(x == x.strip() and x for x in a)
+    assert a == D.self_prompts(llm, 6, seed=1, **kw)  # deterministic for a seed
+    assert a != D.self_prompts(llm, 6, seed=2, **kw)
+    # Too few complete requests: what there is comes back, with a note.
+    llm.tokenizer.eos_token_ids = {2}
+    few = D.self_prompts(llm, 4, seed=1, batch=8, max_tokens=2, min_words=50, progress=False)
+    assert few == []
+    # A model without a chat template cannot write them.
+    bare = str(tmp_path / "bare")
+    shutil.copytree(tiny, bare)
+    conf_path = os.path.join(bare, "tokenizer_config.json")
+    conf = json.load(open(conf_path))
+    del conf["chat_template"]
+    json.dump(conf, open(conf_path, "w"))
+    with pytest.raises(ValueError, match="no chat template"):
+        D.user_turn_prefix(pyspec.LLM(bare, draft="none", kv_cache_tokens=512))
+
+
+def test_train_draft_self_prompt_set(tiny, tmp_path, monkeypatch, capsys):
+    """train-draft --prompt-set self keeps the written requests beside the corpus, and fails
+    clearly when the target writes none."""
+    from pyspec.train import data as D
+
+    real = D.self_prompts
+
+    def short_requests(llm, n, **kw):  # a random tiny model rarely ends a turn: help it
+        llm.tokenizer.eos_token_ids |= set(range(3, 259, 2))
+        return real(llm, n, max_tokens=4, min_words=1, **kw)
+
+    monkeypatch.setattr(D, "self_prompts", short_requests)
+    out = str(tmp_path / "self")
+    assert cli.main(["train-draft", "--target", tiny, "--out", out, "--prompt-set", "self",
+                     "--prompts", "3", "--max-tokens", "4", "--epochs", "1", "--draft-vocab",
+                     "80", "--intermediate-size", "32"]) == 0
+    written = [json.loads(line)["prompt"] for line in open(os.path.join(out, "self-prompts.jsonl"))]
+    assert len(written) == 3
+    seqs = torch.load(os.path.join(out, "data.pt"), weights_only=False)
+    import pyspec
+
+    llm = pyspec.LLM(tiny, draft="none", kv_cache_tokens=512)
+    assert [q.tokens[:q.num_prompt] for q in seqs] == [
+        llm.chat_prompt([{"role": "user", "content": q}]) for q in written]
+    monkeypatch.setattr(D, "self_prompts", lambda llm, n, **kw: [])
+    assert cli.main(["train-draft", "--target", tiny, "--out", str(tmp_path / "none"),
+                     "--prompt-set", "self", "--prompts", "3"]) == 2
+    assert "wrote no complete request" in capsys.readouterr().err
+
+
 def test_offline_accuracy_bench_novel_topics_are_unseen(monkeypatch):
     """bench/eagle_offline_accuracy.py's "unseen topics" set names no entry of any word pool the
     prompt sets draw from (its README numbers would mean nothing otherwise)."""
