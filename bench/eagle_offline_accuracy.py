@@ -5,8 +5,9 @@ features) for four prompt sets:
 
 - ``mt_bench``: MT-bench first turns (the traffic the goals are stated on);
 - ``heldout``: seed prompts of the head's own prompt set that it never trained on (same
-  templates and word pools, another seed): agreement here close to the training corpus's means
-  the head is not overfitting;
+  templates and word pools, another seed; for the ``self`` set, requests the target writes with
+  another seed): agreement here close to the training corpus's means the head is not
+  overfitting;
 - ``novel_topics``: the basic templates over topics that no prompt set's pools contain: what the
   head does with words it never saw;
 - ``training_corpus`` (when the folder, or --data, holds data.pt): the head's last training
@@ -158,10 +159,16 @@ def main(argv=None):
         out["mt_bench"] = score(llm, head, dv, [r["turns"][0] for r in rows], args.max_tokens)
     if "heldout" in sets:
         pset = args.heldout_set or (recipe.get("prompt_set") or "diverse").split(",")[-1]
-        seen = set(D.seed_prompts(int(recipe.get("seed_prompts", 2400)), seed=0,
-                                  prompt_set=pset))
-        held = [p for p in D.seed_prompts(20 * args.prompts, seed=777, prompt_set=pset)
-                if p not in seen][:args.prompts]
+        if pset == "self":  # requests the target writes with another seed, less the trained
+            path = os.path.join(args.folder, "self-prompts.jsonl")
+            seen = {json.loads(line)["prompt"] for line in open(path)} \
+                if os.path.isfile(path) else set()
+            fresh = D.self_prompts(llm, 2 * args.prompts, seed=777, progress=False)
+        else:
+            seen = set(D.seed_prompts(int(recipe.get("seed_prompts", 2400)), seed=0,
+                                      prompt_set=pset))
+            fresh = D.seed_prompts(20 * args.prompts, seed=777, prompt_set=pset)
+        held = [p for p in fresh if p not in seen][:args.prompts]
         out["heldout"] = dict(score(llm, head, dv, held, args.max_tokens), prompt_set=pset)
     if "novel_topics" in sets:
         out["novel_topics"] = score(llm, head, dv, novel_prompts(args.prompts), args.max_tokens)

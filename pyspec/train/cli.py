@@ -34,6 +34,27 @@ def _feature_layers(text):
                          f"3,15,27,30); got {text!r}") from None
 
 
+def _self_prompts(gen, args):
+    """The target's own requests; a rerun reuses DIR/self-prompts.jsonl when it holds enough."""
+    from pyspec.train import data as D
+
+    path = os.path.join(args.out, "self-prompts.jsonl")
+    if os.path.isfile(path):
+        with open(path) as f:
+            kept = [json.loads(line)["prompt"] for line in f if line.strip()]
+        if len(kept) >= args.prompts:
+            print(f"loaded {args.prompts} of the {len(kept)} requests in {path}")
+            return kept[:args.prompts]
+    prompts = D.self_prompts(gen, args.prompts, seed=args.seed, batch=args.batch)
+    if not prompts:
+        raise ValueError("--prompt-set self: the target wrote no complete request (none ended "
+                         "its turn); choose another prompt set")
+    with open(path, "w") as f:
+        for p in prompts:
+            f.write(json.dumps({"prompt": p}) + "\n")
+    return prompts
+
+
 def train_draft(args) -> str:
     import pyspec
     from pyspec.train import data as D
@@ -69,13 +90,7 @@ def train_draft(args) -> str:
         seqs = []
         for prompt_set in args.prompt_set.split(","):  # one corpus per set, as separate runs do
             if prompt_set == "self":
-                prompts = D.self_prompts(gen, args.prompts, seed=args.seed, batch=args.batch)
-                if not prompts:
-                    raise ValueError("--prompt-set self: the target wrote no complete request "
-                                     "(none ended its turn); choose another prompt set")
-                with open(os.path.join(args.out, "self-prompts.jsonl"), "w") as f:
-                    for p in prompts:
-                        f.write(json.dumps({"prompt": p}) + "\n")
+                prompts = _self_prompts(gen, args)
             else:
                 prompts = D.seed_prompts(args.prompts, seed=args.seed, prompt_set=prompt_set)
             seqs.extend(D.generate_corpus(gen, prompts, max_tokens=args.max_tokens,

@@ -478,6 +478,17 @@ def test_train_draft_self_prompt_set(tiny, tmp_path, monkeypatch, capsys):
     llm = pyspec.LLM(tiny, draft="none", kv_cache_tokens=512)
     assert [q.tokens[:q.num_prompt] for q in seqs] == [
         llm.chat_prompt([{"role": "user", "content": q}]) for q in written]
+    # A rerun reuses the written requests (the first --prompts of them).
+    again = str(tmp_path / "again")
+    os.makedirs(again)
+    shutil.copy(os.path.join(out, "self-prompts.jsonl"), again)
+    monkeypatch.setattr(D, "self_prompts", lambda *a, **kw: pytest.fail("not reused"))
+    assert cli.main(["train-draft", "--target", tiny, "--out", again, "--prompt-set", "self",
+                     "--prompts", "2", "--max-tokens", "4", "--epochs", "1", "--draft-vocab",
+                     "80", "--intermediate-size", "32"]) == 0
+    seqs = torch.load(os.path.join(again, "data.pt"), weights_only=False)
+    assert [q.tokens[:q.num_prompt] for q in seqs] == [
+        llm.chat_prompt([{"role": "user", "content": q}]) for q in written[:2]]
     monkeypatch.setattr(D, "self_prompts", lambda llm, n, **kw: [])
     assert cli.main(["train-draft", "--target", tiny, "--out", str(tmp_path / "none"),
                      "--prompt-set", "self", "--prompts", "3"]) == 2
