@@ -55,6 +55,12 @@ def _self_prompts(gen, args):
     return prompts
 
 
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AMX tiles or AVX-512 BF16)."""
+    return any(getattr(torch.cpu, f, lambda: False)()
+               for f in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
+
+
 def train_draft(args) -> str:
     import pyspec
     from pyspec.train import data as D
@@ -70,6 +76,8 @@ def train_draft(args) -> str:
     layers = _feature_layers(args.feature_layers)
     if layers and args.method != "eagle":
         raise ValueError("--feature-layers applies to --method eagle only")
+    if args.gen_dtype == "auto":  # the recipe records what was used
+        args.gen_dtype = "bfloat16" if native_bf16() else "float32"
     t0 = time.time()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(args.seed)
@@ -189,7 +197,10 @@ def add_parser(sub):
                    "prompts of each, one corpus after another")
     p.add_argument("--max-tokens", type=int, default=192)
     p.add_argument("--batch", type=int, default=64, help="generation batch size")
-    p.add_argument("--gen-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--gen-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the target's dtype while it generates the corpus; auto: bfloat16 where "
+                   "the CPU multiplies it natively (AMX or AVX-512 BF16), else float32 (on an "
+                   "AVX2-only CPU bfloat16 generation ran at half float32's speed)")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--draft-vocab", type=int, default=8192,
