@@ -55,12 +55,6 @@ def _self_prompts(gen, args):
     return prompts
 
 
-def native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AMX tiles or AVX-512 BF16)."""
-    return any(getattr(torch.cpu, f, lambda: False)()
-               for f in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
-
-
 def train_draft(args) -> str:
     import pyspec
     from pyspec.train import data as D
@@ -77,6 +71,8 @@ def train_draft(args) -> str:
     if layers and args.method != "eagle":
         raise ValueError("--feature-layers applies to --method eagle only")
     if args.gen_dtype == "auto":  # the recipe records what was used
+        from pyspec.train.loop import native_bf16
+
         args.gen_dtype = "bfloat16" if native_bf16() else "float32"
     t0 = time.time()
     os.makedirs(args.out, exist_ok=True)

@@ -132,7 +132,7 @@ def train(llm, seqs, out_dir: str, *, num_layers: int = 4, epochs: int = 2, lr: 
                 feats[b, :m + 1] = seqs[i].hidden[:m + 1].float()
                 mask[b, :m + 1] = True
             L.set_lr(opt, lr, step, run.total)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with L.mixed_precision():
                 logits = model(toks, cos_full[:t].float(), sin_full[:t].float())
             with torch.no_grad():
                 teacher = F.linear(_rms(feats, model.teacher_norm, model.eps), model.lm_head)

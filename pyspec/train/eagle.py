@@ -256,7 +256,7 @@ def train(llm, seqs, out_dir: str, *, draft_vocab: torch.Tensor, intermediate_si
                 if n < 1:
                     break
                 tok = nxt if k == 0 else F.pad(nxt[:, k:], (0, k))
-                with torch.autocast("cpu", dtype=torch.bfloat16):
+                with L.mixed_precision():
                     g_new, logits, kv = head(tok, g, cos_full[k:k + t], sin_full[k:k + t],
                                              ctx=None if k == 0 else (kv1[0], kv1[1], earlier))
                 if k == 0:

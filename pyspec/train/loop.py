@@ -3,12 +3,26 @@ per-epoch checkpoints that make a run resumable."""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
 from typing import Callable, List
 
 import torch
+
+
+@functools.lru_cache(maxsize=None)
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AMX tiles or AVX-512 BF16)."""
+    return any(getattr(torch.cpu, f, lambda: False)()
+               for f in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
+
+
+def mixed_precision():
+    """The training forward's autocast: bfloat16 where the CPU multiplies it natively, float32
+    elsewhere (emulated bfloat16 matrix work is several times slower than float32 there)."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=native_bf16())
 
 
 def make_plan(seqs, epochs: int, max_entries: int, max_len: int,

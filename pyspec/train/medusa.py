@@ -94,7 +94,7 @@ def train(llm, seqs, out_dir: str, *, num_heads: int = 4, draft_vocab: torch.Ten
             if feats is None:
                 continue
             L.set_lr(opt, lr, step, run.total)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with L.mixed_precision():
                 logits = heads(feats)
             with torch.no_grad():
                 tprob = torch.softmax(heads.teacher(tgts).float(), dim=-1)  # [K, N, Vd]

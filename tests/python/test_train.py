@@ -52,7 +52,7 @@ def test_train_writes_a_loadable_drafter_with_manifest(tiny, trained):
     assert man["target"]["sha256"] == weights_sha256(tiny)
     assert man["recipe"]["sequences"] == 12 and man["recipe"]["draft_vocab"] == 80
     assert "pyspec train-draft" in man["recipe"]["command"]
-    from pyspec.train.cli import native_bf16  # --gen-dtype auto: what this CPU runs fastest
+    from pyspec.train.loop import native_bf16  # --gen-dtype auto: what this CPU runs fastest
 
     dtype = "bfloat16" if native_bf16() else "float32"
     assert man["recipe"]["gen_dtype"] == dtype
