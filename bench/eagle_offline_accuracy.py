@@ -147,6 +147,7 @@ def main(argv=None):
     import pyspec
     from pyspec.train import data as D
     from pyspec.train.eagle import _rms
+    from pyspec.train.evaluate import read_prompts
 
     llm = pyspec.LLM(None, draft="none", progress=False, kv_cache_tokens=2048)
     head, dv, conf = head_from(args.folder, llm)
@@ -161,8 +162,7 @@ def main(argv=None):
         pset = args.heldout_set or (recipe.get("prompt_set") or "diverse").split(",")[-1]
         if pset == "self":  # requests the target writes with another seed, less the trained
             path = os.path.join(args.folder, "self-prompts.jsonl")
-            seen = {json.loads(line)["prompt"] for line in open(path)} \
-                if os.path.isfile(path) else set()
+            seen = {text for _, text in read_prompts(path)} if os.path.isfile(path) else set()
             fresh = D.self_prompts(llm, 2 * args.prompts, seed=777, progress=False)
         else:
             seen = set(D.seed_prompts(int(recipe.get("seed_prompts", 2400)), seed=0,

@@ -37,11 +37,11 @@ def _feature_layers(text):
 def _self_prompts(gen, args):
     """The target's own requests; a rerun reuses DIR/self-prompts.jsonl when it holds enough."""
     from pyspec.train import data as D
+    from pyspec.train.evaluate import read_prompts
 
     path = os.path.join(args.out, "self-prompts.jsonl")
     if os.path.isfile(path):
-        with open(path) as f:
-            kept = [json.loads(line)["prompt"] for line in f if line.strip()]
+        kept = [text for _, text in read_prompts(path)]
         if len(kept) >= args.prompts:
             print(f"loaded {args.prompts} of the {len(kept)} requests in {path}")
             return kept[:args.prompts]

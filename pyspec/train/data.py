@@ -357,8 +357,9 @@ def self_prompts(llm, n: int, seed: int = 0, *, batch: int = 64, max_tokens: int
                  progress: bool = True) -> List[str]:
     """``n`` distinct user requests written by the target itself (deterministic for a seed): it
     samples a user turn after :func:`user_turn_prefix`. Kept: requests that end their turn within
-    ``max_tokens`` tokens, have at least ``min_words`` words, and are not duplicates; the rest are drawn
-    again, up to ``10 * n`` tries in all (fewer than ``n`` then comes back, with a note)."""
+    ``max_tokens`` tokens, have at least ``min_words`` words, and are not duplicates; the rest
+    are drawn again, up to ``10 * n`` tries in all (fewer than ``n`` then comes back, with a
+    note)."""
     from tqdm import tqdm
 
     from pyspec.engine import Engine, SamplingParams
@@ -397,11 +398,11 @@ def self_prompts(llm, n: int, seed: int = 0, *, batch: int = 64, max_tokens: int
             out.append(text)
             bar.update(1)
     bar.close()
-    if progress:
-        print(f"the target wrote {len(out)} distinct requests in {tries} tries")
     if len(out) < n:
         print(f"note: the target wrote {len(out)} distinct requests in {tries} tries; "
               f"{n} were asked for")
+    elif progress:
+        print(f"the target wrote {len(out)} distinct requests in {tries} tries")
     return out
 
 
