@@ -55,6 +55,32 @@ def _self_prompts(gen, args):
     return prompts
 
 
+# Options that apply to one method only, and those that only shape corpus generation: the recorded
+# command lists what the run used, so a manifest never shows --draft-layers for an EAGLE head or
+# --prompt-set for a run that trained on --data.
+_METHOD_OPTIONS = {"draft_layers": ("draft-model",), "medusa_heads": ("medusa",),
+                   "draft_vocab": ("eagle", "medusa"), "intermediate_size": ("eagle",),
+                   "unroll_steps": ("eagle",), "feature_layers": ("eagle",),
+                   "tree_width": ("eagle",), "tree_depth": ("eagle",), "tree_nodes": ("eagle",)}
+_GENERATION_OPTIONS = ("prompts", "prompt_set", "max_tokens", "batch")
+
+
+def _recorded_command(args, generated: bool, recomputed_features: bool) -> str:
+    """The train-draft command line of this run, with the options it used (sorted)."""
+    def used(k):
+        if k in ("func", "command", "out") or getattr(args, k) is None:
+            return False
+        if k in _METHOD_OPTIONS:
+            return args.method in _METHOD_OPTIONS[k]
+        if k in _GENERATION_OPTIONS:
+            return generated
+        if k == "gen_dtype":  # the target's dtype while it generates or recomputes features
+            return generated or recomputed_features
+        return True
+    return "pyspec train-draft " + " ".join(
+        f"--{k.replace('_', '-')} {getattr(args, k)}" for k in sorted(vars(args)) if used(k))
+
+
 def train_draft(args) -> str:
     import pyspec
     from pyspec.train import data as D
@@ -118,9 +144,8 @@ def train_draft(args) -> str:
     # Train against the target in float32 (its features were recorded from the generation run).
     target = pyspec.LLM(args.target, draft="none", dtype="float32", kv_cache_tokens=1024,
                         progress=False)
-    recipe = {"command": "pyspec train-draft " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in sorted(vars(args).items())
-        if k not in ("func", "command", "out") and v is not None),
+    recipe = {"command": _recorded_command(args, generated=not data_paths,
+                                           recomputed_features=bool(layers)),
         **({"data": data_paths} if data_paths else {
             "seed_prompts": args.prompts, "prompt_set": args.prompt_set}),
         "max_tokens": args.max_tokens, "sequences": len(seqs),

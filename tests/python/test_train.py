@@ -57,6 +57,10 @@ def test_train_writes_a_loadable_drafter_with_manifest(tiny, trained):
     dtype = "bfloat16" if native_bf16() else "float32"
     assert man["recipe"]["gen_dtype"] == dtype
     assert f"--gen-dtype {dtype}" in man["recipe"]["command"]
+    # The recorded command lists what this run used: no other method's options.
+    assert "--unroll-steps" in man["recipe"]["command"] and "--prompt-set" in man["recipe"]["command"]
+    assert "--draft-layers" not in man["recipe"]["command"]
+    assert "--medusa-heads" not in man["recipe"]["command"]
     assert conf["eagle"]["draft_vocab_size"] == 80
     _lossless(tiny, trained)
 
@@ -169,6 +173,11 @@ def test_train_draft_model_method(tiny, trained, tmp_path):
     assert rc == 0
     man = json.load(open(os.path.join(out, "pyspec_manifest.json")))
     assert man["method"] == "draft-model" and man["recipe"]["draft_layers"] == 1
+    command = man["recipe"]["command"]
+    assert "--draft-layers 1" in command and f"--data {corpus},{corpus}" in command
+    for other in ("--draft-vocab", "--unroll-steps", "--tree-width", "--medusa-heads",
+                  "--prompt-set", "--prompts", "--gen-dtype"):  # unused: another method's, or
+        assert other not in command, other                   # generation's (it trained on --data)
     assert man["recipe"]["sequences"] == 2 * len(torch.load(corpus, weights_only=False))
     assert json.load(open(os.path.join(out, "config.json")))["num_hidden_layers"] == 1
     llm, _ = _lossless(tiny, out, max_tokens=10)
@@ -187,6 +196,9 @@ def test_train_medusa_method(tiny, trained, tmp_path):
     conf = json.load(open(os.path.join(out, "drafter.json")))
     assert conf["method"] == "medusa" and conf["medusa"]["num_heads"] == 3
     assert conf["manifest"]["recipe"]["medusa_heads"] == 3
+    command = conf["manifest"]["recipe"]["command"]
+    assert "--medusa-heads 3" in command and "--draft-vocab 80" in command
+    assert "--unroll-steps" not in command and "--tree-nodes" not in command
     assert all(len(p) <= 3 for p in conf["medusa"]["tree"])
     llm, ref = _lossless(tiny, out, ("the cat sat on the mat", "abc abc abc abc"))
     assert "medusa" in llm.drafter_name
