@@ -147,10 +147,11 @@ def train_draft(args) -> str:
     recipe = {"command": _recorded_command(args, generated=not data_paths,
                                            recomputed_features=bool(layers)),
         **({"data": data_paths} if data_paths else {
-            "seed_prompts": args.prompts, "prompt_set": args.prompt_set}),
-        "max_tokens": args.max_tokens, "sequences": len(seqs),
+            "seed_prompts": args.prompts, "prompt_set": args.prompt_set,
+            "max_tokens": args.max_tokens}),
+        "sequences": len(seqs),
         "tokens": n_tok, "generated_tokens": n_gen, "epochs": args.epochs, "lr": args.lr,
-        "gen_dtype": args.gen_dtype}
+        **({"gen_dtype": args.gen_dtype} if not data_paths or layers else {})}
     manifest = {"drafter_version": args.version, "method": args.method,
                 "target": {"path_name": os.path.basename(target.model_path.rstrip("/")),
                            "sha256": E.target_hash(target.model_path)},

@@ -178,6 +178,7 @@ def test_train_draft_model_method(tiny, trained, tmp_path):
     for other in ("--draft-vocab", "--unroll-steps", "--tree-width", "--medusa-heads",
                   "--prompt-set", "--prompts", "--gen-dtype"):  # unused: another method's, or
         assert other not in command, other                   # generation's (it trained on --data)
+    assert "gen_dtype" not in man["recipe"] and "max_tokens" not in man["recipe"]
     assert man["recipe"]["sequences"] == 2 * len(torch.load(corpus, weights_only=False))
     assert json.load(open(os.path.join(out, "config.json")))["num_hidden_layers"] == 1
     llm, _ = _lossless(tiny, out, max_tokens=10)
