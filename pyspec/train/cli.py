@@ -65,7 +65,7 @@ _METHOD_OPTIONS = {"draft_layers": ("draft-model",), "medusa_heads": ("medusa",)
 _GENERATION_OPTIONS = ("prompts", "prompt_set", "max_tokens", "batch")
 
 
-def _recorded_command(args, generated: bool, recomputed_features: bool) -> str:
+def _recorded_command(args, generated: bool, used_gen_dtype: bool) -> str:
     """The train-draft command line of this run, with the options it used (sorted)."""
     def used(k):
         if k in ("func", "command", "out") or getattr(args, k) is None:
@@ -74,8 +74,8 @@ def _recorded_command(args, generated: bool, recomputed_features: bool) -> str:
             return args.method in _METHOD_OPTIONS[k]
         if k in _GENERATION_OPTIONS:
             return generated
-        if k == "gen_dtype":  # the target's dtype while it generates or recomputes features
-            return generated or recomputed_features
+        if k == "gen_dtype":
+            return used_gen_dtype
         return True
     return "pyspec train-draft " + " ".join(
         f"--{k.replace('_', '-')} {getattr(args, k)}" for k in sorted(vars(args)) if used(k))
@@ -144,14 +144,16 @@ def train_draft(args) -> str:
     # Train against the target in float32 (its features were recorded from the generation run).
     target = pyspec.LLM(args.target, draft="none", dtype="float32", kv_cache_tokens=1024,
                         progress=False)
+    # The target's generation dtype mattered if it generated the corpus or recomputed features.
+    used_gen_dtype = not data_paths or bool(layers)
     recipe = {"command": _recorded_command(args, generated=not data_paths,
-                                           recomputed_features=bool(layers)),
+                                           used_gen_dtype=used_gen_dtype),
         **({"data": data_paths} if data_paths else {
             "seed_prompts": args.prompts, "prompt_set": args.prompt_set,
             "max_tokens": args.max_tokens}),
         "sequences": len(seqs),
         "tokens": n_tok, "generated_tokens": n_gen, "epochs": args.epochs, "lr": args.lr,
-        **({"gen_dtype": args.gen_dtype} if not data_paths or layers else {})}
+        **({"gen_dtype": args.gen_dtype} if used_gen_dtype else {})}
     manifest = {"drafter_version": args.version, "method": args.method,
                 "target": {"path_name": os.path.basename(target.model_path.rstrip("/")),
                            "sha256": E.target_hash(target.model_path)},
