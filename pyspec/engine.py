@@ -470,6 +470,12 @@ class Engine:
             self._record.pop(rid, None)
         r.finished = True
         r.finish_reason = reason
+        if reason != "abort":
+            for d in self.drafters.values():
+                try:
+                    d.learn(rid, r.context)
+                except Exception:  # noqa: BLE001 - learning never fails a request
+                    _log.warning("drafter %r failed to learn from request %d", d.name, rid)
         self._release_drafters(rid)
         if self.scheduler.has_request(rid):
             snap = self.scheduler.request(rid)

@@ -12,4 +12,5 @@ PYBIND11_MODULE(_C, m) {
   pyspec::bindings::RegisterAcceptance(m);
   pyspec::bindings::RegisterLinear(m);
   pyspec::bindings::RegisterScheduler(m);
+  pyspec::bindings::RegisterSuffix(m);
 }

@@ -14,6 +14,7 @@ void RegisterAttention(pybind11::module_& m);
 void RegisterAcceptance(pybind11::module_& m);
 void RegisterLinear(pybind11::module_& m);
 void RegisterScheduler(pybind11::module_& m);
+void RegisterSuffix(pybind11::module_& m);
 
 }  // namespace bindings
 }  // namespace pyspec

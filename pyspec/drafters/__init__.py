@@ -6,14 +6,20 @@ draft model, self-speculative layer skipping, Medusa heads and EAGLE heads with 
     "none"                 plain decoding (returns None)
     "ngram" | "ngram:N"    prompt lookup, n-grams up to N (default 3)
     "layer-skip:L"         the target's first L layers + final norm + lm_head ("layer-skip": L/4)
-    "default"              for the embedded model: prompt lookup, else the EAGLE head shipped in
-                           pyspec/data/default_drafter ("ngram|HEAD"); a target of another
-                           architecture gets "ngram"; one with the same shapes but other weights
-                           a warning
+    "default"              for the embedded model: prompt lookup, else the corpus drafter shipped
+                           in pyspec/data/default_corpus ("ngram|suffix"; "ngram|eagle" in a
+                           build without it); a target the shipped drafters do not fit gets
+                           "ngram"; one of the same vocabulary but other weights a warning
+    "suffix[@OPTIONS]"     the shipped corpus drafter alone (options as for PATH@... below)
+    "eagle[@OPTIONS]"      the EAGLE head shipped in pyspec/data/default_drafter
     PATH                   a folder holding drafter.json (EAGLE/Medusa heads) or config.json (an
                            independent draft model with the target's vocabulary)
     PATH@tree=W            ... a draft model drafting top-W dynamic trees instead of a chain
     PATH@width=W,depth=D,nodes=N   ... an EAGLE drafter with another tree shape
+    PATH@nodes=N,depth=D,match=M,min-match=K,prob=P,children=C,learn=T
+                           ... a corpus drafter (drafter.json method "suffix": continuations
+                           retrieved from the target's earlier answers) with other limits;
+                           learn=T also learns from finished requests (their newest T tokens)
     A+B[+C...]             the drafters' trees merged into one per step (MergedDrafter), e.g.
                            "ngram+PATH"
     A|B[|C...]             per step, the draft of the first drafter that has one (FirstDrafter),
@@ -33,14 +39,15 @@ from pyspec.drafters.heads import (EagleDrafter, MedusaDrafter, load_heads, read
 from pyspec.drafters.merged import FirstDrafter, MergedDrafter, merge_drafts
 from pyspec.drafters.model import LayerSkipDrafter, ModelDrafter
 from pyspec.drafters.ngram import NgramDrafter
+from pyspec.drafters.suffix import SuffixDrafter
 
 __all__ = ["Drafter", "Draft", "DraftRequest", "PrefillChunk", "Verified", "NgramDrafter",
-           "ModelDrafter", "LayerSkipDrafter", "MedusaDrafter", "EagleDrafter", "MergedDrafter",
-           "FirstDrafter", "merge_drafts", "make_drafter",
+           "SuffixDrafter", "ModelDrafter", "LayerSkipDrafter", "MedusaDrafter", "EagleDrafter",
+           "MergedDrafter", "FirstDrafter", "merge_drafts", "make_drafter",
            "load_heads", "save_heads", "DRAFT_CHOICES"]
 
-DRAFT_CHOICES = ("none, ngram, ngram:N, layer-skip[:L], default, a drafter/draft-model folder, or "
-                 "several joined by '+' (merged trees) or '|' (the first that drafts)")
+DRAFT_CHOICES = ("none, ngram, ngram:N, layer-skip[:L], default, suffix, eagle, a "
+                 "drafter/draft-model folder, or several joined by '+' (merged trees) or '|' (the first that drafts)")
 
 
 def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Drafter]:
@@ -59,14 +66,33 @@ def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Dra
         return (FirstDrafter if sep == "|" else MergedDrafter)(parts)
     name, _, arg = spec.partition(":")
     if name == "default":
-        from pyspec.models.default import default_drafter_path
+        from pyspec.models.default import default_corpus_path, default_drafter_path
 
+        # Prompt lookup when the context offers a continuation (long and often right), else the
+        # continuations of the target's earlier answers (the shipped corpus: measured faster than
+        # prompt lookup alone and than the shipped head, README "Performance"); the head where a
+        # build ships no corpus; prompt lookup alone for a target the shipped drafters do not fit.
+        path = default_corpus_path()
+        if path is not None and \
+                read_config(path).get("vocab_size") == target_runner.model.cfg.vocab_size:
+            return FirstDrafter([NgramDrafter(3), make_drafter(path, target_runner)])
         path = default_drafter_path()
         if path is None or target_mismatch(read_config(path), target_runner.model.cfg):
-            return NgramDrafter(3)  # no shipped drafter, or one for another architecture
-        # Prompt lookup when the context offers a continuation (long and often right), the
-        # head's depth-1 tree otherwise: measured faster than either alone (README, Performance).
+            return NgramDrafter(3)
         return FirstDrafter([NgramDrafter(3), make_drafter(path, target_runner)])
+    shipped, at, opts = spec.partition("@")
+    if shipped in ("eagle", "suffix"):
+        from pyspec.models.default import default_corpus_path, default_drafter_path
+
+        path = (default_drafter_path if shipped == "eagle" else default_corpus_path)()
+        if path is None:
+            raise ValueError(f"draft {shipped!r} names the drafter shipped for the embedded "
+                             "model, and this build ships none; give a drafter folder")
+        if shipped == "eagle":
+            why = target_mismatch(read_config(path), target_runner.model.cfg)
+            if why:
+                raise ValueError(f"the shipped EAGLE head is for the embedded model: {why}")
+        return make_drafter(path + at + opts, target_runner)
     if name == "ngram":
         n = _int_arg(arg, "ngram", 3)
         return NgramDrafter(n)
@@ -80,6 +106,11 @@ def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Dra
     path = os.path.expanduser(path)
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, "drafter.json")):
+            cfg = read_config(path)
+            if cfg["method"] == "suffix":
+                from pyspec.drafters.suffix import load_suffix
+
+                return load_suffix(path, cfg, target_runner, **_suffix_options(opt))
             over = {}
             for item in filter(None, opt.split(",")):
                 key, _, val = item.partition("=")
@@ -115,6 +146,25 @@ def split_spec(spec: str):
         if sep in spec and not (sep in path and os.path.exists(os.path.expanduser(path))):
             return sep, spec.split(sep)
     return None
+
+
+def _suffix_options(opt: str) -> dict:
+    from pyspec.drafters.suffix import OPTIONS
+
+    over = {}
+    for item in filter(None, opt.split(",")):
+        key, _, val = item.partition("=")
+        if key not in OPTIONS:
+            raise ValueError(f"unknown corpus drafter option {key!r}; allowed: "
+                             + ", ".join(f"{k}=" for k in OPTIONS))
+        if key == "prob":
+            try:
+                over[OPTIONS[key]] = float(val)
+            except ValueError:
+                raise ValueError(f"prob= needs a number in [0, 1); got {val!r}") from None
+        else:
+            over[OPTIONS[key]] = _int_arg(val, key, 0)
+    return over
 
 
 def _int_arg(arg: str, name: str, default: int) -> int:

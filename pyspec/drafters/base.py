@@ -10,7 +10,8 @@ The engine calls a drafter at four points of a step (DESIGN section 2):
   root first, with the draft distributions when children were sampled) per :class:`DraftRequest`.
 * :meth:`Drafter.observe` after acceptance: the tokens the target committed (root + accepted draft
   tokens), the emitted tokens and, when asked, the target's hidden states of the accepted path.
-* :meth:`Drafter.release` when a request finishes or is preempted (its KV is gone).
+* :meth:`Drafter.release` when a request finishes or is preempted (its KV is gone), and
+  :meth:`Drafter.learn` with its text when it finished normally.
 
 A drafter never affects what is generated, only how fast: the target verifies every draft with
 lossless acceptance. A drafter that raises or returns a malformed draft (bad token, bad tree,
@@ -136,6 +137,11 @@ class Drafter:
 
     def release(self, request_id: int) -> None:
         pass
+
+    def learn(self, request_id: int, tokens: Sequence[int]) -> None:
+        """A request finished (not aborted, not failed): ``tokens`` is its prompt + output. A
+        drafter that learns from served text (a corpus drafter with ``learn``) copies what it
+        needs; the sequence is the engine's and must not be kept."""
 
     def describe(self) -> str:
         return self.name

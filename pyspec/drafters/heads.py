@@ -94,8 +94,8 @@ def read_config(path: str) -> dict:
             raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
     if cfg.get("format") != FORMAT:
         raise ValueError(f"{cfg_path}: 'format' must be {FORMAT!r}; got {cfg.get('format')!r}")
-    if cfg.get("method") not in ("eagle", "medusa"):
-        raise ValueError(f"{cfg_path}: 'method' must be 'eagle' or 'medusa'; got "
+    if cfg.get("method") not in ("eagle", "medusa", "suffix"):
+        raise ValueError(f"{cfg_path}: 'method' must be 'eagle', 'medusa' or 'suffix'; got "
                          f"{cfg.get('method')!r}")
     return cfg
 
@@ -480,7 +480,12 @@ class EagleDrafter(Drafter):
 
 
 def load_heads(path: str, target_runner: ModelRunner, **overrides) -> Drafter:
-    """Load a Medusa/EAGLE drafter folder against a target (shape mismatches are errors)."""
+    """Load a Medusa/EAGLE (or corpus) drafter folder against a target (shape mismatches are
+    errors)."""
+    if read_config(path)["method"] == "suffix":
+        from pyspec.drafters.suffix import load_suffix
+
+        return load_suffix(path, read_config(path), target_runner, **overrides)
     cfg, tensors = read_heads(path)
     _check_target(cfg, target_runner.model.cfg)
     defaults = dict(cfg.get("defaults") or {})
@@ -498,6 +503,12 @@ def load_heads(path: str, target_runner: ModelRunner, **overrides) -> Drafter:
                          **{k: v for k, v in defaults.items() if k in allowed})
     d.manifest = cfg.get("manifest") or {}
     d.path = path
+    warn_target_hash(d, path, target_runner)
+    return d
+
+
+def warn_target_hash(d: Drafter, path: str, target_runner: ModelRunner) -> None:
+    """Warn when a drafter's manifest names other target weights than ``target_runner``'s."""
     want = (d.manifest.get("target") or {}).get("sha256")
     src = getattr(target_runner.model, "source_path", None)
     if want and src:
@@ -507,5 +518,4 @@ def load_heads(path: str, target_runner: ModelRunner, **overrides) -> Drafter:
         if have != want:
             warnings.warn(f"drafter {path} was trained for target weights {want[:12]}..., but the "
                           f"target at {src} has {have[:12]}...: it will run (output stays "
-                          "lossless) but its acceptance may be much lower", stacklevel=2)
-    return d
+                          "lossless) but its acceptance may be much lower", stacklevel=3)

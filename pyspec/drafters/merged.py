@@ -74,6 +74,10 @@ class MergedDrafter(Drafter):
         for p in self.parts:
             p.release(request_id)
 
+    def learn(self, request_id: int, tokens) -> None:
+        for p in self.parts:
+            p.learn(request_id, tokens)
+
     def propose(self, reqs: List[DraftRequest]) -> List[Draft]:
         drafts = [p.propose(reqs) for p in self.parts]
         for p, ds in zip(self.parts, drafts):

@@ -150,8 +150,18 @@ def default_model_path(progress: bool = True) -> str:
 
 
 def default_drafter_path() -> Optional[str]:
-    """The drafter shipped for the embedded default model (``pyspec/data/default_drafter``), or
-    None when this build ships none (``"default"`` then means n-gram drafting)."""
-    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
-                        "default_drafter")
+    """The EAGLE head shipped for the embedded default model (``pyspec/data/default_drafter``,
+    the ``eagle`` drafter spec), or None when this build ships none."""
+    return _shipped("default_drafter")
+
+
+def default_corpus_path() -> Optional[str]:
+    """The corpus drafter shipped for the embedded default model (``pyspec/data/default_corpus``,
+    the ``suffix`` drafter spec; ``default`` runs it behind prompt lookup), or None when this build
+    ships none (``"default"`` then means n-gram drafting)."""
+    return _shipped("default_corpus")
+
+
+def _shipped(name: str) -> Optional[str]:
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", name)
     return here if os.path.isfile(os.path.join(here, "drafter.json")) else None

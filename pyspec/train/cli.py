@@ -12,7 +12,11 @@ import torch
 
 from pyspec.train.data import PROMPT_SETS
 
-METHODS = ("eagle", "medusa", "draft-model")
+METHODS = ("eagle", "medusa", "draft-model", "suffix")
+# --tree-depth / --tree-nodes when not given: an EAGLE head's dynamic tree, a corpus drafter's
+# best-first tree (deeper: a retrieved continuation is often right for several tokens).
+_TREE_DEFAULTS = {"eagle": {"tree_depth": 5, "tree_nodes": 24},
+                  "suffix": {"tree_depth": 8, "tree_nodes": 8}}
 
 
 def _prompt_sets(text: str) -> str:
@@ -61,7 +65,10 @@ def _self_prompts(gen, args):
 _METHOD_OPTIONS = {"draft_layers": ("draft-model",), "medusa_heads": ("medusa",),
                    "draft_vocab": ("eagle", "medusa"), "intermediate_size": ("eagle",),
                    "unroll_steps": ("eagle",), "feature_layers": ("eagle",),
-                   "tree_width": ("eagle",), "tree_depth": ("eagle",), "tree_nodes": ("eagle",)}
+                   "tree_width": ("eagle",), "tree_depth": ("eagle", "suffix"),
+                   "tree_nodes": ("eagle", "suffix"),
+                   "epochs": ("eagle", "medusa", "draft-model"),
+                   "lr": ("eagle", "medusa", "draft-model")}
 _GENERATION_OPTIONS = ("prompts", "prompt_set", "max_tokens", "batch")
 
 
@@ -96,6 +103,12 @@ def train_draft(args) -> str:
     layers = _feature_layers(args.feature_layers)
     if layers and args.method != "eagle":
         raise ValueError("--feature-layers applies to --method eagle only")
+    for k, v in _TREE_DEFAULTS.get(args.method, {}).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    for k in ("tree_depth", "tree_nodes"):
+        if getattr(args, k) is not None and getattr(args, k) < 1:
+            raise ValueError(f"--{k.replace('_', '-')} must be >= 1")
     if args.gen_dtype == "auto":  # the recipe records what was used
         from pyspec.train.loop import native_bf16
 
@@ -141,6 +154,8 @@ def train_draft(args) -> str:
     n_gen = sum(len(s.tokens) - s.num_prompt for s in seqs)
     t_data = time.time() - t0
     print(f"data: {len(seqs)} sequences, {n_tok} tokens ({n_gen} generated) in {t_data:.0f}s")
+    if args.method == "suffix":
+        return _write_corpus(args, gen, seqs, data_paths, n_tok, n_gen, t0, t_data)
     # Train against the target in float32 (its features were recorded from the generation run).
     target = pyspec.LLM(args.target, draft="none", dtype="float32", kv_cache_tokens=1024,
                         progress=False)
@@ -201,10 +216,36 @@ def train_draft(args) -> str:
     return out
 
 
+def _write_corpus(args, gen, seqs, data_paths, n_tok, n_gen, t0, t_data) -> str:
+    """--method suffix: the generated sequences become a corpus drafter's datastore."""
+    from pyspec.drafters.suffix import save_corpus
+    from pyspec.train import eagle as E
+
+    recipe = {"command": _recorded_command(args, generated=not data_paths,
+                                           used_gen_dtype=not data_paths),
+              **({"data": data_paths} if data_paths else {
+                  "seed_prompts": args.prompts, "prompt_set": args.prompt_set,
+                  "max_tokens": args.max_tokens, "gen_dtype": args.gen_dtype}),
+              "sequences": len(seqs), "tokens": n_tok, "generated_tokens": n_gen}
+    manifest = {"drafter_version": args.version, "method": "suffix",
+                "target": {"path_name": os.path.basename(gen.model_path.rstrip("/")),
+                           "sha256": E.target_hash(gen.model_path)},
+                "recipe": recipe,
+                "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
+                "training_seconds": round(time.time() - t0, 1), "data_seconds": round(t_data, 1)}
+    out = save_corpus(args.out, [s.tokens for s in seqs], gen.model.cfg.vocab_size,
+                      manifest=manifest,
+                      defaults={"max_depth": args.tree_depth, "max_nodes": args.tree_nodes})
+    print(f"wrote {out}: a corpus of {n_tok} tokens ({(time.time() - t0) / 60:.1f} min)")
+    return out
+
+
 def add_parser(sub):
     p = sub.add_parser("train-draft", help="train a drafter for a target by self-distillation")
     p.add_argument("--target", default=None, help="target model folder (default: the embedded)")
-    p.add_argument("--method", default="eagle", help="eagle | medusa | draft-model")
+    p.add_argument("--method", default="eagle",
+                   help="eagle | medusa | draft-model | suffix (a corpus of the target's answers, "
+                   "drafted from by longest-suffix retrieval; no training)")
     p.add_argument("--draft-layers", type=int, default=4, help="draft-model: layers")
     p.add_argument("--medusa-heads", type=int, default=4, help="medusa: heads (1..16)")
     p.add_argument("--out", required=True, help="output drafter folder (resumes if present)")
@@ -238,8 +279,10 @@ def add_parser(sub):
                    "final one (e.g. 3,15,27,30 on a 30-layer target: EAGLE-3's fused low, middle "
                    "and high features); default: the final hidden state only")
     p.add_argument("--tree-width", type=int, default=4)
-    p.add_argument("--tree-depth", type=int, default=5)
-    p.add_argument("--tree-nodes", type=int, default=24)
+    p.add_argument("--tree-depth", type=int, default=None,
+                   help="draft tree depth (eagle: 5, suffix: 8)")
+    p.add_argument("--tree-nodes", type=int, default=None,
+                   help="draft tree nodes (eagle: 24, suffix: 8)")
     p.add_argument("--version", default="1")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=lambda a: (train_draft(a), 0)[1])

@@ -212,6 +212,9 @@ def write_report(report: dict, out_dir: str) -> List[str]:
     return paths
 
 
+SHIPPED = ("default", "suffix", "eagle")  # drafter specs naming the drafters shipped in pyspec
+
+
 def _spec_parts(spec: str) -> List[str]:
     """The single drafters of a combined spec (``A|B``, ``A+B``), as make_drafter splits it."""
     from pyspec.drafters import split_spec
@@ -221,12 +224,15 @@ def _spec_parts(spec: str) -> List[str]:
 
 
 def _heads_folder(spec: str) -> Optional[str]:
-    """The EAGLE/Medusa folder a drafter spec uses (the shipped one for ``default``), or None."""
-    from pyspec.models.default import default_drafter_path
+    """The drafter folder (EAGLE/Medusa heads, a corpus) a drafter spec uses, or None; the shipped
+    corpus for ``default`` and ``suffix``, the shipped head for ``eagle``."""
+    from pyspec.models.default import default_corpus_path, default_drafter_path
 
     for part in _spec_parts(spec):
         if part == "default":
-            return default_drafter_path()
+            return default_corpus_path() or default_drafter_path()
+        if part in SHIPPED:
+            return (default_drafter_path if part == "eagle" else default_corpus_path)()
         path = os.path.expanduser(part.partition("@")[0])
         if os.path.isfile(os.path.join(path, "drafter.json")):
             return path
@@ -243,7 +249,7 @@ def record_in_manifest(draft_dir: str, report: dict, args) -> None:
     spec = args.draft
     for part in _spec_parts(args.draft):  # the folder by its base name (the manifest travels)
         path = part.partition("@")[0]
-        if path != "default" and \
+        if path not in SHIPPED and \
                 os.path.abspath(os.path.expanduser(path)) == os.path.abspath(draft_dir):
             spec = spec.replace(path, os.path.basename(os.path.abspath(draft_dir)))
     cfg.setdefault("manifest", {})["evaluation"] = {
@@ -300,13 +306,14 @@ def _cmd(args) -> int:
     if not 0 < args.threshold < 1:
         raise ValueError("--threshold must be in (0, 1)")
     heads = _heads_folder(args.draft) if args.record_in_manifest else None
-    if args.record_in_manifest and args.target and "default" in _spec_parts(args.draft):
-        raise ValueError("--record-in-manifest with 'default' records into the drafter shipped "
-                         "for the embedded model; leave out --target (or name a drafter folder)")
+    if args.record_in_manifest and args.target and set(SHIPPED) & set(_spec_parts(args.draft)):
+        raise ValueError("--record-in-manifest with 'default', 'suffix' or 'eagle' records into a "
+                         "drafter shipped for the embedded model; leave out --target (or name a "
+                         "drafter folder)")
     if args.record_in_manifest and heads is None:
         raise ValueError(f"--record-in-manifest needs a drafter that uses a drafter folder "
-                         f"(drafter.json: EAGLE/Medusa heads, alone or in A+B / A|B, or "
-                         f"'default'); {args.draft!r} has none")
+                         f"(drafter.json: EAGLE/Medusa heads or a corpus, alone or in A+B / A|B, "
+                         f"or 'default'); {args.draft!r} has none")
     prompts = read_prompts(args.prompts, args.limit, args.per_category)
     drafts = {"candidate": args.draft}
     if args.baseline:

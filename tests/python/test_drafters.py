@@ -56,9 +56,25 @@ def _heads_dir(tmp, model, method):
     return save_heads(os.path.join(tmp, method), method.split("-")[0], t, conf)
 
 
-def _drafter(kind, runner, model, tmp):
+def _suffix_dir(tmp, model, plain):
+    """A corpus drafter over the plain outputs (so drafts are often right) and random text (so
+    trees branch)."""
+    from pyspec.drafters.suffix import save_corpus
+
+    g = torch.Generator().manual_seed(4)
+    noise = [torch.randint(0, model.cfg.vocab_size, (30,), generator=g).tolist() for _ in range(6)]
+    docs = [p + o for p, o in zip(prompts(), plain)] + noise
+    return save_corpus(os.path.join(tmp, "suffix"), docs, model.cfg.vocab_size,
+                       defaults={"max_nodes": 6, "max_depth": 4})
+
+
+def _drafter(kind, runner, model, tmp, plain=None):
     if kind == "ngram":
         return "ngram"
+    if kind == "suffix":
+        return _suffix_dir(tmp, model, plain)
+    if kind == "ngram|suffix":  # through the spec syntax, with options
+        return "ngram|" + _suffix_dir(tmp, model, plain) + "@nodes=4,depth=3,match=6"
     if kind == "layer-skip":
         return LayerSkipDrafter(runner, 1, max_depth=4)
     if kind == "draft-model-self":  # the target itself: everything is accepted
@@ -80,7 +96,8 @@ def _drafter(kind, runner, model, tmp):
     raise AssertionError(kind)
 
 
-KINDS = ["ngram", "layer-skip", "draft-model-self", "draft-model", "draft-model-tree", "medusa",
+KINDS = ["ngram", "suffix", "ngram|suffix", "layer-skip", "draft-model-self", "draft-model",
+         "draft-model-tree", "medusa",
          "eagle", "eagle-fused", "ngram+eagle", "ngram|eagle", "medusa+eagle-fused"]
 
 
@@ -88,7 +105,8 @@ KINDS = ["ngram", "layer-skip", "draft-model-self", "draft-model", "draft-model-
 @pytest.mark.parametrize("num_blocks", [64, 14])  # 14 blocks of 8: requests get preempted
 def test_greedy_lossless_every_drafter(model, plain, tmp_path, kind, num_blocks):
     runner = ModelRunner(model, num_blocks=num_blocks, block_size=8)
-    eng = Engine(runner, drafter=_drafter(kind, runner, model, str(tmp_path)), max_num_seqs=8,
+    eng = Engine(runner, drafter=_drafter(kind, runner, model, str(tmp_path), plain),
+                 max_num_seqs=8,
                  max_num_batched_tokens=80, max_prefill_chunk=16, adaptive=False)
     ps = prompts()
     # Two waves: the second hits the prefix cache of the first.
@@ -102,9 +120,9 @@ def test_greedy_lossless_every_drafter(model, plain, tmp_path, kind, num_blocks)
     assert drafted > 0
     if kind == "draft-model-self":
         assert accepted == drafted  # an identical draft model is always right
-    if kind in ("draft-model-tree",):
+    if kind in ("draft-model-tree", "suffix", "ngram|suffix"):
         assert accepted > 0
-    if kind in ("ngram+eagle", "ngram|eagle"):
+    if kind in ("ngram+eagle", "ngram|eagle", "suffix", "ngram|suffix"):
         assert eng.drafters[eng.default_drafter].name == kind
     s = eng.scheduler
     assert s.num_free_blocks == s.num_total_blocks

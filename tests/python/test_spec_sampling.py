@@ -15,7 +15,8 @@ import pytest
 import torch
 from scipy import stats
 
-from pyspec.drafters import ModelDrafter
+from pyspec import _C
+from pyspec.drafters import ModelDrafter, SuffixDrafter
 from pyspec.engine import Engine, SamplingParams
 from pyspec.models.llama import LlamaForCausalLM
 from pyspec.runner import ModelRunner, SeqStep
@@ -104,7 +105,7 @@ def test_broken_acceptance_rule_is_detected(models):
     assert p < 1e-6, f"the broken rule went undetected (p = {p:.2e})"
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "draft-model-tree", "self-tree"])
+@pytest.mark.parametrize("drafter", ["ngram", "draft-model-tree", "self-tree", "suffix"])
 def test_deterministic_drafts_sample_exactly_what_plain_decoding_samples(models, drafter):
     """Deterministic drafts (prompt lookup; top-k trees of a draft model) are verified by the
     target-only walk, which samples every position with the draw plain decoding uses there (draws
@@ -124,10 +125,19 @@ def test_deterministic_drafts_sample_exactly_what_plain_decoding_samples(models,
         return [r.token_ids for r in res], eng.stats
 
     plain, _ = run(None)
+    other = None  # a corpus drafter's text: other samples of the same prompts (often right)
+    if drafter == "suffix":
+        alt = [dataclasses.replace(p, seed=p.seed + 1000) for p in params]
+        runner = ModelRunner(target, num_blocks=256, block_size=4)
+        other = [r.token_ids for r in Engine(runner).generate(prompts, alt)]
     makers = {
         "ngram": lambda runner: "ngram",
         "draft-model-tree": lambda runner: ModelDrafter(draft, runner, width=2, max_depth=4),
         "self-tree": lambda runner: ModelDrafter(target, runner, width=2, max_depth=4),
+        "suffix": lambda runner: SuffixDrafter(
+            _C.SuffixIndex(np.array([t for p, o in zip(prompts, other) for t in p + o], np.int32),
+                           np.cumsum([0] + [len(p) + len(o) for p, o in zip(prompts, other)])),
+            max_nodes=6, max_depth=4),
     }
     accepted = 0
     for kw in (dict(gamma=1, adaptive=False), dict(gamma=4, adaptive=False), dict(gamma=4)):

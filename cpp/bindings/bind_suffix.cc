@@ -1,0 +1,65 @@
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <vector>
+
+#include "pyspec/suffix_index.h"
+#include "registry.h"
+
+namespace py = pybind11;
+
+namespace pyspec {
+namespace bindings {
+
+void RegisterSuffix(py::module_& m) {
+  py::class_<SuffixIndex>(m, "SuffixIndex", R"doc(
+A token corpus indexed for longest-suffix lookup (suffix array over the documents, each suffix
+ordered by its first 32 tokens); the datastore of corpus drafting.
+
+``SuffixIndex(tokens, offsets)``: ``tokens`` int32 [N] (all documents back to back, >= 0),
+``offsets`` int64 [D + 1] (document d is tokens[offsets[d]:offsets[d + 1]]).
+)doc")
+      .def(py::init([](py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens,
+                       py::array_t<int64_t, py::array::c_style | py::array::forcecast> offsets) {
+             if (tokens.ndim() != 1 || offsets.ndim() != 1)
+               throw py::value_error("tokens and offsets must be 1-D arrays");
+             std::vector<int32_t> t(tokens.data(), tokens.data() + tokens.size());
+             std::vector<int64_t> o(offsets.data(), offsets.data() + offsets.size());
+             py::gil_scoped_release nogil;
+             return SuffixIndex(t, o);
+           }),
+           py::arg("tokens"), py::arg("offsets"))
+      .def_property_readonly("num_tokens", &SuffixIndex::num_tokens)
+      .def_property_readonly("num_documents", &SuffixIndex::num_documents)
+      .def(
+          "longest_match",
+          [](const SuffixIndex& s, const std::vector<int32_t>& ctx, int max_len, int min_len) {
+            const auto mt = s.LongestMatch(ctx.data(), static_cast<int64_t>(ctx.size()), max_len,
+                                           min_len);
+            return py::make_tuple(mt.length, mt.hi - mt.lo);
+          },
+          py::arg("context"), py::arg("max_len") = 8, py::arg("min_len") = 1,
+          "(length, occurrences) of the longest suffix of ``context`` (min_len..max_len tokens) "
+          "that the corpus continues; (0, 0) when none.")
+      .def(
+          "propose",
+          [](const SuffixIndex& s, const std::vector<int32_t>& ctx, int max_nodes, int max_depth,
+             int max_match, int min_match, float min_prob, int max_children) {
+            SuffixIndex::Draft d;
+            {
+              py::gil_scoped_release nogil;
+              d = s.Propose(ctx.data(), static_cast<int64_t>(ctx.size()), max_nodes, max_depth,
+                            max_match, min_match, min_prob, max_children);
+            }
+            return py::make_tuple(d.tokens, d.parents, d.probs, d.match_length);
+          },
+          py::arg("context"), py::arg("max_nodes"), py::arg("max_depth"), py::arg("max_match") = 8,
+          py::arg("min_match") = 1, py::arg("min_prob") = 0.0f, py::arg("max_children") = 4,
+          "(tokens, parents, scores, match_length): a draft tree grown best first by path "
+          "frequency after the longest matching suffix of ``context``; parents are -1 for the "
+          "root's children, else indices into tokens.");
+}
+
+}  // namespace bindings
+}  // namespace pyspec
