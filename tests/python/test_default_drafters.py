@@ -72,7 +72,8 @@ def _heads_dir(llm, path, method):
 
 
 @pytest.mark.parametrize("drafter", ["default", "ngram", "layer-skip:8", "draft-model",
-                                     "draft-model-tree", "medusa", "eagle", "ngram+eagle"])
+                                     "draft-model-tree", "medusa", "eagle", "ngram+eagle",
+                                     "ngram|shipped-eagle", "suffix+shipped-eagle"])
 def test_every_drafter_is_greedy_lossless_on_mt_bench(target, reference, drafter, tmp_path):
     from pyspec.engine import Engine, SamplingParams
     from pyspec.runner import ModelRunner
@@ -87,6 +88,8 @@ def test_every_drafter_is_greedy_lossless_on_mt_bench(target, reference, drafter
         spec = _heads_dir(llm, str(tmp_path / drafter), drafter)
     elif drafter == "ngram+eagle":
         spec = "ngram+" + _heads_dir(llm, str(tmp_path / "eagle"), "eagle")
+    elif "shipped-eagle" in drafter:  # the head shipped in the package, by its spec name
+        spec = drafter.replace("shipped-eagle", "eagle")
     runner = ModelRunner(llm.model, num_blocks=1024, block_size=16)
     eng = Engine(runner, drafter=spec, max_num_seqs=NUM_PROMPTS, adaptive=False,
                  spec_disable_batch_size=0)
@@ -103,7 +106,8 @@ def test_every_drafter_is_greedy_lossless_on_mt_bench(target, reference, drafter
                                 f"decoding's top-2 logit gap is {gap:.4f} (not a near-tie)")
     assert identical >= NUM_PROMPTS // 2, f"{drafter}: only {identical} identical outputs"
     assert sum(r.stats.draft_tokens for r in res) > 0
-    if drafter in ("default", "ngram", "layer-skip:8", "draft-model", "draft-model-tree"):
+    if drafter in ("default", "ngram", "layer-skip:8", "draft-model", "draft-model-tree",
+                   "ngram|shipped-eagle", "suffix+shipped-eagle"):
         assert sum(r.stats.accepted_tokens for r in res) > 0
 
 
@@ -112,7 +116,7 @@ CDF_ROUNDING = 1e-4  # probability mass; fp32 rounding differences between batch
 
 
 def test_seeded_sampling_with_the_default_drafter_is_plain_sampling(target):
-    """The default drafter (prompt lookup, else the shipped head) drafts deterministically, so the
+    """The default drafter (prompt lookup, else the shipped corpus) drafts deterministically, so the
     target-only walk verifies it: every position is sampled with the draw plain decoding uses there.
     8 MT-bench first turns x 48 tokens at temperature 0.7 / top-p 0.9, one batch through the
     engine, against the same batch decoded plainly with the same seeds: the outputs are equal token
@@ -157,46 +161,53 @@ def test_seeded_sampling_with_the_default_drafter_is_plain_sampling(target):
     assert identical >= SAMPLED_PROMPTS - 1, f"only {identical} identical outputs"
 
 
-def test_shipped_drafter_matches_the_embedded_model(target):
-    """The drafter shipped in the package was trained for these exact weights (manifest hash),
-    loads without a warning, and its manifest carries the recipe and evaluation report."""
+def test_shipped_drafters_match_the_embedded_model(target):
+    """The drafters shipped in the package (the corpus that ``default`` uses, the EAGLE head) were
+    made for these exact weights (manifest hash), load without a warning, and their manifests carry
+    the recipe and an evaluation report."""
     import json
     import warnings
 
-    from pyspec.models.default import default_drafter_path
+    from pyspec.models.default import default_corpus_path, default_drafter_path
     from pyspec.models.loader import weights_sha256
 
     import pyspec
 
-    path = default_drafter_path()
-    assert path is not None, "the package ships no default drafter"
     llm, _ = target
-    conf = json.load(open(os.path.join(path, "drafter.json")))
-    man = conf["manifest"]
-    assert man["target"]["sha256"] == weights_sha256(llm.model_path)
-    assert "pyspec train-draft" in man["recipe"]["command"]
-    assert man["evaluation"]["acceptance_length"] > 1.0
+    for path, method in ((default_corpus_path(), "suffix"), (default_drafter_path(), "eagle")):
+        assert path is not None, f"the package ships no {method} drafter"
+        conf = json.load(open(os.path.join(path, "drafter.json")))
+        man = conf["manifest"]
+        assert conf["method"] == method == man["method"]
+        assert man["target"]["sha256"] == weights_sha256(llm.model_path)
+        assert "pyspec train-draft" in man["recipe"]["command"]
+        assert man["evaluation"]["acceptance_length"] > 1.0
+        assert man["evaluation"]["identical_to_plain"] == man["evaluation"]["prompts"]
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         d = pyspec.LLM(None, draft="default", kv_cache_tokens=1024, progress=False)
-    # Prompt lookup, else the shipped head.
-    assert d.drafter_name.startswith("ngram") and ", else eagle" in d.drafter_name
-    size = os.path.getsize(os.path.join(path, "drafter.safetensors"))
-    assert size < 20 * 2**20, f"the shipped drafter is {size / 2**20:.1f} MiB"
+        e = pyspec.LLM(None, draft="ngram|eagle", kv_cache_tokens=1024, progress=False)
+    # Prompt lookup, else the shipped corpus; the head by name.
+    assert d.drafter_name.startswith("ngram") and ", else suffix" in d.drafter_name
+    assert ", else eagle" in e.drafter_name
+    size = os.path.getsize(os.path.join(default_drafter_path(), "drafter.safetensors"))
+    assert size < 20 * 2**20, f"the shipped head is {size / 2**20:.1f} MiB"
+    size = os.path.getsize(os.path.join(default_corpus_path(), "corpus.npz"))
+    assert size < 4 * 2**20, f"the shipped corpus is {size / 2**20:.1f} MiB"
 
 
 def test_eval_draft_reproduces_the_shipped_manifest():
-    """`pyspec eval-draft` with the settings recorded in the shipped drafter's manifest reproduces
-    its evaluation: every output equals plain decoding, and acceptance length, tokens per target
+    """`pyspec eval-draft` with the settings recorded in the manifest of the drafter that
+    ``default`` uses (the shipped corpus) reproduces its evaluation: every output equals plain decoding, and acceptance length, tokens per target
     step and first-position acceptance agree within 10% (draft lengths follow measured step times
     through the cost model, so they vary a little between machines). Speedup is a timing: it is
     recorded, not asserted."""
-    from pyspec.models.default import default_drafter_path
+    from pyspec.models.default import default_corpus_path
     from pyspec.train.evaluate import evaluate, read_prompts
 
-    path = default_drafter_path()
-    assert path is not None, "the package ships no default drafter"
+    path = default_corpus_path()
+    assert path is not None, "the package ships no corpus drafter"
     ev = json.load(open(os.path.join(path, "drafter.json")))["manifest"]["evaluation"]
     assert ev["draft"] == "default" and ev["temperature"] == 0.0
     prompts = read_prompts(os.path.join(os.path.dirname(PROMPTS_FILE), ev["prompts_file"]),
