@@ -131,7 +131,9 @@ class SuffixDrafter(Drafter):
         self._pending = 0
         docs = list(self._docs)
         if self._background:
-            self._builder = threading.Thread(target=self._build, args=(docs,), daemon=True,
+            # Not a daemon: a daemon thread that leaves the C++ build while the interpreter
+            # shuts down aborts the process; exit waits for the build (a fraction of a second).
+            self._builder = threading.Thread(target=self._build, args=(docs,), daemon=False,
                                              name="pyspec-suffix-learn")
             self._builder.start()
         else:

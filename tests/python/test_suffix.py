@@ -8,6 +8,8 @@ import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -211,3 +213,16 @@ def test_learning_from_finished_requests():
     bg.learn(1, list(range(5, 12)))
     bg._builder.join()
     assert bg.learned_tokens == 12
+
+
+def test_exit_during_a_background_build_is_clean():
+    """The interpreter exiting while a learned index is being built waits for it and exits 0 (a
+    daemon build thread aborted the process: "terminate called without an active exception")."""
+    code = ("import numpy as np\n"
+            "from pyspec.drafters.suffix import SuffixDrafter, index_of\n"
+            "d = SuffixDrafter(index_of([]), learn=10**6, rebuild_tokens=1)\n"
+            "d.learn(0, np.random.default_rng(0).integers(0, 50000, 100000).tolist())\n")
+    for _ in range(3):
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=120)
+        assert p.returncode == 0, p.stderr[-500:]
