@@ -58,8 +58,10 @@ class SuffixDrafter(Drafter):
         if not isinstance(min_prob, (int, float)) or not 0.0 <= float(min_prob) < 1.0:
             raise ValueError(f"suffix drafter: min_prob must be in [0, 1); got {min_prob!r}")
         for key, val in (("learn", learn), ("rebuild_tokens", rebuild_tokens)):
-            if not isinstance(val, (int, np.integer)) or isinstance(val, bool) or val < 0:
-                raise ValueError(f"suffix drafter: {key} must be an int >= 0; got {val!r}")
+            if not isinstance(val, (int, np.integer)) or isinstance(val, bool) or \
+                    not 0 <= val <= 1 << 30:  # an index holds < 2^31 tokens
+                raise ValueError(f"suffix drafter: {key} must be an int in [0, 2^30]; "
+                                 f"got {val!r}")
         # Learning from served text: finished requests' tokens (the newest ``learn`` tokens at
         # most) form a second index, rebuilt every ``rebuild_tokens`` new tokens off the serving
         # thread (the C++ build releases the GIL); drafts come from whichever index matches the

@@ -86,7 +86,8 @@ def test_drafter_trees_sources_and_limits():
     assert small.tokens == [3, 4] and small.parents == [-1, 0]
     assert d.node_budget(3) == 4 and d.node_budget(1) == 1 and d.max_draft_depth == 3
     for bad in (dict(max_nodes=0), dict(max_depth=17), dict(min_match=3, max_match=2),
-                dict(min_prob=1.0), dict(max_children=0), dict(max_match=True)):
+                dict(min_prob=1.0), dict(max_children=0), dict(max_match=True),
+                dict(learn=-1), dict(learn=1 << 31), dict(rebuild_tokens=2.5)):
         with pytest.raises(ValueError):
             SuffixDrafter(_index(docs), **bad)
     with pytest.raises(ValueError, match="offsets"):
@@ -215,14 +216,21 @@ def test_learning_from_finished_requests():
     assert bg.learned_tokens == 12
 
 
-def test_exit_during_a_background_build_is_clean():
+def test_exit_during_a_background_build_is_clean(tmp_path):
     """The interpreter exiting while a learned index is being built waits for it and exits 0 (a
     daemon build thread aborted the process: "terminate called without an active exception")."""
     code = ("import numpy as np\n"
             "from pyspec.drafters.suffix import SuffixDrafter, index_of\n"
             "d = SuffixDrafter(index_of([]), learn=10**6, rebuild_tokens=1)\n"
             "d.learn(0, np.random.default_rng(0).integers(0, 50000, 100000).tolist())\n")
+    import pyspec
+
+    # The pyspec this test imported (not a source checkout in the working directory).
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(pyspec.__file__)))]
+        + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x])
     for _ in range(3):
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           timeout=120)
+                           timeout=120, cwd=str(tmp_path), env=env)
         assert p.returncode == 0, p.stderr[-500:]
