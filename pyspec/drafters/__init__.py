@@ -47,7 +47,8 @@ __all__ = ["Drafter", "Draft", "DraftRequest", "PrefillChunk", "Verified", "Ngra
            "load_heads", "save_heads", "DRAFT_CHOICES"]
 
 DRAFT_CHOICES = ("none, ngram, ngram:N, layer-skip[:L], default, suffix, eagle, a "
-                 "drafter/draft-model folder, or several joined by '+' (merged trees) or '|' (the first that drafts)")
+                 "drafter/draft-model folder, or several joined by '+' (merged trees) or '|' "
+                 "(the first that drafts)")
 
 
 def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Drafter]:
@@ -82,9 +83,9 @@ def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Dra
         return FirstDrafter([NgramDrafter(3), make_drafter(path, target_runner)])
     shipped, at, opts = spec.partition("@")
     if shipped in ("eagle", "suffix"):
-        from pyspec.models.default import default_corpus_path, default_drafter_path
+        from pyspec.models.default import shipped_drafter_path
 
-        path = (default_drafter_path if shipped == "eagle" else default_corpus_path)()
+        path = shipped_drafter_path(shipped)
         if path is None:
             raise ValueError(f"draft {shipped!r} names the drafter shipped for the embedded "
                              "model, and this build ships none; give a drafter folder")
@@ -108,17 +109,13 @@ def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Dra
         if os.path.isfile(os.path.join(path, "drafter.json")):
             cfg = read_config(path)
             if cfg["method"] == "suffix":
-                from pyspec.drafters.suffix import load_suffix
+                from pyspec.drafters.suffix import OPTIONS, load_suffix
 
-                return load_suffix(path, cfg, target_runner, **_suffix_options(opt))
-            over = {}
-            for item in filter(None, opt.split(",")):
-                key, _, val = item.partition("=")
-                names = {"width": "width", "depth": "max_depth", "nodes": "max_nodes"}
-                if key not in names:
-                    raise ValueError(f"unknown drafter option {key!r}; allowed: width=, depth=, "
-                                     "nodes= (EAGLE trees)")
-                over[names[key]] = _int_arg(val, key, 0)
+                over = _folder_options(opt, OPTIONS, "unknown corpus drafter option", "")
+                return load_suffix(path, cfg, target_runner, **over)
+            over = _folder_options(opt, {"width": "width", "depth": "max_depth",
+                                         "nodes": "max_nodes"},
+                                   "unknown drafter option", " (EAGLE trees)")
             return load_heads(path, target_runner, **over)
         if os.path.isfile(os.path.join(path, "config.json")):
             from pyspec.models.llama import LlamaForCausalLM
@@ -148,22 +145,22 @@ def split_spec(spec: str):
     return None
 
 
-def _suffix_options(opt: str) -> dict:
-    from pyspec.drafters.suffix import OPTIONS
-
+def _folder_options(opt: str, names: dict, unknown: str, what: str) -> dict:
+    """``key=value,...`` options of a drafter folder spec, as keyword arguments (``names``: option
+    -> argument; ``prob`` is a number, the rest integers)."""
     over = {}
     for item in filter(None, opt.split(",")):
         key, _, val = item.partition("=")
-        if key not in OPTIONS:
-            raise ValueError(f"unknown corpus drafter option {key!r}; allowed: "
-                             + ", ".join(f"{k}=" for k in OPTIONS))
+        if key not in names:
+            raise ValueError(f"{unknown} {key!r}; allowed: "
+                             + ", ".join(f"{k}=" for k in names) + what)
         if key == "prob":
             try:
-                over[OPTIONS[key]] = float(val)
+                over[names[key]] = float(val)
             except ValueError:
                 raise ValueError(f"prob= needs a number in [0, 1); got {val!r}") from None
         else:
-            over[OPTIONS[key]] = _int_arg(val, key, 0)
+            over[names[key]] = _int_arg(val, key, 0)
     return over
 
 

@@ -482,10 +482,11 @@ class EagleDrafter(Drafter):
 def load_heads(path: str, target_runner: ModelRunner, **overrides) -> Drafter:
     """Load a Medusa/EAGLE (or corpus) drafter folder against a target (shape mismatches are
     errors)."""
-    if read_config(path)["method"] == "suffix":
+    cfg = read_config(path)
+    if cfg["method"] == "suffix":
         from pyspec.drafters.suffix import load_suffix
 
-        return load_suffix(path, read_config(path), target_runner, **overrides)
+        return load_suffix(path, cfg, target_runner, **overrides)
     cfg, tensors = read_heads(path)
     _check_target(cfg, target_runner.model.cfg)
     defaults = dict(cfg.get("defaults") or {})

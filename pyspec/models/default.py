@@ -162,6 +162,18 @@ def default_corpus_path() -> Optional[str]:
     return _shipped("default_corpus")
 
 
+def shipped_drafter_path(spec: str) -> Optional[str]:
+    """The folder a shipped drafter's spec name uses: ``eagle`` the head, ``suffix`` the corpus,
+    ``default`` the corpus (the head in a build without it); None when this build lacks it."""
+    if spec == "eagle":
+        return default_drafter_path()
+    if spec == "suffix":
+        return default_corpus_path()
+    if spec == "default":
+        return default_corpus_path() or default_drafter_path()
+    raise ValueError(f"{spec!r} names no shipped drafter (default, suffix, eagle)")
+
+
 def _shipped(name: str) -> Optional[str]:
     here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", name)
     return here if os.path.isfile(os.path.join(here, "drafter.json")) else None

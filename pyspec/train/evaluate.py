@@ -226,13 +226,11 @@ def _spec_parts(spec: str) -> List[str]:
 def _heads_folder(spec: str) -> Optional[str]:
     """The drafter folder (EAGLE/Medusa heads, a corpus) a drafter spec uses, or None; the shipped
     corpus for ``default`` and ``suffix``, the shipped head for ``eagle``."""
-    from pyspec.models.default import default_corpus_path, default_drafter_path
+    from pyspec.models.default import shipped_drafter_path
 
     for part in _spec_parts(spec):
-        if part == "default":
-            return default_corpus_path() or default_drafter_path()
         if part in SHIPPED:
-            return (default_drafter_path if part == "eagle" else default_corpus_path)()
+            return shipped_drafter_path(part)
         path = os.path.expanduser(part.partition("@")[0])
         if os.path.isfile(os.path.join(path, "drafter.json")):
             return path
