@@ -13,10 +13,14 @@ import torch
 from pyspec.train.data import PROMPT_SETS
 
 METHODS = ("eagle", "medusa", "draft-model", "suffix")
-# --tree-depth / --tree-nodes when not given: an EAGLE head's dynamic tree, a corpus drafter's
-# best-first tree (deeper: a retrieved continuation is often right for several tokens).
-_TREE_DEFAULTS = {"eagle": {"tree_depth": 5, "tree_nodes": 24},
-                  "suffix": {"tree_depth": 8, "tree_nodes": 8}}
+# Options not given on the command line, per method: --tree-depth / --tree-nodes (an EAGLE head's
+# dynamic tree; a corpus drafter's best-first tree, deeper: a retrieved continuation is often right
+# for several tokens) and --batch-tokens (an EAGLE head learns most per token from many small
+# steps: at 6,144 tokens per step 0.5M tokens made 258 steps in 3 epochs and left it far
+# undertrained, see README "Training and evaluating drafters").
+_METHOD_DEFAULTS = {"eagle": {"tree_depth": 5, "tree_nodes": 24, "batch_tokens": 256},
+                    "medusa": {"batch_tokens": 2048}, "draft-model": {"batch_tokens": 2048},
+                    "suffix": {"tree_depth": 8, "tree_nodes": 8}}
 
 
 def _prompt_sets(text: str) -> str:
@@ -68,7 +72,8 @@ _METHOD_OPTIONS = {"draft_layers": ("draft-model",), "medusa_heads": ("medusa",)
                    "tree_width": ("eagle",), "tree_depth": ("eagle", "suffix"),
                    "tree_nodes": ("eagle", "suffix"),
                    "epochs": ("eagle", "medusa", "draft-model"),
-                   "lr": ("eagle", "medusa", "draft-model")}
+                   "lr": ("eagle", "medusa", "draft-model"),
+                   "batch_tokens": ("eagle", "medusa", "draft-model")}
 _GENERATION_OPTIONS = ("prompts", "prompt_set", "max_tokens", "batch")
 
 
@@ -103,10 +108,10 @@ def train_draft(args) -> str:
     layers = _feature_layers(args.feature_layers)
     if layers and args.method != "eagle":
         raise ValueError("--feature-layers applies to --method eagle only")
-    for k, v in _TREE_DEFAULTS.get(args.method, {}).items():
+    for k, v in _METHOD_DEFAULTS.get(args.method, {}).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    for k in ("tree_depth", "tree_nodes"):
+    for k in ("tree_depth", "tree_nodes", "batch_tokens"):
         if getattr(args, k) is not None and getattr(args, k) < 1:
             raise ValueError(f"--{k.replace('_', '-')} must be >= 1")
     if args.gen_dtype == "auto":  # the recipe records what was used
@@ -168,6 +173,7 @@ def train_draft(args) -> str:
             "max_tokens": args.max_tokens}),
         "sequences": len(seqs),
         "tokens": n_tok, "generated_tokens": n_gen, "epochs": args.epochs, "lr": args.lr,
+        "batch_tokens": args.batch_tokens,
         **({"gen_dtype": args.gen_dtype} if used_gen_dtype else {})}
     manifest = {"drafter_version": args.version, "method": args.method,
                 "target": {"path_name": os.path.basename(target.model_path.rstrip("/")),
@@ -178,7 +184,7 @@ def train_draft(args) -> str:
         from pyspec.train import draft_model as DM
 
         model = DM.train(target, seqs, args.out, num_layers=args.draft_layers, epochs=args.epochs,
-                         lr=args.lr, seed=args.seed)
+                         lr=args.lr, max_entries=args.batch_tokens, seed=args.seed)
         out = model.save_pretrained(target.model_path, args.out)
         recipe["draft_layers"] = args.draft_layers
         manifest.update(training_seconds=round(time.time() - t0, 1), data_seconds=round(t_data, 1))
@@ -195,7 +201,8 @@ def train_draft(args) -> str:
         if args.medusa_heads > 16:
             raise ValueError("--medusa-heads must be in [1, 16]")
         heads = M.train(target, seqs, args.out, num_heads=args.medusa_heads, draft_vocab=vocab,
-                        epochs=args.epochs, lr=args.lr, seed=args.seed)
+                        epochs=args.epochs, lr=args.lr, max_entries=args.batch_tokens,
+                        seed=args.seed)
         recipe.update(medusa_heads=args.medusa_heads, loss_vocab=int(vocab.numel()),
                       loss_vocab_token_coverage=round(covered, 4))
         manifest.update(training_seconds=round(time.time() - t0, 1), data_seconds=round(t_data, 1))
@@ -204,7 +211,8 @@ def train_draft(args) -> str:
         return out
     head = E.train(target, seqs, args.out, draft_vocab=vocab,
                    intermediate_size=args.intermediate_size, epochs=args.epochs, lr=args.lr,
-                   steps=args.unroll_steps, seed=args.seed, feature_layers=layers)
+                   max_entries=args.batch_tokens, steps=args.unroll_steps, seed=args.seed,
+                   feature_layers=layers)
     recipe.update(draft_vocab=int(vocab.numel()), draft_vocab_token_coverage=round(covered, 4),
                   intermediate_size=args.intermediate_size, unroll_steps=args.unroll_steps,
                   **({"feature_layers": layers} if layers else {}))
@@ -268,6 +276,9 @@ def add_parser(sub):
                    "AVX2-only CPU bfloat16 generation ran at half float32's speed)")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--batch-tokens", type=int, default=None,
+                   help="training tokens per optimizer step (padded; a longer sequence makes a "
+                   "step of its own); default: eagle 256, medusa and draft-model 2048")
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="reduced draft vocabulary size (medusa: the loss's vocabulary)")
     p.add_argument("--intermediate-size", type=int, default=1024)

@@ -191,7 +191,7 @@ def _tensors(seqs, idx, max_len, h_final):
 
 
 def train(llm, seqs, out_dir: str, *, draft_vocab: torch.Tensor, intermediate_size: int = 1024,
-          epochs: int = 4, lr: float = 1e-3, max_entries: int = 6144, max_len: int = 512,
+          epochs: int = 4, lr: float = 1e-3, max_entries: int = 256, max_len: int = 512,
           steps: int = 3, step_decay: float = 0.8, reg_weight: float = 0.0, noise: float = 0.05,
           seed: int = 0, feature_layers=None, progress: bool = True, log=print) -> EagleHead:
     """Train (resuming from ``out_dir/checkpoint.pt`` when present) and return the head.

@@ -61,6 +61,9 @@ def test_train_writes_a_loadable_drafter_with_manifest(tiny, trained):
     assert "--unroll-steps" in man["recipe"]["command"] and "--prompt-set" in man["recipe"]["command"]
     assert "--draft-layers" not in man["recipe"]["command"]
     assert "--medusa-heads" not in man["recipe"]["command"]
+    # The head's default step size: many small optimizer steps (README: 6,144 undertrained it).
+    assert man["recipe"]["batch_tokens"] == 256
+    assert "--batch-tokens 256" in man["recipe"]["command"]
     assert conf["eagle"]["draft_vocab_size"] == 80
     _lossless(tiny, trained)
 
@@ -102,6 +105,8 @@ def test_train_bad_arguments(tiny, tmp_path):
                      "--method", "medusa", "--medusa-heads", "0"]) == 2
     assert cli.main(["train-draft", "--target", tiny, "--out", str(tmp_path / "x"),
                      "--epochs", "0"]) == 2
+    assert cli.main(["train-draft", "--target", tiny, "--out", str(tmp_path / "x"),
+                     "--batch-tokens", "0"]) == 2
 
 
 def test_eval_draft_report_and_promotion_gate(tiny, tmp_path, capsys):
@@ -199,6 +204,7 @@ def test_train_medusa_method(tiny, trained, tmp_path):
     assert conf["manifest"]["recipe"]["medusa_heads"] == 3
     command = conf["manifest"]["recipe"]["command"]
     assert "--medusa-heads 3" in command and "--draft-vocab 80" in command
+    assert "--batch-tokens 2048" in command and conf["manifest"]["recipe"]["batch_tokens"] == 2048
     assert "--unroll-steps" not in command and "--tree-nodes" not in command
     assert all(len(p) <= 3 for p in conf["medusa"]["tree"])
     llm, ref = _lossless(tiny, out, ("the cat sat on the mat", "abc abc abc abc"))
