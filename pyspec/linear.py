@@ -7,7 +7,8 @@ weight matrix, so it is bound by how fast the weights stream from memory. ``torc
 with all input rows in registers and splits the output over the core's thread pool.
 
 ``linear`` uses the core kernel for CPU tensors of one dtype (float32, bfloat16 or float16) with
-at most ``MAX_FAST_ROWS`` input rows and no autograd, and ``torch.nn.functional.linear`` otherwise.
+at most ``max_fast_rows(dtype)`` input rows and no autograd, and ``torch.nn.functional.linear``
+otherwise.
 It is called several times per layer per token, so it checks only what decides the route; the core
 validates shapes and contiguity and raises ``ValueError`` naming the argument.
 """
@@ -19,14 +20,29 @@ import torch.nn.functional as F
 
 from pyspec import _C
 
-__all__ = ["linear", "MAX_FAST_ROWS"]
+__all__ = ["linear", "max_fast_rows", "MAX_FAST_ROWS"]
 
-# Above this many input rows torch's GEMM (which blocks over M) beats a kernel that re-reads the
-# inputs once per block of weight rows; 16 covers decoding and draft trees. Half-precision weights
-# are widened in the inner loop, which makes the kernel compute-bound sooner: measured on the
-# SmolLM2 shapes (bench/bench_linear.py), bf16 is 1.4x torch at 4 rows and 0.7x at 16.
-MAX_FAST_ROWS = 16
-_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 8, torch.float16: 8}
+# Rows up to which the core kernel beats torch's GEMM (which blocks over M), by the build that runs
+# the dtype here (``_C._linear_kernel``). Measured on the SmolLM2-135M shapes (bench/bench_linear.py
+# --rows, 2 threads, AMD EPYC with AVX-512): float32 stays ahead of torch at every M up to 64 in
+# both the AVX2 and the AVX-512 builds (e.g. 37.6 vs 70.7 ms per model pass at 16 rows); bfloat16
+# through vdpbf16ps up to 48 (52.6 vs 60.1 ms; even at 64), but widened to fp32 (AVX2) only up
+# to 8; float16 (widened) ahead from 8 rows on. Up to the limit every row is computed alike, so a
+# draft tree of that many nodes is scored exactly as plain decoding scores its rows.
+_ROW_LIMITS = {("float32", "avx512"): 64, ("float32", "avx2"): 64, ("float32", "generic"): 16,
+               ("bfloat16", "avx512-bf16"): 48, ("bfloat16", "avx2"): 8, ("bfloat16", "generic"): 8,
+               ("float16", "avx512"): 64, ("float16", "avx2"): 64, ("float16", "generic"): 8}
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def max_fast_rows(dtype) -> int:
+    """Input rows up to which ``linear`` runs the core kernel for ``dtype`` on this machine."""
+    name = _DTYPE_NAMES[dtype]
+    return _ROW_LIMITS[name, _C._linear_kernel(name)]
+
+
+_MAX_ROWS = {dt: max_fast_rows(dt) for dt in _DTYPE_NAMES}  # for this process's CPU
+MAX_FAST_ROWS = max(_MAX_ROWS.values())
 
 _FAST_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
 _core_linear = _C.linear
@@ -45,7 +61,7 @@ def linear(x, w, bias=None, out=None):
             the result is copied into it).
 
     The fast path applies when all tensors are contiguous CPU tensors of one supported dtype,
-    ``x`` has at most ``MAX_FAST_ROWS`` rows (leading dims flattened) and no input needs a
+    ``x`` has at most ``max_fast_rows(dtype)`` rows (leading dims flattened) and no input needs a
     gradient. It accumulates in fp32 and rounds each output once.
     """
     dtype = x.dtype

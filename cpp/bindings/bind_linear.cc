@@ -32,15 +32,34 @@ void RegisterLinear(py::module_& m) {
 x [M, K], w [N, K], bias [N] or None, out [M, N]: contiguous cpu tensors of one dtype (float32,
 bfloat16 or float16); fp32 accumulation, one rounding per output. Tuned for small M (decoding):
 each weight row is read from memory once per call, output rows are split over the thread pool.
-Correct for any M, but for M above ~16 a GEMM library is faster (pyspec.linear routes those to
-torch). Raises ValueError naming the bad argument; RuntimeError for CUDA tensors (not implemented
+Correct for any M, but for M above a few dozen a GEMM library is faster (pyspec.linear routes
+those to torch). Raises ValueError naming the bad argument; RuntimeError for CUDA tensors (not implemented
 on CUDA). Tensors that require grad are read as is (no autograd).)doc");
 
   m.def("_linear_isa", &detail::LinearIsa,
-        "Instruction set of the CPU linear kernel in use ('generic' or 'avx2').");
+        "Instruction set of the CPU linear kernel in use ('generic', 'avx2' or 'avx512').");
   m.def("_set_linear_isa", &detail::SetLinearIsa, py::arg("isa"),
-        "Force the CPU linear kernel: 'auto', 'generic' or 'avx2' (tests and benchmarks). Returns "
-        "the kernel now in use.");
+        "Force the CPU linear kernel: 'auto', 'generic', 'avx2' or 'avx512' (tests and "
+        "benchmarks). Returns the kernel now in use.");
+  m.def(
+      "_linear_kernel",
+      [](const std::string& dtype) {
+        DType dt;
+        if (dtype == "float32") {
+          dt = DType::kFloat32;
+        } else if (dtype == "bfloat16") {
+          dt = DType::kBFloat16;
+        } else if (dtype == "float16") {
+          dt = DType::kFloat16;
+        } else {
+          throw ValueError("dtype must be 'float32', 'bfloat16' or 'float16'; got '" + dtype +
+                           "'");
+        }
+        return detail::LinearKernel(dt);
+      },
+      py::arg("dtype"),
+      "The CPU linear build that runs layers of `dtype` ('float32', 'bfloat16' or 'float16') "
+      "now: 'generic', 'avx2', 'avx512' or 'avx512-bf16' (bfloat16 pairs through vdpbf16ps).");
 }
 
 }  // namespace bindings

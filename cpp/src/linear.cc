@@ -4,11 +4,17 @@
 // one unit of parallel work. For each block the kernel walks K once per tile of up to MR input
 // rows, keeping MR x 4 vector accumulators in registers: the block's weights come from memory on
 // the first tile and from L1/L2 on the others, so every weight byte crosses the memory bus once per
-// call. The inputs are first copied (and widened) into a zero-padded fp32 buffer, so the kernel
-// loads whole vectors of x even at the K tail; only the weights need a partial load there.
-// Like attention.cc, the kernel is written with GCC/Clang vector extensions and compiled twice
-// (x86-64 baseline and target("avx2,fma")); a cpuid check picks one at run time. FMA contraction
-// of `acc += x * w` relies on GCC/Clang's default -ffp-contract for C++.
+// call. While a block's tiles run, the next block is prefetched into L2, spread evenly over all of
+// them: with many input rows the block's compute then hides the next block's memory reads instead
+// of following them. The inputs are first copied (and widened) into a zero-padded buffer, so the
+// kernel loads whole vectors of x even at the K tail; only the weights need a partial load there.
+// Like attention.cc, the kernel is written with GCC/Clang vector extensions and compiled three
+// times (x86-64 baseline, target("avx2,fma") and target("avx512f")); a cpuid check picks one at run
+// time. On CPUs with AVX512_BF16, bfloat16 layers multiply pairs of bf16 values with vdpbf16ps
+// (fp32 accumulation, exact products; the inputs stay bfloat16), twice the rate of widening them to
+// fp32 first. FMA contraction of `acc += x * w` relies on GCC/Clang's default -ffp-contract for
+// C++. Each output's accumulation order depends only on the build in use, never on M or on which
+// tile computes it, so a row's result does not depend on the rows beside it.
 #include "pyspec/linear.h"
 
 #include <algorithm>
@@ -30,15 +36,16 @@ namespace {
 using detail::StrCat;
 
 constexpr int kNr = 4;         // weight rows per register block (and per unit of parallel work)
-constexpr int64_t kPad = 16;   // x rows are padded to a multiple of this many floats (>= any step)
+constexpr int64_t kPad = 32;   // x rows are padded to a multiple of this many elements (>= any step)
 // Smallest amount of weights one parallel chunk reads. Waking a worker costs a few microseconds,
 // about the time to stream 64 KiB, so smaller layers stay on the calling thread.
 constexpr int64_t kMinChunkBytes = 96 * 1024;
 
-enum class WKind { kF32, kBF16, kF16 };
+// kBF16Dot: bf16 weights and bf16 inputs multiplied in pairs by vdpbf16ps (AVX512_BF16 builds).
+enum class WKind { kF32, kBF16, kF16, kBF16Dot };
 
 struct Ctx {
-  const float* x;     // [M, ldx] fp32, zero-padded past K
+  const float* x;     // [M, ldx] fp32, zero-padded past K (kBF16Dot: [M, ldx] bf16 bits)
   const void* w;      // [N, K] in the weight dtype
   const float* bias;  // [N] fp32 or nullptr
   void* out;          // [M, N] in the output dtype
@@ -62,6 +69,10 @@ struct IntVec<4> {
 template <>
 struct IntVec<8> {
   typedef uint32_t U __attribute__((vector_size(32)));
+};
+template <>
+struct IntVec<16> {
+  typedef uint32_t U __attribute__((vector_size(64)));
 };
 
 // fp16 bits held in the high half of each 32-bit lane (low half zero) -> fp32. Moving the
@@ -104,7 +115,12 @@ PYSPEC_INLINE void Reduce4(const V* a, float* res) {
   typedef float V4 __attribute__((vector_size(16)));
   V4 q[4];
   for (int r = 0; r < 4; ++r) {
-    if constexpr (sizeof(V) == 32) {
+    if constexpr (sizeof(V) == 64) {
+      typedef float V8 __attribute__((vector_size(32)));
+      const V8 h = __builtin_shufflevector(a[r], a[r], 0, 1, 2, 3, 4, 5, 6, 7) +
+                   __builtin_shufflevector(a[r], a[r], 8, 9, 10, 11, 12, 13, 14, 15);
+      q[r] = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+    } else if constexpr (sizeof(V) == 32) {
       q[r] = __builtin_shufflevector(a[r], a[r], 0, 1, 2, 3) +
              __builtin_shufflevector(a[r], a[r], 4, 5, 6, 7);
     } else {
@@ -132,42 +148,67 @@ PYSPEC_INLINE float Reduce1(const V& a) {
 // Micro-kernel: res[MR][NR] = x[MR rows] . w[NR rows] over all K
 // ---------------------------------------------------------------------------------------------
 
-// Weights per K step: L fp32, or 2L 16-bit ones (an even and an odd vector). Either way one step
-// of NR rows reads NR * sizeof(V) bytes.
+// Elements of K per step: L fp32 weights, or 2L 16-bit ones (an even and an odd vector when
+// widened, L pairs for vdpbf16ps). Either way one step of NR rows reads NR * sizeof(V) bytes.
 template <class V, WKind WK>
 constexpr int64_t StepOf() {
   return WK == WKind::kF32 ? sizeof(V) / sizeof(float) : 2 * sizeof(V) / sizeof(float);
 }
 
-// With kPrefetch, also touches the weight block after this one (pf, contiguous, the same size as
-// this block) at the pace this block is read, so its DRAM reads overlap this block's compute and
-// the later input tiles, which run from cache. Into L2: a block of 4 long rows and the inputs
-// need not fit L1 twice.
-template <class V, WKind WK, int MR, int NR, bool kPrefetch>
-PYSPEC_INLINE void DotBlock(int64_t K, int64_t ldw, int64_t ldx, const float* x, const char* w,
-                            const char* pf, float* res) {
+// Bytes per element of the input buffer: fp32, or the bf16 inputs themselves for kBF16Dot.
+template <WKind WK>
+constexpr int64_t XSize() {
+  return WK == WKind::kBF16Dot ? 2 : 4;
+}
+
+// acc[i] += x[2i] * w[2i] + x[2i + 1] * w[2i + 1] over bf16 pairs (vdpbf16ps: the products are exact
+// in fp32). Inline assembly, because the target("avx512f") build that instantiates it is entered
+// only on CPUs with AVX512_BF16 (SelectKernel), and its "v" operands are zmm registers there.
+template <class V>
+PYSPEC_INLINE void DotBf16(V* acc, const V& x, const V& w) {
+  static_assert(sizeof(V) == 64, "vdpbf16ps is used on zmm registers");
+  V a = *acc;  // a plain value as the asm operand keeps the accumulators in registers
+  asm("vdpbf16ps %2, %1, %0" : "+v"(a) : "v"(w), "vm"(x));
+  *acc = a;
+}
+
+// x: MR input rows of ldx elements (XSize<WK>() bytes each). With pf, also prefetches pf_bytes
+// at pf (a share of the weight block after this one) into L2, spread evenly over the steps, so
+// its DRAM reads overlap this call's compute. Into L2: a block of 4 long rows and the inputs need
+// not fit L1 twice.
+template <class V, WKind WK, int MR, int NR>
+PYSPEC_INLINE void DotBlock(int64_t K, int64_t ldw, int64_t ldx, const char* x, const char* w,
+                            const char* pf, int64_t pf_bytes, float* res) {
   constexpr int L = sizeof(V) / sizeof(float);
   constexpr int64_t S = StepOf<V, WK>();
   constexpr int64_t esize = WK == WKind::kF32 ? 4 : 2;
-  constexpr int64_t kStepBytes = NR * sizeof(V);
+  constexpr int64_t xsize = XSize<WK>();
+  const int64_t xrow = ldx * xsize;
   V acc[MR][NR];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) {
 #pragma GCC unroll 4
     for (int r = 0; r < NR; ++r) acc[m][r] = V{};
   }
   // One step: wv from w (full vectors) or from a zero-padded copy of the tail.
   auto step = [&](const char* wp, int64_t wstride, int64_t k) PYSPEC_INLINE_LAMBDA {
-    if constexpr (WK == WKind::kF32) {
+    const char* xk = x + k * xsize;
+    if constexpr (WK == WKind::kF32 || WK == WKind::kBF16Dot) {
       V wv[NR];
 #pragma GCC unroll 4
       for (int r = 0; r < NR; ++r) std::memcpy(&wv[r], wp + r * wstride, sizeof(V));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int m = 0; m < MR; ++m) {
         V xv;
-        std::memcpy(&xv, x + m * ldx + k, sizeof(V));
+        std::memcpy(&xv, xk + m * xrow, sizeof(V));
 #pragma GCC unroll 4
-        for (int r = 0; r < NR; ++r) acc[m][r] += xv * wv[r];
+        for (int r = 0; r < NR; ++r) {
+          if constexpr (WK == WKind::kF32) {
+            acc[m][r] += xv * wv[r];
+          } else {
+            DotBf16(&acc[m][r], xv, wv[r]);
+          }
+        }
       }
     } else {
       // Row-outer, so only one row's two widened vectors are live next to the MR x NR
@@ -176,29 +217,34 @@ PYSPEC_INLINE void DotBlock(int64_t K, int64_t ldw, int64_t ldx, const float* x,
       for (int r = 0; r < NR; ++r) {
         V we, wo;
         LoadW16<V, WK>(&we, &wo, wp + r * wstride);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int m = 0; m < MR; ++m) {
           V xe, xo;
-          std::memcpy(&xe, x + m * ldx + k, sizeof(V));
-          std::memcpy(&xo, x + m * ldx + k + L, sizeof(V));
-          acc[m][r] += xe * we + xo * wo;
+          std::memcpy(&xe, xk + m * xrow, sizeof(V));
+          std::memcpy(&xo, xk + m * xrow + L * 4, sizeof(V));
+          // Two FMAs in this order, as the fp32 kernel runs over widened weights (RowBlock):
+          // a row's result is then the same whichever path its call took.
+          acc[m][r] += xe * we;
+          acc[m][r] += xo * wo;
         }
       }
     }
   };
   const int64_t k_full = K / S * S;
-  int64_t i = 0;
-  for (int64_t k = 0; k < k_full; k += S, ++i) {
-    if constexpr (kPrefetch) {
-      for (int64_t b = 0; b < kStepBytes; b += 64) {
-        __builtin_prefetch(pf + i * kStepBytes + b, 0, 2);
-      }
+  const int64_t pf_lines = pf != nullptr ? (pf_bytes + 63) / 64 : 0;
+  const int64_t steps = k_full / S;
+  const int64_t lines_per_step = steps > 0 ? (pf_lines + steps - 1) / steps : 0;
+  int64_t line = 0;
+  for (int64_t k = 0; k < k_full; k += S) {
+    for (int64_t e = std::min(pf_lines, line + lines_per_step); line < e; ++line) {
+      __builtin_prefetch(pf + line * 64, 0, 2);
     }
     step(w + k * esize, ldw, k);
   }
+  for (; line < pf_lines; ++line) __builtin_prefetch(pf + line * 64, 0, 2);
   if (k_full < K) {
     // x is zero-padded to ldx >= RoundUp(K, S); the weights are copied into zeroed rows.
-    alignas(32) char tail[NR][sizeof(V)] = {};
+    alignas(64) char tail[NR][sizeof(V)] = {};
     for (int r = 0; r < NR; ++r) {
       std::memcpy(tail[r], w + r * ldw + k_full * esize, (K - k_full) * esize);
     }
@@ -211,6 +257,19 @@ PYSPEC_INLINE void DotBlock(int64_t K, int64_t ldw, int64_t ldx, const float* x,
       for (int r = 0; r < NR; ++r) res[m * NR + r] = Reduce1(acc[m][r]);
     }
   }
+}
+
+// 1 <= rows <= MR input rows: the MR-row kernel, or the one for a remainder of fewer rows.
+template <class V, WKind WK, int MR, int NR>
+PYSPEC_INLINE void DotRows(int rows, int64_t K, int64_t ldw, int64_t ldx, const char* x,
+                           const char* w, const char* pf, int64_t pf_bytes, float* res) {
+  if constexpr (MR > 1) {
+    if (rows < MR) {
+      DotRows<V, WK, MR - 1, NR>(rows, K, ldw, ldx, x, w, pf, pf_bytes, res);
+      return;
+    }
+  }
+  DotBlock<V, WK, MR, NR>(K, ldw, ldx, x, w, pf, pf_bytes, res);
 }
 
 // Writes res[mr][nr] (+ bias) to out[m0.., n0..], rounding once to the output dtype.
@@ -257,7 +316,7 @@ PYSPEC_INLINE void WidenBlock(int64_t K, int64_t ldx, const char* w, const char*
     float* d = dst + r * ldx;
     std::fill(d + k_full, d + ldx, 0.0f);
     if (k_full < K) {
-      alignas(32) char tail[sizeof(V)] = {};
+      alignas(64) char tail[sizeof(V)] = {};
       std::memcpy(tail, w + (r * K + k_full) * 2, (K - k_full) * 2);
       V we, wo;
       LoadW16<V, WK>(&we, &wo, tail);
@@ -267,60 +326,46 @@ PYSPEC_INLINE void WidenBlock(int64_t K, int64_t ldx, const char* w, const char*
   }
 }
 
-// Input rows [m0, M) in tiles of MR against NR weight rows (row stride ldw bytes, length K).
+// All input rows, in tiles of MR, against NR weight rows (row stride ldw bytes, length K). The
+// first tile reads the block from memory, the others find it in cache; each tile prefetches an
+// equal share of the next block's pf_bytes at pf (none when pf is null).
 template <class V, WKind WK, int MR, int NR>
-PYSPEC_INLINE void Tiles(const Ctx& c, int64_t m0, int64_t n0, int64_t K, int64_t ldw,
-                         const char* w) {
+PYSPEC_INLINE void Tiles(const Ctx& c, int64_t n0, int64_t K, int64_t ldw, const char* w,
+                         const char* pf, int64_t pf_bytes) {
   float res[MR * NR];
-  int64_t m = m0;
-  for (; m + MR <= c.M; m += MR) {
-    DotBlock<V, WK, MR, NR, false>(K, ldw, c.ldx, c.x + m * c.ldx, w, nullptr, res);
-    StoreBlock(c, m, n0, MR, NR, res);
+  const char* x = reinterpret_cast<const char*>(c.x);
+  const int64_t xrow = c.ldx * XSize<WK>();
+  const int64_t tiles = (c.M + MR - 1) / MR;
+  const int64_t share = pf != nullptr ? RoundUp((pf_bytes + tiles - 1) / tiles, 64) : 0;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t m = t * MR;
+    const int rows = static_cast<int>(std::min<int64_t>(MR, c.M - m));
+    const int64_t lo = std::min(pf_bytes, t * share), hi = std::min(pf_bytes, lo + share);
+    DotRows<V, WK, MR, NR>(rows, K, ldw, c.ldx, x + m * xrow, w,
+                           hi > lo ? pf + lo : nullptr, hi - lo, res);
+    StoreBlock(c, m, n0, rows, NR, res);
   }
-  const int rest = static_cast<int>(c.M - m);
-  if (rest == 0) return;
-  if (rest == 1) {
-    DotBlock<V, WK, 1, NR, false>(K, ldw, c.ldx, c.x + m * c.ldx, w, nullptr, res);
-  } else {
-    DotBlock<V, WK, (MR > 2 ? 2 : 1), NR, false>(K, ldw, c.ldx, c.x + m * c.ldx, w, nullptr, res);
-  }
-  StoreBlock(c, m, n0, rest, NR, res);
 }
 
-// All input rows against weight rows [n0, n0 + NR); `pf` is the next block to prefetch or null.
-// The first tile reads the block from memory and prefetches the next one; the other tiles find
-// it in cache. fp16 weights needed by more than one tile are widened once into `scratch`
+// All input rows against weight rows [n0, n0 + NR); `pf` is the next block (pf_bytes) to
+// prefetch, or null. fp16 weights needed by more than one tile are widened once into `scratch`
 // (NR x ldx floats) and the tiles run the fp32 kernel on that (measured 2x faster at M = 16; for
 // bf16, whose widening is one shift or mask, widening per tile is as fast).
 template <class Isa, WKind WK, int NR>
-PYSPEC_INLINE void RowBlock(const Ctx& c, int64_t n0, const char* pf, float* scratch) {
+PYSPEC_INLINE void RowBlock(const Ctx& c, int64_t n0, const char* pf, int64_t pf_bytes,
+                            float* scratch) {
   using V = typename Isa::V;
   constexpr int MR = Isa::kMr;
-  static_assert(MR >= 1 && MR <= 3, "the remainder tiles cover MR <= 3");
   constexpr int64_t esize = WK == WKind::kF32 ? 4 : 2;
   const int64_t K = c.K, ldw = K * esize;
   const char* w = static_cast<const char*>(c.w) + n0 * ldw;
   if (WK == WKind::kF16 && c.M > MR) {
     WidenBlock<V, WK, NR>(K, c.ldx, w, pf, scratch);
-    Tiles<V, WKind::kF32, MR, NR>(c, 0, n0, c.ldx, c.ldx * 4,
-                                   reinterpret_cast<const char*>(scratch));
+    Tiles<V, WKind::kF32, MR, NR>(c, n0, c.ldx, c.ldx * 4,
+                                   reinterpret_cast<const char*>(scratch), nullptr, 0);
     return;
   }
-  int64_t m = 0;
-  if (pf != nullptr) {
-    float res[MR * NR];
-    const int first = static_cast<int>(std::min<int64_t>(c.M, MR));
-    if (first == MR) {
-      DotBlock<V, WK, MR, NR, true>(K, ldw, c.ldx, c.x, w, pf, res);
-    } else if (first == 1) {
-      DotBlock<V, WK, 1, NR, true>(K, ldw, c.ldx, c.x, w, pf, res);
-    } else {
-      DotBlock<V, WK, (MR > 2 ? 2 : 1), NR, true>(K, ldw, c.ldx, c.x, w, pf, res);
-    }
-    StoreBlock(c, 0, n0, first, NR, res);
-    m = first;
-  }
-  Tiles<V, WK, MR, NR>(c, m, n0, K, ldw, w);
+  Tiles<V, WK, MR, NR>(c, n0, K, ldw, w, pf, pf_bytes);
 }
 
 // Weight row blocks [b0, b1) of kNr rows; the last block may be partial.
@@ -334,6 +379,7 @@ PYSPEC_INLINE void RunBlocksImpl(const Ctx& c, int64_t b0, int64_t b1) {
     if (static_cast<int64_t>(scratch_buf.size()) < kNr * c.ldx) scratch_buf.resize(kNr * c.ldx);
     scratch = scratch_buf.data();
   }
+  const int64_t block_bytes = kNr * c.K * esize;
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t n0 = b * kNr;
     if (n0 + kNr <= c.N) {
@@ -341,9 +387,9 @@ PYSPEC_INLINE void RunBlocksImpl(const Ctx& c, int64_t b0, int64_t b1) {
       // first block, read next by some thread).
       const char* pf = nullptr;
       if (n0 + 2 * kNr <= c.N) pf = static_cast<const char*>(c.w) + (n0 + kNr) * c.K * esize;
-      RowBlock<Isa, WK, kNr>(c, n0, pf, scratch);
+      RowBlock<Isa, WK, kNr>(c, n0, pf, block_bytes, scratch);
     } else {
-      for (int64_t n = n0; n < c.N; ++n) RowBlock<Isa, WK, 1>(c, n, nullptr, scratch);
+      for (int64_t n = n0; n < c.N; ++n) RowBlock<Isa, WK, 1>(c, n, nullptr, 0, scratch);
     }
   }
 }
@@ -353,7 +399,7 @@ PYSPEC_INLINE void RunBlocksDispatch(const Ctx& c, int64_t b0, int64_t b1) {
   if (c.dtype == DType::kFloat32) {
     RunBlocksImpl<Isa, WKind::kF32>(c, b0, b1);
   } else if (c.dtype == DType::kBFloat16) {
-    RunBlocksImpl<Isa, WKind::kBF16>(c, b0, b1);
+    RunBlocksImpl<Isa, Isa::kBf16>(c, b0, b1);
   } else {
     RunBlocksImpl<Isa, WKind::kF16>(c, b0, b1);
   }
@@ -363,6 +409,7 @@ PYSPEC_INLINE void RunBlocksDispatch(const Ctx& c, int64_t b0, int64_t b1) {
 struct GenericIsa {
   typedef float V __attribute__((vector_size(16)));
   static constexpr int kMr = 3;
+  static constexpr WKind kBf16 = WKind::kBF16;
 };
 
 void RunBlocksGeneric(const Ctx& c, int64_t b0, int64_t b1) {
@@ -374,38 +421,76 @@ void RunBlocksGeneric(const Ctx& c, int64_t b0, int64_t b1) {
 struct Avx2Isa {
   typedef float V __attribute__((vector_size(32)));
   static constexpr int kMr = 3;
+  static constexpr WKind kBf16 = WKind::kBF16;
 };
 
 __attribute__((target("avx2,fma"))) void RunBlocksAvx2(const Ctx& c, int64_t b0, int64_t b1) {
   RunBlocksDispatch<Avx2Isa>(c, b0, b1);
 }
 
+// 32 zmm registers: 6 x 4 accumulators + 4 weight vectors; bf16 through vdpbf16ps, so this build
+// runs bf16 layers only where the CPU has AVX512_BF16 (elsewhere they take the AVX2 build).
+struct Avx512Isa {
+  typedef float V __attribute__((vector_size(64)));
+  static constexpr int kMr = 6;
+  static constexpr WKind kBf16 = WKind::kBF16Dot;
+};
+
+__attribute__((target("avx512f,avx2,fma"))) void RunBlocksAvx512(const Ctx& c, int64_t b0,
+                                                                  int64_t b1) {
+  RunBlocksDispatch<Avx512Isa>(c, b0, b1);
+}
+
+bool CpuHasAvx512Bf16() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bf16");
+}
 #endif
 
 using BlocksFn = void (*)(const Ctx&, int64_t, int64_t);
 
-detail::IsaSelector g_isa(detail::IsaSelector::kAvx2);  // process-wide: which build of the kernel runs (tests override it)
+detail::IsaSelector g_isa(detail::IsaSelector::kAvx512);  // process-wide: which build of the kernel runs (tests override it)
 
-// The kernel and its 16-bit input grouping (2 x its float lanes), resolved together once a call.
+// The kernel for a dtype, and its input layout: 16-bit inputs widened in groups of `step16`
+// (2 x its float lanes), or, for `dot`, kept as bf16.
 struct Kernel {
   BlocksFn fn;
   int64_t step16;
+  bool dot;
 };
 
-Kernel SelectKernel() {
+Kernel SelectKernel(DType dtype) {
 #ifdef PYSPEC_X86
-  if (g_isa.Resolved() >= detail::IsaSelector::kAvx2) return {&RunBlocksAvx2, 16};
+  const int isa = g_isa.Resolved();
+  if (isa >= detail::IsaSelector::kAvx512) {
+    if (dtype != DType::kBFloat16) return {&RunBlocksAvx512, 32, false};
+    static const bool bf16_dot = CpuHasAvx512Bf16();
+    if (bf16_dot) return {&RunBlocksAvx512, 32, true};
+  }
+  if (isa >= detail::IsaSelector::kAvx2) return {&RunBlocksAvx2, 16, false};
+#else
+  (void)dtype;
 #endif
-  return {&RunBlocksGeneric, 8};
+  return {&RunBlocksGeneric, 8, false};
 }
 
 
-// Copies rows of x into a zero-padded fp32 buffer of row length ldx. For 16-bit dtypes each group
-// of `step` (= 2L) inputs is stored as its even elements then its odd ones, the order LoadW16
-// produces the weights in.
-void WidenRows(const TensorView& x, int64_t M, int64_t K, int64_t ldx, int64_t step, float* dst) {
+// Copies rows of x into a zero-padded buffer of row length ldx: bf16 bits as they are for a `dot`
+// kernel, else fp32. Widened 16-bit inputs are stored per group of `step` (= 2L) as the group's
+// even elements then its odd ones, the order LoadW16 produces the weights in.
+void WidenRows(const TensorView& x, int64_t M, int64_t K, int64_t ldx, const Kernel& kernel,
+               void* dst_buf) {
+  if (kernel.dot) {
+    for (int64_t m = 0; m < M; ++m) {
+      uint16_t* d = static_cast<uint16_t*>(dst_buf) + m * ldx;
+      std::memcpy(d, x.ptr<uint16_t>() + m * K, K * sizeof(uint16_t));
+      std::fill(d + K, d + ldx, uint16_t{0});
+    }
+    return;
+  }
+  const int64_t step = kernel.step16;
   for (int64_t m = 0; m < M; ++m) {
-    float* d = dst + m * ldx;
+    float* d = static_cast<float*>(dst_buf) + m * ldx;
     std::fill(d, d + ldx, 0.0f);
     if (x.dtype == DType::kFloat32) {
       std::memcpy(d, x.ptr<float>() + m * K, K * sizeof(float));
@@ -437,6 +522,16 @@ std::string SetLinearIsa(const std::string& isa) { return g_isa.Set(isa, "linear
 
 std::string LinearIsa() { return g_isa.Name(); }
 
+std::string LinearKernel(DType dtype) {
+  const Kernel k = SelectKernel(dtype);
+  if (k.dot) return "avx512-bf16";
+#ifdef PYSPEC_X86
+  if (k.fn == &RunBlocksAvx512) return "avx512";
+  if (k.fn == &RunBlocksAvx2) return "avx2";
+#endif
+  return "generic";
+}
+
 }  // namespace detail
 
 void Linear(const TensorView& x, const TensorView& w, const TensorView* bias,
@@ -461,10 +556,10 @@ void Linear(const TensorView& x, const TensorView& w, const TensorView* bias,
   // Widened, padded inputs and fp32 bias, shared read-only by the workers. Thread-local so
   // concurrent callers do not share them, and reused across calls.
   thread_local std::vector<float> xbuf, bbuf;
-  const Kernel kernel = SelectKernel();
+  const Kernel kernel = SelectKernel(x.dtype);
   const int64_t ldx = RoundUp(std::max<int64_t>(K, 1), kPad);
   if (static_cast<int64_t>(xbuf.size()) < M * ldx) xbuf.resize(M * ldx);
-  WidenRows(x, M, K, ldx, kernel.step16, xbuf.data());
+  WidenRows(x, M, K, ldx, kernel, xbuf.data());
   const float* bias_f = nullptr;
   if (bias != nullptr) {
     if (bias->dtype == DType::kFloat32) {

@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from pyspec import _C
-from pyspec.linear import MAX_FAST_ROWS, linear
+from pyspec.linear import MAX_FAST_ROWS, linear, max_fast_rows
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1e-2), torch.float16: (1e-2, 1e-2)}
 
@@ -11,8 +11,12 @@ TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1e-2), torch.float16:
 def _isas():
     isas = ["generic"]
     prev = _C._linear_isa()
-    if _C._set_linear_isa("auto") == "avx2":
-        isas.append("avx2")
+    for isa in ("avx2", "avx512"):
+        try:
+            _C._set_linear_isa(isa)
+            isas.append(isa)
+        except ValueError:  # this CPU lacks it
+            pass
     _C._set_linear_isa(prev)
     return isas
 
@@ -31,7 +35,7 @@ def _ref(x, w, b):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 13, 16])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 8, 13, 16, 31])
 @pytest.mark.parametrize("nk", [(7, 5), (111, 99), (1001, 577)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_torch(isa, dtype, m, nk, with_bias):
@@ -49,12 +53,34 @@ def test_matches_torch(isa, dtype, m, nk, with_bias):
 
 def test_large_m_core_is_correct_and_wrapper_falls_back():
     g = torch.Generator().manual_seed(0)
-    x, w, b = torch.randn(40, 33, generator=g), torch.randn(17, 33, generator=g), torch.randn(17)
-    out = torch.empty(40, 17)
+    x, w, b = torch.randn(80, 33, generator=g), torch.randn(17, 33, generator=g), torch.randn(17)
+    out = torch.empty(80, 17)
     _C.linear(x, w, b, out)
     torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    assert MAX_FAST_ROWS < 40
+    assert MAX_FAST_ROWS < 80
     torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b))
+
+
+def test_row_limits_name_the_kernel_in_use():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        kernel = _C._linear_kernel(str(dtype).removeprefix("torch."))
+        assert kernel in ("generic", "avx2", "avx512", "avx512-bf16")
+        assert 8 <= max_fast_rows(dtype) <= MAX_FAST_ROWS
+    with pytest.raises(ValueError, match="dtype must be"):
+        _C._linear_kernel("float64")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_tree_rows_score_like_single_rows(dtype):
+    # Verification scores a draft tree's rows in one call; plain decoding one row at a time. Up to
+    # the wrapper's row limit both take the core kernel, whose rows never depend on each other.
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(301, 576, generator=g) / 24).to(dtype)
+    m = max_fast_rows(dtype)
+    x = torch.randn(m, 576, generator=g).to(dtype)
+    together = linear(x, w)
+    for i in (0, 1, m // 2, m - 1):
+        assert torch.equal(linear(x[i:i + 1], w)[0], together[i])
 
 
 def test_wrapper_shapes_out_and_fallbacks():

@@ -1,16 +1,19 @@
 // Dense layer out = x @ w^T + bias on the CPU, tuned for the few input rows of decoding.
 //
-// Decoding one token (or scoring a small draft tree) multiplies M = 1..16 activation rows by every
-// weight matrix of the model, so the cost is reading the weights from memory once: a GEMV-like,
-// bandwidth-bound problem that BLAS GEMM kernels (built for large M) serve poorly. This kernel
-// streams each weight row exactly once per call and computes its dot products with all M input
-// rows while the row is in L1 (register blocks of 4 weight rows x up to 3 input rows), with fp32
-// accumulators. It is compiled for the x86-64 baseline (SSE2) and for AVX2+FMA and picks one at run
-// time; output rows are split over the thread pool.
+// Decoding one token (or scoring a draft tree) multiplies M = 1..64 activation rows by every
+// weight matrix of the model: with few rows the cost is reading the weights from memory once, a
+// GEMV-like, bandwidth-bound problem that BLAS GEMM kernels (built for large M) serve poorly; with
+// tens of rows it becomes compute-bound. This kernel streams each weight row exactly once per call
+// and computes its dot products with all M input rows while the row is in cache (register blocks
+// of 4 weight rows x up to 6 input rows), with fp32 accumulators, and prefetches the next weight
+// rows while it computes. It is compiled for the x86-64 baseline (SSE2), AVX2+FMA and AVX-512 and
+// picks one at run time (bfloat16 on AVX-512 needs AVX512_BF16, whose vdpbf16ps multiplies bf16
+// pairs directly; without it bf16 runs the AVX2 build); output rows are split over the thread pool.
 //
-// Any M is computed correctly (input rows are tiled), but the kernel re-reads the inputs once per
-// block of 4 weight rows, so for large M (prefill) a GEMM library is faster; pyspec.linear routes
-// M > 16 to torch.
+// Any M is computed correctly (input rows are tiled), and a row's result never depends on M or on
+// the other rows, so a draft tree verified in one call agrees bit for bit with the same rows
+// decoded one at a time. For large M (prefill) a GEMM library is faster; pyspec.linear routes
+// those to torch.
 #pragma once
 
 #include <cstdint>
@@ -34,11 +37,14 @@ void Linear(const TensorView& x, const TensorView& w, const TensorView* bias,
             const TensorView& out, ThreadPool* pool = nullptr);
 
 namespace detail {
-// Which instruction set the kernel uses: "auto" (best the CPU supports), "generic" (SSE2) or
-// "avx2" (AVX2+FMA). Process-wide, for tests and benchmarks. Returns the kernel now in use.
+// Which instruction set the kernel uses: "auto" (best the CPU supports), "generic" (SSE2), "avx2"
+// (AVX2+FMA) or "avx512". Process-wide, for tests and benchmarks. Returns the kernel now in use.
 // Throws ValueError for unknown names or an ISA this CPU lacks.
 std::string SetLinearIsa(const std::string& isa);
 std::string LinearIsa();
+// The build that runs layers of `dtype` now: "generic", "avx2", "avx512" or "avx512-bf16" (bf16
+// through vdpbf16ps).
+std::string LinearKernel(DType dtype);
 }  // namespace detail
 
 }  // namespace pyspec
