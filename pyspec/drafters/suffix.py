@@ -195,10 +195,22 @@ def save_corpus(path: str, docs: Sequence[Sequence[int]], vocab_size: int, *,
     return path
 
 
-def load_corpus(path: str, cfg: dict, vocab_size: int):
-    """The folder's corpus as a :class:`pyspec._C.SuffixIndex` (vocabulary checked)."""
-    from pyspec import _C
+def read_corpus(path: str, vocab_size: int, cfg: Optional[dict] = None):
+    """A corpus drafter folder's (``drafter.json`` of method "suffix" + ``corpus.npz``) token
+    documents as flat int32 tokens and int64 offsets, checked against the target's vocabulary
+    (``cfg``: its ``drafter.json`` when the caller has read it already)."""
+    from pyspec.drafters.heads import CONFIG_NAME
 
+    if cfg is None:
+        try:
+            with open(os.path.join(path, CONFIG_NAME)) as f:
+                cfg = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path!r} is not a corpus drafter folder ({CONFIG_NAME}: {e})"
+                             ) from None
+    if cfg.get("method") != "suffix":
+        raise ValueError(f"{path!r}: drafter method {cfg.get('method')!r} is not a corpus "
+                         "(\"suffix\")")
     if cfg.get("vocab_size") != vocab_size:
         raise ValueError(f"corpus drafter {path}: vocab_size {cfg.get('vocab_size')} does not "
                          f"match the target's {vocab_size}")
@@ -212,7 +224,17 @@ def load_corpus(path: str, cfg: dict, vocab_size: int):
     if tokens.size and int(tokens.max()) >= vocab_size:
         raise ValueError(f"{f}: token {int(tokens.max())} is outside the target's vocabulary "
                          f"({vocab_size})")
-    return _C.SuffixIndex(tokens, offsets)
+    if (offsets.ndim != 1 or offsets.size < 1 or offsets[0] != 0
+            or offsets[-1] != tokens.size or bool((np.diff(offsets) < 0).any())):
+        raise ValueError(f"{f}: offsets must rise from 0 to the token count ({tokens.size})")
+    return tokens, offsets
+
+
+def load_corpus(path: str, cfg: dict, vocab_size: int):
+    """The folder's corpus as a :class:`pyspec._C.SuffixIndex` (vocabulary checked)."""
+    from pyspec import _C
+
+    return _C.SuffixIndex(*read_corpus(path, vocab_size, cfg))
 
 
 def load_suffix(path: str, cfg: dict, target_runner, **overrides) -> SuffixDrafter:

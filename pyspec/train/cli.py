@@ -125,14 +125,19 @@ def train_draft(args) -> str:
                      progress=True)
     data_paths = [os.path.expanduser(p) for p in (args.data or "").split(",") if p]
     for p in data_paths:
-        if not os.path.isfile(p):
-            raise ValueError(f"--data: {p!r} is not a file (give data.pt files, comma-separated)")
+        if not (os.path.isfile(p) or os.path.isdir(p)):
+            raise ValueError(f"--data: {p!r} is neither a file nor a folder (give data.pt files "
+                             "or corpus drafter folders, comma-separated)")
     data_path = os.path.join(args.out, "data.pt")
     if data_paths or os.path.isfile(data_path):
         seqs = []
         for p in data_paths or [data_path]:
-            part = torch.load(p, weights_only=False)
-            print(f"loaded {len(part)} generated sequences from {p}")
+            if os.path.isdir(p):  # a corpus drafter: tokens only, features computed below
+                part = D.corpus_sequences(p, gen.model.cfg.vocab_size)
+                print(f"loaded {len(part)} documents from the corpus drafter {p}")
+            else:
+                part = torch.load(p, weights_only=False)
+                print(f"loaded {len(part)} generated sequences from {p}")
             seqs.extend(part)
     else:
         seqs = []
@@ -144,35 +149,44 @@ def train_draft(args) -> str:
             seqs.extend(D.generate_corpus(gen, prompts, max_tokens=args.max_tokens,
                                           batch=args.batch, seed=args.seed))
         torch.save(seqs, data_path)
-    if layers:
+    # Features from one teacher-forced pass over the tokens: for other layers than the recorded
+    # final one, and for a corpus drafter's documents, which have none (not needed by a corpus).
+    recompute = layers or (args.method != "suffix" and any(s.hidden is None for s in seqs))
+    if recompute:
         from pyspec.models.llama import feature_layers
 
         layers = list(feature_layers(layers, gen.model.cfg.num_hidden_layers))
         feat_path = os.path.join(args.out, "features-" + "-".join(map(str, layers)) + ".pt")
-        if os.path.isfile(feat_path):
-            seqs = torch.load(feat_path, weights_only=False)
+        cached = torch.load(feat_path, weights_only=False) if os.path.isfile(feat_path) else None
+        if cached is not None and [c.tokens for c in cached] == [s.tokens for s in seqs]:
+            seqs = cached
             print(f"loaded the layer {layers} features from {feat_path}")
         else:
             seqs = D.with_feature_layers(gen, seqs, layers)
             torch.save(seqs, feat_path)
+        if layers == [gen.model.cfg.num_hidden_layers]:
+            layers = None  # the final hidden state alone: a plain head
     n_tok = sum(len(s.tokens) for s in seqs)
-    n_gen = sum(len(s.tokens) - s.num_prompt for s in seqs)
+    n_gen = (None if any(s.num_prompt is None for s in seqs)
+             else sum(len(s.tokens) - s.num_prompt for s in seqs))
     t_data = time.time() - t0
-    print(f"data: {len(seqs)} sequences, {n_tok} tokens ({n_gen} generated) in {t_data:.0f}s")
+    print(f"data: {len(seqs)} sequences, {n_tok} tokens"
+          + (f" ({n_gen} generated)" if n_gen is not None else "") + f" in {t_data:.0f}s")
     if args.method == "suffix":
         return _write_corpus(args, gen, seqs, data_paths, n_tok, n_gen, t0, t_data)
     # Train against the target in float32 (its features were recorded from the generation run).
     target = pyspec.LLM(args.target, draft="none", dtype="float32", kv_cache_tokens=1024,
                         progress=False)
     # The target's generation dtype mattered if it generated the corpus or recomputed features.
-    used_gen_dtype = not data_paths or bool(layers)
+    used_gen_dtype = not data_paths or bool(recompute)
     recipe = {"command": _recorded_command(args, generated=not data_paths,
                                            used_gen_dtype=used_gen_dtype),
         **({"data": data_paths} if data_paths else {
             "seed_prompts": args.prompts, "prompt_set": args.prompt_set,
             "max_tokens": args.max_tokens}),
-        "sequences": len(seqs),
-        "tokens": n_tok, "generated_tokens": n_gen, "epochs": args.epochs, "lr": args.lr,
+        "sequences": len(seqs), "tokens": n_tok,
+        **({"generated_tokens": n_gen} if n_gen is not None else {}),
+        "epochs": args.epochs, "lr": args.lr,
         "batch_tokens": args.batch_tokens,
         **({"gen_dtype": args.gen_dtype} if used_gen_dtype else {})}
     manifest = {"drafter_version": args.version, "method": args.method,
@@ -234,7 +248,8 @@ def _write_corpus(args, gen, seqs, data_paths, n_tok, n_gen, t0, t_data) -> str:
               **({"data": data_paths} if data_paths else {
                   "seed_prompts": args.prompts, "prompt_set": args.prompt_set,
                   "max_tokens": args.max_tokens, "gen_dtype": args.gen_dtype}),
-              "sequences": len(seqs), "tokens": n_tok, "generated_tokens": n_gen}
+              "sequences": len(seqs), "tokens": n_tok,
+              **({"generated_tokens": n_gen} if n_gen is not None else {})}
     manifest = {"drafter_version": args.version, "method": "suffix",
                 "target": {"path_name": os.path.basename(gen.model_path.rstrip("/")),
                            "sha256": E.target_hash(gen.model_path)},
@@ -259,8 +274,10 @@ def add_parser(sub):
     p.add_argument("--out", required=True, help="output drafter folder (resumes if present)")
     p.add_argument("--prompts", type=int, default=2400, help="seed prompts to generate from")
     p.add_argument("--data", default=None,
-                   help="reuse the generated corpora (data.pt, comma-separated) of earlier runs "
-                   "for this target, concatenated in that order")
+                   help="reuse the generated corpora of earlier runs for this target instead of "
+                   "generating one: data.pt files, or corpus drafter folders (--method suffix; "
+                   "the target's features are computed by one teacher-forced pass), "
+                   "comma-separated, concatenated in that order")
     p.add_argument("--prompt-set", default="diverse", type=_prompt_sets,
                    help="seed prompt templates: the 32 basic ones; diverse: those plus personas, "
                    "reasoning, science, humanities, editing and passage extraction; wide: the "

@@ -439,8 +439,21 @@ class _Recorder(Drafter):
 @dataclass
 class Sequence_:
     tokens: List[int]  # prompt + generated
-    hidden: torch.Tensor  # bf16 [len(tokens) - 1, H]: hidden of positions 0 .. len - 2
-    num_prompt: int
+    # bf16 [len(tokens) - 1, H]: hidden of positions 0 .. len - 2; None for a corpus drafter's
+    # documents (tokens only) until :func:`with_feature_layers` computes them
+    hidden: Optional[torch.Tensor]
+    num_prompt: Optional[int]  # None: not known (a corpus drafter's documents)
+
+
+def corpus_sequences(path: str, vocab_size: int) -> List[Sequence_]:
+    """A corpus drafter folder's documents (``train-draft --method suffix``) as sequences without
+    features: the target's answers, ready for one teacher-forced pass instead of generating them
+    again."""
+    from pyspec.drafters.suffix import read_corpus
+
+    tokens, offsets = read_corpus(path, vocab_size)
+    return [Sequence_(tokens[lo:hi].tolist(), None, None)
+            for lo, hi in zip(offsets[:-1].tolist(), offsets[1:].tolist()) if hi - lo >= 2]
 
 
 def generate_corpus(llm, prompts: List[str], *, max_tokens: int = 256, batch: int = 64,

@@ -228,6 +228,43 @@ def test_train_medusa_method(tiny, trained, tmp_path):
     assert loss(learned) < loss(fresh) - 1e-3
 
 
+def test_train_on_a_corpus_drafter_folder(tiny, trained, tmp_path, capsys):
+    """--data also takes corpus drafter folders (--method suffix): their token documents, with
+    the target's features computed by one teacher-forced pass (kept next to the drafter, reused
+    by a rerun), train a head without generating anything."""
+    corpus = str(tmp_path / "corpus")
+    data = os.path.join(trained, "data.pt")
+    assert cli.main(["train-draft", "--target", tiny, "--out", corpus, "--method", "suffix",
+                     "--data", data]) == 0
+    out = str(tmp_path / "head")
+    args = ["train-draft", "--target", tiny, "--out", out, "--data", corpus, "--epochs", "1",
+            "--draft-vocab", "80", "--intermediate-size", "32", "--tree-nodes", "8"]
+    assert cli.main(args) == 0
+    conf = json.load(open(os.path.join(out, "drafter.json")))
+    recipe = conf["manifest"]["recipe"]
+    seqs = torch.load(data, weights_only=False)
+    assert recipe["data"] == [corpus] and recipe["sequences"] == len(seqs)
+    assert recipe["tokens"] == sum(len(s.tokens) for s in seqs)
+    assert "generated_tokens" not in recipe  # a corpus does not record where its prompts end
+    assert f"--data {corpus}" in recipe["command"] and "--gen-dtype" in recipe["command"]
+    assert "feature_layers" not in conf["eagle"]  # the final hidden state alone: a plain head
+    feats = torch.load(os.path.join(out, "features-2.pt"), weights_only=False)
+    assert [f.tokens for f in feats] == [s.tokens for s in seqs]
+    for a, b in zip(feats, seqs):  # the recomputed features are the recorded ones
+        torch.testing.assert_close(a.hidden.float(), b.hidden.float(), atol=0.1, rtol=0.05)
+    _lossless(tiny, out)
+    capsys.readouterr()
+    assert cli.main(args) == 0  # a rerun trains on the features it computed before
+    assert "loaded the layer [2] features" in capsys.readouterr().out
+    # A folder that is not a corpus drafter, and a missing one, are refused by name.
+    assert cli.main(["train-draft", "--target", tiny, "--out", str(tmp_path / "x"),
+                     "--data", trained]) == 2
+    assert "is not a corpus" in capsys.readouterr().err
+    assert cli.main(["train-draft", "--target", tiny, "--out", str(tmp_path / "x"),
+                     "--data", str(tmp_path / "nowhere")]) == 2
+    assert "neither a file nor a folder" in capsys.readouterr().err
+
+
 def test_train_eagle_on_fused_target_layers(tiny, trained, tmp_path):
     """--feature-layers: the corpus's features are recomputed for those target layers (kept next
     to the drafter), the head learns to read them fused (its fuse starts as "the final layer
