@@ -26,11 +26,12 @@ __all__ = ["linear", "max_fast_rows", "MAX_FAST_ROWS"]
 # the dtype here (``_C._linear_kernel``). Measured on the SmolLM2-135M shapes (bench/bench_linear.py
 # --rows, 2 threads, AMD EPYC with AVX-512): float32 stays ahead of torch at every M up to 64 in
 # both the AVX2 and the AVX-512 builds (e.g. 37.6 vs 70.7 ms per model pass at 16 rows); bfloat16
-# through vdpbf16ps up to 48 (52.6 vs 60.1 ms; even at 64), but widened to fp32 (AVX2) only up
-# to 8; float16 (widened) ahead from 8 rows on. Up to the limit every row is computed alike, so a
-# draft tree of that many nodes is scored exactly as plain decoding scores its rows.
+# through vdpbf16ps clearly up to 16 (23.8 vs 34.3 ms), level with torch at 32-64 (40.4 vs 43.6,
+# 58.4 vs 49.7 in two runs at 32), but widened to fp32 (AVX2) only up to 8; float16 (widened)
+# ahead from 8 rows on. Up to the limit every row is computed alike, so a draft tree of that many
+# nodes is scored exactly as plain decoding scores its rows.
 _ROW_LIMITS = {("float32", "avx512"): 64, ("float32", "avx2"): 64, ("float32", "generic"): 16,
-               ("bfloat16", "avx512-bf16"): 48, ("bfloat16", "avx2"): 8, ("bfloat16", "generic"): 8,
+               ("bfloat16", "avx512-bf16"): 32, ("bfloat16", "avx2"): 8, ("bfloat16", "generic"): 8,
                ("float16", "avx512"): 64, ("float16", "avx2"): 64, ("float16", "generic"): 8}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
