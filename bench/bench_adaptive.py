@@ -9,7 +9,7 @@ sources (`ngram`'s match lengths, the parts of `ngram|DIR` and `default`) also t
 defaults with one acceptance estimate shared by all its sources (as before draft sources). Prints tokens/s relative to plain,
 tokens per target step and the fallbacks each policy took; --out writes the JSON.
 
-    python bench/bench_adaptive.py --per-category 1 --drafters "ngram,DIR@width=3,depth=1,nodes=3"
+    python bench/bench_adaptive.py --per-category 1 --drafters "ngram;DIR@width=3,depth=1,nodes=3"
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--drafters", default="ngram,default")
+    ap.add_argument("--drafters", default="ngram,default",
+                    help="drafter specs, comma-separated, or semicolon-separated when a spec's "
+                    "options hold commas")
     ap.add_argument("--per-category", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--floor", type=float, default=0.3)
@@ -54,7 +56,7 @@ def main(argv=None):
         return Engine(runner, drafter=drafter, max_num_seqs=1, **kw)
 
     engines = {"plain": engine("none")}
-    for spec in args.drafters.split(","):
+    for spec in args.drafters.split(";" if ";" in args.drafters else ","):
         adaptive = engines[f"{spec} | adaptive"] = engine(spec)
         if adaptive.drafters[adaptive.default_drafter].num_draft_sources > 1:
             engines[f"{spec} | adaptive, one estimate for all sources"] = engine(spec, True)

@@ -49,7 +49,9 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--drafters", default="default,ngram,layer-skip:6,draft-model",
-                    help="comma-separated drafter specs, each optionally NAME=SPEC")
+                    help="drafter specs, each optionally NAME=SPEC, comma-separated, or "
+                    "semicolon-separated when a spec's options hold commas "
+                    "('default;h=ngram|DIR@width=3,depth=2,nodes=6')")
     ap.add_argument("--draft-layers", type=int, default=6)
     ap.add_argument("--draft-model", default=None,
                     help="draft-model folder (e.g. from train-draft --method draft-model); "
@@ -82,7 +84,7 @@ def main(argv=None):
         return Engine(runner, drafter=spec, max_num_seqs=1)
 
     engines["pyspec plain"] = make("none")
-    for d in args.drafters.split(","):
+    for d in args.drafters.split(";" if ";" in args.drafters else ","):
         name, _, spec = d.partition("=") if "=" in d else (d, "", d)
         engines[f"pyspec {name}"] = make(draft_dir if spec == "draft-model" else spec)
 
