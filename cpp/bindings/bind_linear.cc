@@ -44,18 +44,10 @@ on CUDA). Tensors that require grad are read as is (no autograd).)doc");
   m.def(
       "_linear_kernel",
       [](const std::string& dtype) {
-        DType dt;
-        if (dtype == "float32") {
-          dt = DType::kFloat32;
-        } else if (dtype == "bfloat16") {
-          dt = DType::kBFloat16;
-        } else if (dtype == "float16") {
-          dt = DType::kFloat16;
-        } else {
-          throw ValueError("dtype must be 'float32', 'bfloat16' or 'float16'; got '" + dtype +
-                           "'");
+        for (DType dt : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+          if (dtype == DTypeName(dt)) return detail::LinearKernel(dt);
         }
-        return detail::LinearKernel(dt);
+        throw ValueError("dtype must be 'float32', 'bfloat16' or 'float16'; got '" + dtype + "'");
       },
       py::arg("dtype"),
       "The CPU linear build that runs layers of `dtype` ('float32', 'bfloat16' or 'float16') "
