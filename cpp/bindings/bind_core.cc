@@ -1,6 +1,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <string>
 
 #include "dispatch.h"
 #include "dlpack_view.h"
@@ -21,6 +22,21 @@ void RegisterCore(py::module_& m) {
   m.attr("__version__") = Version();
   m.def("num_threads", [] { return ThreadPool::Default().num_threads(); },
         "Worker threads of the CPU ops (set PYSPEC_NUM_THREADS before import to change).");
+  m.def("spin_us", [] { return ThreadPool::Default().spin_us(); },
+        "How long (microseconds) an idle worker of the CPU ops polls for the next job before "
+        "sleeping (PYSPEC_SPIN_US in the environment at import; default 500).");
+  m.def(
+      "set_spin_us",
+      [](int us) {
+        if (us < 0 || us > 100000) {
+          throw py::value_error("set_spin_us: us must be in [0, 100000] microseconds; got " +
+                                std::to_string(us));
+        }
+        return ThreadPool::Default().set_spin_us(us);
+      },
+      py::arg("us"),
+      "Set the CPU ops' polling window in microseconds (0: idle workers sleep at once); returns "
+      "the previous value.");
   m.def(
       "materialize_kv",
       [](py::handle scratch, py::handle pages, py::handle src_rows, py::handle dst_slots,

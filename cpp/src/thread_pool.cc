@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <exception>
 
@@ -22,10 +23,51 @@ int ResolveThreads(int requested) {
 }
 
 constexpr int kMaxThreads = 1024;
+constexpr int kDefaultSpinUs = 500;
+constexpr int kMaxSpinUs = 100000;
+
+int ResolveSpin(int requested) {
+  if (requested < 0) {
+    requested = kDefaultSpinUs;
+    if (const char* env = std::getenv("PYSPEC_SPIN_US")) {
+      char* end = nullptr;
+      long v = std::strtol(env, &end, 10);
+      if (end != env && *end == '\0' && v >= 0) {
+        requested = static_cast<int>(std::min<long>(v, kMaxSpinUs));
+      }
+    }
+  }
+  return std::min(requested, kMaxSpinUs);
+}
+
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#else
+  std::this_thread::yield();
+#endif
+}
 
 }  // namespace
 
-ThreadPool::ThreadPool(int num_threads) : owner_pid_(static_cast<int64_t>(getpid())) {
+template <class Pred>
+bool ThreadPool::Spin(Pred ready) const {
+  const int us = spin_us();
+  if (us <= 0) return ready();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(us);
+  while (true) {
+    for (int i = 0; i < 32; ++i) {
+      if (ready()) return true;
+      CpuRelax();
+    }
+    if (std::chrono::steady_clock::now() >= deadline) return ready();
+  }
+}
+
+ThreadPool::ThreadPool(int num_threads, int spin_us)
+    : owner_pid_(static_cast<int64_t>(getpid())), spin_us_(ResolveSpin(spin_us)) {
   int n = std::min(ResolveThreads(num_threads), kMaxThreads);
   workers_.reserve(n - 1);
   try {
@@ -33,6 +75,10 @@ ThreadPool::ThreadPool(int num_threads) : owner_pid_(static_cast<int64_t>(getpid
   } catch (...) {
     // Could not start them all (resource limits): run with the ones that started.
   }
+}
+
+int ThreadPool::set_spin_us(int us) {
+  return spin_us_.exchange(std::max(0, std::min(us, kMaxSpinUs)), std::memory_order_relaxed);
 }
 
 bool ThreadPool::InForkedChild() const { return static_cast<int64_t>(getpid()) != owner_pid_; }
@@ -47,6 +93,7 @@ ThreadPool::~ThreadPool() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
+    stopping_.store(true, std::memory_order_release);
   }
   cv_work_.notify_all();
   for (auto& w : workers_) w.join();
@@ -59,10 +106,27 @@ ThreadPool& ThreadPool::Default() {
 }
 
 void ThreadPool::WorkerLoop() {
-  uint64_t seen = 0;
+  uint64_t seen = 0;  // the last job this worker looked at (whether or not chunks were left)
+  // Poll only while jobs come quickly: after a wait longer than the spin window (between decode
+  // steps, or while the caller runs its own multithreaded work such as torch's matrix products
+  // during a prefill) the next wait sleeps at once instead of taking a core from that work.
+  bool poll = true;
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
-    cv_work_.wait(lock, [&] { return stop_ || (generation_ != seen && next_chunk_ < num_chunks_); });
+    if (!stop_ && generation_ == seen) {
+      const auto idle_from = std::chrono::steady_clock::now();
+      if (poll) {
+        lock.unlock();
+        Spin([&] {
+          return posted_.load(std::memory_order_acquire) != seen ||
+                 stopping_.load(std::memory_order_acquire);
+        });
+        lock.lock();
+      }
+      cv_work_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      const int us = spin_us();
+      poll = us > 0 && std::chrono::steady_clock::now() - idle_from < std::chrono::microseconds(us);
+    }
     if (stop_) return;
     seen = generation_;
     while (next_chunk_ < num_chunks_) {
@@ -80,7 +144,8 @@ void ThreadPool::WorkerLoop() {
       t_inside_task = false;
       lock.lock();
       if (err && !error_) error_ = err;
-      if (++chunks_done_ == num_chunks_) cv_done_.notify_all();
+      done_.store(++chunks_done_, std::memory_order_release);
+      if (chunks_done_ == num_chunks_) cv_done_.notify_all();
     }
   }
 }
@@ -105,8 +170,10 @@ void ThreadPool::ParallelFor(int64_t n, int64_t grain,
   num_chunks_ = (n + job_chunk_ - 1) / job_chunk_;
   next_chunk_ = 0;
   chunks_done_ = 0;
+  done_.store(0, std::memory_order_relaxed);
   error_ = nullptr;
   ++generation_;
+  posted_.store(generation_, std::memory_order_release);
   cv_work_.notify_all();
   // The caller works too.
   while (next_chunk_ < num_chunks_) {
@@ -123,7 +190,14 @@ void ThreadPool::ParallelFor(int64_t n, int64_t grain,
     t_inside_task = false;
     lock.lock();
     if (err && !error_) error_ = err;
-    ++chunks_done_;
+    done_.store(++chunks_done_, std::memory_order_release);
+  }
+  if (chunks_done_ != num_chunks_) {
+    // The workers are finishing their last chunks: poll before sleeping, as they do.
+    const int64_t total = num_chunks_;
+    lock.unlock();
+    Spin([&] { return done_.load(std::memory_order_acquire) == total; });
+    lock.lock();
   }
   cv_done_.wait(lock, [&] { return chunks_done_ == num_chunks_; });
   std::exception_ptr err = error_;

@@ -1,8 +1,10 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <numeric>
 #include <stdexcept>
+#include <thread>
 #include <vector>
 
 #include "pyspec/thread_pool.h"
@@ -45,6 +47,45 @@ TEST(ThreadPool, NestedCallsRunSerially) {
     }
   });
   EXPECT_EQ(count.load(), 32);
+}
+
+TEST(ThreadPool, PollingAndSleepingPoolsAgree) {
+  // Jobs in quick succession (workers polling) and spaced out (workers asleep), with polling on
+  // and off: every index exactly once, the same sums.
+  for (int spin : {0, 50, 2000}) {
+    ThreadPool pool(3, spin);
+    EXPECT_EQ(pool.spin_us(), spin);
+    for (int round = 0; round < 200; ++round) {
+      if (round % 50 == 49) std::this_thread::sleep_for(std::chrono::milliseconds(3));
+      const int64_t n = 1 + round % 37;
+      std::vector<std::atomic<int>> hits(n);
+      pool.ParallelFor(n, 1, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) hits[i]++;
+      });
+      for (int64_t i = 0; i < n; ++i) ASSERT_EQ(hits[i].load(), 1) << spin << " " << round;
+    }
+  }
+}
+
+TEST(ThreadPool, SpinWindowIsClampedAndChangeable) {
+  ThreadPool pool(2, 300);
+  EXPECT_EQ(pool.set_spin_us(-5), 300);
+  EXPECT_EQ(pool.spin_us(), 0);
+  EXPECT_EQ(pool.set_spin_us(1 << 30), 0);
+  EXPECT_EQ(pool.spin_us(), 100000);
+  EXPECT_EQ(ThreadPool(2, 1 << 30).spin_us(), 100000);
+}
+
+TEST(ThreadPool, PollingWorkersStopPromptly) {
+  // Destroying a pool whose workers are polling (a 100 ms window) must not wait out the window.
+  const auto t0 = std::chrono::steady_clock::now();
+  {
+    ThreadPool pool(3, 100000);
+    std::atomic<int64_t> sum{0};
+    pool.ParallelFor(64, 1, [&](int64_t b, int64_t e) { sum += e - b; });
+    EXPECT_EQ(sum.load(), 64);
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(80));
 }
 
 }  // namespace

@@ -42,3 +42,40 @@ def test_materialize_bad_input(mutate, match):
     mutate(args)
     with pytest.raises(ValueError, match=match):
         ops.materialize_kv(args["scratch"], args["pages"], args["src"], args["dst"])
+
+
+def test_spin_window_setting():
+    """The CPU ops' polling window: readable, settable, validated; results do not depend on it."""
+    from pyspec import _C, linear
+
+    before = _C.spin_us()
+    assert 0 <= before <= 100000
+    x, w = torch.randn(5, 96), torch.randn(300, 96)
+    try:
+        outs = []
+        for us in (0, 7, 2000):
+            _C.set_spin_us(us)
+            assert _C.spin_us() == us
+            outs.append(linear.linear(x, w))
+        for o in outs[1:]:
+            assert torch.equal(o, outs[0])
+        for bad in (-1, 100001):
+            with pytest.raises(ValueError, match=r"\[0, 100000\]"):
+                _C.set_spin_us(bad)
+        assert _C.spin_us() == 2000
+    finally:
+        _C.set_spin_us(before)
+    assert _C.spin_us() == before
+
+
+@pytest.mark.parametrize("env, expected", [("123", 123), ("0", 0), ("999999", 100000),
+                                           ("abc", 500), ("-4", 500), ("", 500)])
+def test_spin_window_from_environment(env, expected):
+    import os
+    import subprocess
+    import sys
+
+    code = "from pyspec import _C; print(_C.spin_us())"
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYSPEC_SPIN_US=env),
+                         capture_output=True, text=True, check=True).stdout
+    assert int(out) == expected
