@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pyspec import _C
 
-__all__ = ["cuda_available", "materialize_kv"]
+__all__ = ["cuda_available", "materialize_kv", "rms_norm", "rotary_qkv"]
 
 
 def cuda_available() -> bool:
@@ -37,3 +37,66 @@ def materialize_kv(scratch, pages, src_rows, dst_slots) -> None:
         dst_slots: int32/int64 ``[n]``, flat slots ``block_id * block_size + offset``.
     """
     _C.materialize_kv(scratch, pages, src_rows, dst_slots, _stream_of(scratch))
+
+
+def _core_ok(*tensors) -> bool:
+    """True when the core's CPU layer ops can take these tensors: CPU, contiguous, float32 /
+    bfloat16 / float16, and no autograd in play."""
+    import torch
+
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if (not t.is_cpu or not t.is_contiguous() or (grad and t.requires_grad)
+                or t.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
+            return False
+    return True
+
+
+def rms_norm(x, w, eps: float):
+    """RMSNorm over the last dim, as Hugging Face's Llama computes it: ``w * (x * rsqrt(mean(x**2)
+    + eps))`` in float32, the normalized value rounded to ``x``'s dtype before the weight multiplies.
+
+    CPU tensors (contiguous, no autograd) take the core's one-call op (``_C.rms_norm``); others the
+    same formula in torch ops. Either way a row's result depends only on that row.
+    """
+    import torch
+
+    if x.dim() >= 1 and x.dtype == w.dtype and _core_ok(x, w) and x.numel():
+        out = torch.empty_like(x)
+        _C.rms_norm(x.view(-1, x.shape[-1]), w, float(eps), out.view(-1, x.shape[-1]))
+        return out
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def rotary_qkv(qkv, cos, sin, num_heads: int, num_kv_heads: int, k_out, v_out):
+    """Split a fused projection ``qkv`` ``[T, (H + 2 Hkv) D]`` into rotated ``q`` (returned,
+    ``[T, H, D]``), rotated ``k`` and plain ``v`` (written into ``k_out`` / ``v_out``,
+    ``[T, Hkv, D]``). ``cos``/``sin``: float32 ``[T, D]`` in rotate-half layout.
+
+    CPU tensors (contiguous, no autograd) take the core's one-call op (``_C.rotary_qkv``); others
+    torch ops with the same float32 arithmetic.
+    """
+    import torch
+
+    t = qkv.shape[0]
+    d = cos.shape[-1]
+    if (_core_ok(qkv, k_out, v_out) and cos.dtype == sin.dtype == torch.float32
+            and cos.is_cpu and cos.is_contiguous() and sin.is_contiguous()
+            and k_out.dtype == v_out.dtype == qkv.dtype):
+        q = torch.empty(t, num_heads, d, dtype=qkv.dtype)
+        _C.rotary_qkv(qkv, cos, sin, q, k_out, v_out)
+        return q
+    qs, ks = num_heads * d, num_kv_heads * d
+    c, s = cos[:, None, :], sin[:, None, :]
+
+    def rotate(x):
+        half = d // 2
+        rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * c + rot * s
+
+    q = rotate(qkv[:, :qs].view(t, num_heads, d).float()).to(qkv.dtype)
+    k_out.copy_(rotate(qkv[:, qs:qs + ks].view(t, num_kv_heads, d).float()))
+    v_out.copy_(qkv[:, qs + ks:].view(t, num_kv_heads, d))
+    return q

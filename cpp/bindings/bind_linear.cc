@@ -1,4 +1,4 @@
-// _C.linear: binding of pyspec::Linear.
+// _C.linear, _C.rms_norm, _C.rotary_qkv: bindings of pyspec::Linear and the layer ops.
 //
 // The op runs ~8 times per layer per decoded token, so the binding's own cost matters; ToView
 // reads torch tensors through torch._C._to_dlpack, the cheap path.
@@ -9,6 +9,7 @@
 
 #include "dlpack_view.h"
 #include "pyspec/check.h"
+#include "pyspec/layer_ops.h"
 #include "pyspec/linear.h"
 #include "registry.h"
 
@@ -17,6 +18,33 @@ namespace py = pybind11;
 namespace pyspec {
 namespace bindings {
 void RegisterLinear(py::module_& m) {
+  m.def(
+      "rms_norm",
+      [](py::handle x, py::handle w, float eps, py::handle out) {
+        const TensorView xv = ToView(x, "x"), wv = ToView(w, "w"), ov = ToView(out, "out");
+        py::gil_scoped_release release;
+        RmsNorm(xv, wv, eps, ov);
+      },
+      py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("out"),
+      R"doc(RMSNorm ``out = w * round(x * rsqrt(mean(x**2, -1) + eps))`` into ``out`` in place.
+
+x [T, H], w [H], out [T, H] (may be x): contiguous cpu tensors of one dtype (float32, bfloat16 or
+float16); fp32 arithmetic, rounding as Hugging Face's Llama RMSNorm. Raises ValueError naming the
+bad argument; RuntimeError for CUDA tensors.)doc");
+  m.def(
+      "rotary_qkv",
+      [](py::handle qkv, py::handle cos, py::handle sin, py::handle q, py::handle k,
+         py::handle v) {
+        const TensorView a = ToView(qkv, "qkv"), c = ToView(cos, "cos"), s = ToView(sin, "sin");
+        const TensorView qv = ToView(q, "q"), kv = ToView(k, "k"), vv = ToView(v, "v");
+        py::gil_scoped_release release;
+        RotaryQKV(a, c, s, qv, kv, vv);
+      },
+      py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("q"), py::arg("k"), py::arg("v"),
+      R"doc(Split a fused projection qkv [T, (Hq + 2 Hkv) D] into q [T, Hq, D], k and v
+[T, Hkv, D] (written in place), rotating q and k by the rotary embedding (rotate-half layout;
+cos/sin [T, D] float32). Contiguous cpu tensors, q/k/v/qkv of one dtype; fp32 arithmetic, one
+rounding. Raises ValueError naming the bad argument; RuntimeError for CUDA tensors.)doc");
   m.def(
       "linear",
       [](py::handle x, py::handle w, py::handle bias, py::handle out) {

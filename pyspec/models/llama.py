@@ -16,6 +16,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from pyspec import ops
 from pyspec.attention import tree_attention
 from pyspec.linear import linear as core_linear
 from pyspec.models.config import ModelConfig
@@ -172,13 +173,6 @@ class LlamaForCausalLM:
         ang = torch.cat([ang, ang], dim=-1)
         return ang.cos(), ang.sin()
 
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x [T, H, D] (float32); cos/sin [T, 1, D]
-        half = x.shape[-1] // 2
-        rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rot * sin
-
     def truncated(self, num_layers: int) -> "LlamaForCausalLM":
         """A view sharing this model's weights that runs only the first ``num_layers`` layers
         followed by the final norm and lm_head (self-speculative layer skipping)."""
@@ -194,9 +188,7 @@ class LlamaForCausalLM:
         return view
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
-        return w * xf.to(self.dtype)
+        return ops.rms_norm(x, w, self.cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan, k_pages: torch.Tensor,
                 v_pages: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -227,17 +219,13 @@ class LlamaForCausalLM:
         kept = {}
         t = input_ids.shape[0]
         cos, sin = self.rope_tables(positions, rope_lens)
-        cos, sin = cos[:, None, :], sin[:, None, :]
         x = F.embedding(input_ids, self.embed) if inputs_embeds is None else inputs_embeds
-        qs, ks = cfg.q_size, cfg.kv_size
+        qs = cfg.q_size
         for li, layer in enumerate(self.layers):
             h = self._rms(x, layer["ln1"])
             qkv = self.linear(h, layer["wqkv"], layer["bqkv"])
-            q = qkv[:, :qs].view(t, cfg.num_attention_heads, cfg.head_dim)
-            k = qkv[:, qs:qs + ks].view(t, cfg.num_key_value_heads, cfg.head_dim)
-            q = self._rotate(q.float(), cos, sin).to(self.dtype)
-            k_new[li] = self._rotate(k.float(), cos, sin)
-            v_new[li] = qkv[:, qs + ks:].view(t, cfg.num_key_value_heads, cfg.head_dim)
+            q = ops.rotary_qkv(qkv, cos, sin, cfg.num_attention_heads, cfg.num_key_value_heads,
+                               k_new[li], v_new[li])
             a = tree_attention(plan, q, k_pages[li], v_pages[li], k_new[li], v_new[li])
             x = x + self.linear(a.view(t, qs), layer["wo"], layer["bo"])
             h = self._rms(x, layer["ln2"])

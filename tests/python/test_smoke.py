@@ -13,8 +13,20 @@ from pyspec.models.llama import LlamaForCausalLM
 from pyspec.runner import ModelRunner
 
 
+def _rms(model, x, w):
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + model.cfg.rms_norm_eps)
+    return w * xf.to(x.dtype)
+
+
+def _rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
 def dense_logits(model, toks):
-    """Reference forward: the whole sequence with causal SDPA (no paging, no trees)."""
+    """Reference forward: the whole sequence with causal SDPA (no paging, no trees), in plain
+    torch ops (none of the core's)."""
     c = model.cfg
     t = len(toks)
     pos = torch.arange(t)
@@ -22,20 +34,20 @@ def dense_logits(model, toks):
     cos, sin = cos[:, None], sin[:, None]
     x = model.embed[torch.tensor(toks)]
     for L in model.layers:
-        h = model._rms(x, L["ln1"])
+        h = _rms(model, x, L["ln1"])
         qkv = F.linear(h, L["wqkv"], L["bqkv"])
-        q = model._rotate(qkv[:, :c.q_size].view(t, -1, c.head_dim), cos, sin)
-        k = model._rotate(qkv[:, c.q_size:c.q_size + c.kv_size].view(t, -1, c.head_dim), cos, sin)
+        q = _rotate(qkv[:, :c.q_size].view(t, -1, c.head_dim), cos, sin)
+        k = _rotate(qkv[:, c.q_size:c.q_size + c.kv_size].view(t, -1, c.head_dim), cos, sin)
         v = qkv[:, c.q_size + c.kv_size:].view(t, -1, c.head_dim)
         rep = c.num_attention_heads // c.num_key_value_heads
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         a = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                            is_causal=True)
         x = x + F.linear(a.transpose(0, 1).reshape(t, -1), L["wo"], L["bo"])
-        h = model._rms(x, L["ln2"])
+        h = _rms(model, x, L["ln2"])
         gu = F.linear(h, L["wgu"])
         x = x + F.linear(F.silu(gu[:, :c.intermediate_size]) * gu[:, c.intermediate_size:], L["wd"])
-    return F.linear(model._rms(x, model.norm), model.lm_head)
+    return F.linear(_rms(model, x, model.norm), model.lm_head)
 
 
 def _dense_greedy(model, prompt, n):

@@ -1,0 +1,202 @@
+// RMSNorm and rotary q/k/v split on the CPU (see pyspec/layer_ops.h for the contract).
+#include "pyspec/layer_ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "half.h"
+#include "pyspec/check.h"
+#include "pyspec/thread_pool.h"
+
+namespace pyspec {
+namespace {
+
+// Elements processed below which a call stays on the calling thread (waking a worker costs more).
+constexpr int64_t kMinParallelElems = 1 << 16;
+
+inline float Load(const void* p, DType dt, int64_t i) {
+  switch (dt) {
+    case DType::kFloat32:
+      return static_cast<const float*>(p)[i];
+    case DType::kBFloat16:
+      return half::BF16ToFloat(static_cast<const uint16_t*>(p)[i]);
+    default:
+      return half::HalfToFloat(static_cast<const uint16_t*>(p)[i]);
+  }
+}
+
+// Rounds to the dtype and back (exact for float32).
+inline float Round(float v, DType dt) {
+  switch (dt) {
+    case DType::kFloat32:
+      return v;
+    case DType::kBFloat16:
+      return half::BF16ToFloat(half::FloatToBF16(v));
+    default:
+      return half::HalfToFloat(half::FloatToHalf(v));
+  }
+}
+
+inline void Store(void* p, DType dt, int64_t i, float v) {
+  switch (dt) {
+    case DType::kFloat32:
+      static_cast<float*>(p)[i] = v;
+      break;
+    case DType::kBFloat16:
+      static_cast<uint16_t*>(p)[i] = half::FloatToBF16(v);
+      break;
+    default:
+      static_cast<uint16_t*>(p)[i] = half::FloatToHalf(v);
+  }
+}
+
+// Row-wise work over [0, rows): serial when small.
+template <class F>
+void ForRows(int64_t rows, int64_t row_elems, ThreadPool* pool, const F& fn) {
+  if (rows * row_elems < kMinParallelElems || rows < 2) {
+    fn(0, rows);
+    return;
+  }
+  ThreadPool& tp = pool != nullptr ? *pool : ThreadPool::Default();
+  const int64_t grain = std::max<int64_t>(1, kMinParallelElems / std::max<int64_t>(row_elems, 1));
+  tp.ParallelFor(rows, grain, fn);
+}
+
+void CheckCpu(const TensorView& t, const char* op) {
+  if (t.device.type == DeviceType::kCUDA) {
+    throw RuntimeError(detail::StrCat("pyspec ", op, ": got CUDA tensors; it runs on the CPU only "
+                                      "(use the torch ops on CUDA)"));
+  }
+}
+
+void CheckLike(const TensorView& t, const char* name, DType dtype, const char* ref,
+               std::initializer_list<int64_t> dims) {
+  PYSPEC_CHECK(t.dtype == dtype, "'", name, "' has dtype ", DTypeName(t.dtype), " but '", ref,
+               "' has ", DTypeName(dtype), "; they must match");
+  CheckShape(t, name, dims);
+  CheckContiguous(t, name);
+}
+
+// Sum of squares of n fp32 values in a fixed order (16 interleaved partial sums, then a fixed
+// tree), so it vectorizes and never depends on anything but the row.
+template <class LoadFn>
+float SumSquares(int64_t n, const LoadFn& at) {
+  float acc[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    for (int j = 0; j < 16; ++j) {
+      const float v = at(i + j);
+      acc[j] += v * v;
+    }
+  }
+  for (int j = 0; i < n; ++i, ++j) {
+    const float v = at(i);
+    acc[j] += v * v;
+  }
+  for (int w = 8; w >= 1; w /= 2) {
+    for (int j = 0; j < w; ++j) acc[j] += acc[j + w];
+  }
+  return acc[0];
+}
+
+}  // namespace
+
+void RmsNorm(const TensorView& x, const TensorView& w, float eps, const TensorView& out,
+             ThreadPool* pool) {
+  for (const TensorView* t : {&x, &w, &out}) CheckCpu(*t, "rms_norm");
+  CheckDType(x, "x", {DType::kFloat32, DType::kBFloat16, DType::kFloat16});
+  PYSPEC_CHECK(x.ndim == 2, "'x' must be 2-D [T, H]; got shape ", x.ShapeString());
+  CheckContiguous(x, "x");
+  const int64_t T = x.shape[0], H = x.shape[1];
+  CheckLike(w, "w", x.dtype, "x", {H});
+  CheckLike(out, "out", x.dtype, "x", {T, H});
+  PYSPEC_CHECK(std::isfinite(eps) && eps >= 0.0f, "'eps' must be finite and >= 0; got ", eps);
+  if (T == 0 || H == 0) return;
+  const DType dt = x.dtype;
+  const char* xb = static_cast<const char*>(x.data);
+  char* ob = static_cast<char*>(out.data);
+  const int64_t row_bytes = H * DTypeSize(dt);
+  ForRows(T, H, pool, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const void* xr = xb + t * row_bytes;
+      void* orow = ob + t * row_bytes;
+      float r;
+      if (dt == DType::kFloat32) {
+        const float* xf = static_cast<const float*>(xr);
+        r = SumSquares(H, [&](int64_t i) { return xf[i]; });
+      } else {
+        r = SumSquares(H, [&](int64_t i) { return Load(xr, dt, i); });
+      }
+      const float scale = 1.0f / std::sqrt(r / static_cast<float>(H) + eps);
+      if (dt == DType::kFloat32) {
+        const float* xf = static_cast<const float*>(xr);
+        const float* wf = static_cast<const float*>(w.data);
+        float* of = static_cast<float*>(orow);
+        for (int64_t i = 0; i < H; ++i) of[i] = wf[i] * (xf[i] * scale);
+      } else {
+        for (int64_t i = 0; i < H; ++i) {
+          const float n = Round(Load(xr, dt, i) * scale, dt);
+          Store(orow, dt, i, Load(w.data, dt, i) * n);
+        }
+      }
+    }
+  });
+}
+
+void RotaryQKV(const TensorView& qkv, const TensorView& cos, const TensorView& sin,
+               const TensorView& q, const TensorView& k, const TensorView& v, ThreadPool* pool) {
+  for (const TensorView* t : {&qkv, &cos, &sin, &q, &k, &v}) CheckCpu(*t, "rotary_qkv");
+  CheckDType(qkv, "qkv", {DType::kFloat32, DType::kBFloat16, DType::kFloat16});
+  PYSPEC_CHECK(qkv.ndim == 2, "'qkv' must be 2-D [T, (Hq + 2 * Hkv) * D]; got shape ",
+               qkv.ShapeString());
+  CheckContiguous(qkv, "qkv");
+  PYSPEC_CHECK(q.ndim == 3, "'q' must be 3-D [T, Hq, D]; got shape ", q.ShapeString());
+  PYSPEC_CHECK(k.ndim == 3, "'k' must be 3-D [T, Hkv, D]; got shape ", k.ShapeString());
+  const int64_t T = qkv.shape[0], Hq = q.shape[1], Hkv = k.shape[1], D = q.shape[2];
+  PYSPEC_CHECK(D > 0 && D % 2 == 0, "the head size (last dim of 'q') must be even and > 0; got ",
+               D);
+  CheckLike(q, "q", qkv.dtype, "qkv", {T, Hq, D});
+  CheckLike(k, "k", qkv.dtype, "qkv", {T, Hkv, D});
+  CheckLike(v, "v", qkv.dtype, "qkv", {T, Hkv, D});
+  PYSPEC_CHECK(qkv.shape[1] == (Hq + 2 * Hkv) * D, "'qkv' must have (Hq + 2 * Hkv) * D = ",
+               (Hq + 2 * Hkv) * D, " columns for q ", q.ShapeString(), " and k ",
+               k.ShapeString(), "; got shape ", qkv.ShapeString());
+  CheckDType(cos, "cos", {DType::kFloat32});
+  CheckDType(sin, "sin", {DType::kFloat32});
+  CheckShape(cos, "cos", {T, D});
+  CheckShape(sin, "sin", {T, D});
+  CheckContiguous(cos, "cos");
+  CheckContiguous(sin, "sin");
+  if (T == 0) return;
+  const DType dt = qkv.dtype;
+  const int64_t es = DTypeSize(dt), cols = qkv.shape[1], half = D / 2;
+  const char* src = static_cast<const char*>(qkv.data);
+  const float* cs = static_cast<const float*>(cos.data);
+  const float* sn = static_cast<const float*>(sin.data);
+  ForRows(T, cols, pool, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const char* row = src + t * cols * es;
+      const float* c = cs + t * D;
+      const float* s = sn + t * D;
+      auto rotate = [&](const char* heads, int64_t n, void* dst) {
+        for (int64_t h = 0; h < n; ++h) {
+          const char* x = heads + h * D * es;
+          const int64_t o = (t * n + h) * D;
+          for (int64_t i = 0; i < half; ++i) {
+            const float a = Load(x, dt, i), b = Load(x, dt, i + half);
+            Store(dst, dt, o + i, a * c[i] - b * s[i]);
+            Store(dst, dt, o + i + half, b * c[i + half] + a * s[i + half]);
+          }
+        }
+      };
+      rotate(row, Hq, q.data);
+      rotate(row + Hq * D * es, Hkv, k.data);
+      std::memcpy(static_cast<char*>(v.data) + t * Hkv * D * es, row + (Hq + Hkv) * D * es,
+                  Hkv * D * es);
+    }
+  });
+}
+
+}  // namespace pyspec
