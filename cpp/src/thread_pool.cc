@@ -25,6 +25,7 @@ int ResolveThreads(int requested) {
 constexpr int kMaxThreads = 1024;
 constexpr int kDefaultSpinUs = 500;
 constexpr int kMaxSpinUs = 100000;
+constexpr int kBusySpinUs = 20;  // polled without yielding the core
 
 int ResolveSpin(int requested) {
   if (requested < 0) {
@@ -56,13 +57,20 @@ template <class Pred>
 bool ThreadPool::Spin(Pred ready) const {
   const int us = spin_us();
   if (us <= 0) return ready();
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(us);
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + std::chrono::microseconds(us);
+  const auto busy_until = start + std::chrono::microseconds(std::min(us, kBusySpinUs));
   while (true) {
     for (int i = 0; i < 32; ++i) {
       if (ready()) return true;
       CpuRelax();
     }
-    if (std::chrono::steady_clock::now() >= deadline) return ready();
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) return ready();
+    // Past the first microseconds, give the core to any other runnable thread between polls
+    // (torch's own OpenMP workers, when the caller runs a parallel torch op between our jobs):
+    // a spinning worker that does not yield stalls them for a whole scheduler time slice.
+    if (now >= busy_until) std::this_thread::yield();
   }
 }
 

@@ -7,7 +7,9 @@
 // layer), tens of microseconds apart. Waking a worker blocked on a condition variable costs about as
 // much as a small layer's whole work, so an idle worker first polls for the next job for a short
 // while (spin_us, default 500 us, PYSPEC_SPIN_US in the environment; 0 disables) and only then
-// sleeps; a caller waiting for the workers' last chunks polls the same way. A worker polls only
+// sleeps; a caller waiting for the workers' last chunks polls the same way. After the first 20 us a
+// poller yields its core between polls, so a runnable thread (torch's own OpenMP workers) is not
+// held off for a scheduler time slice. A worker polls only
 // while jobs have been coming within that window: after a longer wait it sleeps at once, so it
 // does not compete with the caller's own multithreaded work (torch's GEMMs in a prefill) between
 // sparse jobs, and an idle pool stops using CPU within spin_us.
