@@ -6,7 +6,7 @@
 #include <random>
 #include <vector>
 
-#include "../../cpp/src/half.h"
+#include "half_bits.h"
 #include "pyspec/check.h"
 #include "pyspec/layer_ops.h"
 #include "pyspec/thread_pool.h"
@@ -14,12 +14,8 @@
 namespace pyspec {
 namespace {
 
-uint16_t ToBits(float v, DType dt) {
-  return dt == DType::kBFloat16 ? half::FloatToBF16(v) : half::FloatToHalf(v);
-}
-float FromBits(uint16_t b, DType dt) {
-  return dt == DType::kBFloat16 ? half::BF16ToFloat(b) : half::HalfToFloat(b);
-}
+using testing_util::FromBits;
+using testing_util::ToBits;
 
 // Values (exactly representable in the dtype) and their storage.
 struct Buf {
