@@ -76,8 +76,9 @@ def test_spin_window_from_environment(env, expected):
     import sys
 
     code = "from pyspec import _C; print(_C.spin_us())"
+    # cwd="/": import the installed package, not a source checkout without the built module
     out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYSPEC_SPIN_US=env),
-                         capture_output=True, text=True, check=True).stdout
+                         capture_output=True, text=True, check=True, cwd="/").stdout
     assert int(out) == expected
 
 
