@@ -79,7 +79,10 @@ class SamplingParams:
 
 _PARAM_NAMES = {f.name for f in fields(SamplingParams)}
 # Decode steps without any draft token, under a memory-bound limit at or below the batch, before
-# the engine lifts the limit for a few steps to re-measure (see Engine._update_cost_model).
+# the engine lifts the limit for a few steps to re-measure (see Engine._update_cost_model): 8 for
+# the first probe, doubling after each, up to 64. A fit from a handful of noisy first steps can
+# put the limit at the batch size; a short request would otherwise finish before the first probe.
+BUDGET_PROBE_FIRST = 8
 BUDGET_PROBE_STEPS = 64
 
 
@@ -364,6 +367,7 @@ class Engine:
         self._draft_time: Dict[str, List[float]] = {}  # drafter -> [seconds, levels] EWMA sums
         self._nodes_per_level = 1.0  # tree nodes verified per draft level (EWMA)
         self._undrafted_steps = 0  # decode steps in a row that verified no draft token
+        self._probe_interval = BUDGET_PROBE_FIRST  # undrafted steps before the next budget probe
         self._last_batch = 1  # requests in the latest decode-only step
         self.debug_skip_residual = False  # tests only: a deliberately broken acceptance rule
         # Called with a StepTrace after every step that ran a forward (None: no tracing cost).
@@ -813,13 +817,15 @@ class Engine:
     def _update_cost_model(self) -> None:
         # Budget probe: a fit that put the memory-bound limit at or below the batch (noise can)
         # stops every draft, and with them the spread of step sizes the fit needs to correct
-        # itself. After BUDGET_PROBE_STEPS decode steps without a draft token, lift the limit
-        # until the next update: the steps in between draft again and are measured.
+        # itself. After _probe_interval decode steps without a draft token (8, doubling up to
+        # BUDGET_PROBE_STEPS), lift the limit until the next update: the steps in between draft
+        # again and are measured.
         limit = self.scheduler.memory_bound_tokens
         if (0 < limit <= self._last_batch
-                and self._undrafted_steps >= BUDGET_PROBE_STEPS):
+                and self._undrafted_steps >= self._probe_interval):
             self.scheduler.set_memory_bound_tokens(0)
             self._undrafted_steps = 0
+            self._probe_interval = min(2 * self._probe_interval, BUDGET_PROBE_STEPS)
             self.stats.budget_probes += 1
             return
         n, sx, sy, sxx, sxy = self._fit

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pyspec.engine import BUDGET_PROBE_STEPS
+from pyspec.engine import BUDGET_PROBE_FIRST, BUDGET_PROBE_STEPS
 
 # Fine enough for sub-10 ms tokens, up to minutes for whole requests.
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
@@ -34,8 +34,8 @@ class Metrics:
                                 ["reason"], registry=r)
         self.budget_probes = Counter(p + "budget_probes",
                                      "Times the memory-bound draft budget was lifted after it had "
-                                     f"stopped every draft for {BUDGET_PROBE_STEPS} steps (to "
-                                     "re-measure)", registry=r)
+                                     f"stopped every draft for {BUDGET_PROBE_FIRST}-"
+                                     f"{BUDGET_PROBE_STEPS} steps (to re-measure)", registry=r)
         self.acceptance_ewma = Gauge(p + "acceptance_ewma",
                                      "Deployment-wide EWMA of accepted / drafted per step",
                                      registry=r)

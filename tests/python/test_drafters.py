@@ -517,10 +517,11 @@ def test_batch_aware_budget_from_measured_step_times(model):
 
 def test_a_budget_that_stops_every_draft_is_probed_again(model):
     """A step-time fit that puts the memory-bound limit at or below the batch stops every draft,
-    and so the step-size spread the fit would need to correct it: after BUDGET_PROBE_STEPS decode
-    steps without a draft token the engine lifts the limit until its next update, and the limit is
-    then computed again from what the drafting steps measured."""
-    from pyspec.engine import BUDGET_PROBE_STEPS
+    and so the step-size spread the fit would need to correct it: after BUDGET_PROBE_FIRST decode
+    steps without a draft token (then twice as many after each probe, up to BUDGET_PROBE_STEPS)
+    the engine lifts the limit until its next update, and the limit is then computed again from
+    what the drafting steps measured."""
+    from pyspec.engine import BUDGET_PROBE_FIRST, BUDGET_PROBE_STEPS
 
     runner = ModelRunner(model, num_blocks=16, block_size=8)
     eng = Engine(runner, drafter="ngram")
@@ -530,23 +531,41 @@ def test_a_budget_that_stops_every_draft_is_probed_again(model):
     eng._last_batch = 4
     eng._update_cost_model()
     assert s.memory_bound_tokens == 2 and s.spec_share(4, 4) == 0
-    for _ in range(BUDGET_PROBE_STEPS - 1):  # plain steps only: the fit cannot move
+    assert BUDGET_PROBE_FIRST < BUDGET_PROBE_STEPS
+    for _ in range(BUDGET_PROBE_FIRST - 1):  # plain steps only: the fit cannot move
         eng._observe_step_time(4, 4, 0.030)
     eng._update_cost_model()
     assert s.memory_bound_tokens == 2 and eng.stats.budget_probes == 0
     eng._observe_step_time(4, 4, 0.030)
     eng._update_cost_model()
     assert s.memory_bound_tokens == 0 and eng.stats.budget_probes == 1  # lifted: drafts again
+    # The noisy fit again: the next probe waits twice as long, and the interval stops at
+    # BUDGET_PROBE_STEPS.
+    waits = []
+    for probe in range(2, 7):
+        for tokens in (4, 8, 12, 16, 20):
+            eng._observe_step_time(4, tokens, 0.010 + 0.005 * tokens)
+        eng._update_cost_model()
+        assert s.memory_bound_tokens <= 4
+        n = 0
+        while eng.stats.budget_probes < probe:
+            eng._observe_step_time(4, 4, 0.030)
+            eng._update_cost_model()
+            n += 1
+        waits.append(n)
+    expected = [min(BUDGET_PROBE_FIRST * 2 ** k, BUDGET_PROBE_STEPS) for k in range(1, 6)]
+    assert waits == expected
     for tokens in (8, 12, 16, 20) * 8:  # what the drafting steps measure: 1 ms per token
         eng._observe_step_time(4, tokens, 0.026 + 0.001 * tokens)
     eng._update_cost_model()
     assert s.memory_bound_tokens > 4 and s.spec_share(4, 4) > 0
     # A limit that leaves room for drafts is not lifted, however long no request drafted
     # (then acceptance, not the budget, kept the drafts off).
+    probes = eng.stats.budget_probes
     for _ in range(2 * BUDGET_PROBE_STEPS):
         eng._observe_step_time(4, 4, 0.030)
     eng._update_cost_model()
-    assert eng.stats.budget_probes == 1 and s.memory_bound_tokens > 0
+    assert eng.stats.budget_probes == probes and s.memory_bound_tokens > 0
 
 
 def test_merge_drafts_is_a_trie_within_the_budget():
