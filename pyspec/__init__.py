@@ -11,10 +11,10 @@ from pyspec import _C
 from pyspec._C import TokenTree
 from pyspec import ops
 from pyspec.ops import cuda_available
-from pyspec.engine import Engine, Router, SamplingParams
+from pyspec.engine import Engine, Router, SamplingParams, StepError
 from pyspec.llm import LLM, Completion, GenerationOutput, SpecConfig, StreamChunk, generate
 
 __version__ = _C.__version__
 
-__all__ = ["LLM", "SpecConfig", "SamplingParams", "GenerationOutput", "Completion", "StreamChunk",
+__all__ = ["LLM", "StepError", "SpecConfig", "SamplingParams", "GenerationOutput", "Completion", "StreamChunk",
            "generate", "Engine", "Router", "TokenTree", "ops", "cuda_available", "__version__"]

@@ -34,9 +34,9 @@ import logging
 import math
 import random
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from numbers import Integral, Real
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -48,6 +48,10 @@ from pyspec.runner import ModelRunner, SeqStep
 from pyspec.sampling import accept, apply_sampling_filters
 
 _log = logging.getLogger("pyspec.engine")
+
+_F32_MAX = 3.4028234663852886e38  # the largest finite float32
+_F32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+_I32_MAX = (1 << 31) - 1
 
 __all__ = ["Engine", "SamplingParams", "RequestOutput", "GenerationResult", "RequestStats",
            "Router", "EngineStats", "StepTrace"]
@@ -240,22 +244,29 @@ def validate_params(p: SamplingParams, vocab: int) -> None:
     """ValueError naming the bad field and what is allowed."""
     if not _is_int(p.max_tokens) or p.max_tokens < 1:
         raise ValueError(f"max_tokens must be an int >= 1; got {p.max_tokens!r}")
-    if not _is_real(p.temperature) or not p.temperature >= 0.0 or math.isinf(p.temperature):
-        raise ValueError(f"temperature must be a finite number >= 0; got {p.temperature!r}")
+    # The sampling filters run in float32: a value must stay in range once converted (1e300 is
+    # finite here but inf there; a top_p of 1e-300 would become 0).
+    if not _is_real(p.temperature) or not 0.0 <= p.temperature <= _F32_MAX:
+        raise ValueError(f"temperature must be a number in [0, {_F32_MAX:.4g}] (0 = greedy); "
+                         f"got {p.temperature!r}")
     if not _is_int(p.top_k) or p.top_k < 0:
         raise ValueError(f"top_k must be an int >= 0 (0 = off); got {p.top_k!r}")
-    if not _is_real(p.top_p) or not 0.0 < p.top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1]; got {p.top_p!r}")
+    if not _is_real(p.top_p) or not _F32_TINY <= p.top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] (at least {_F32_TINY:.4g}, the smallest "
+                         f"normal float32); got {p.top_p!r}")
     if not _is_real(p.min_p) or not 0.0 <= p.min_p <= 1.0:
         raise ValueError(f"min_p must be in [0, 1]; got {p.min_p!r}")
+    for name in ("ignore_eos", "speculative"):
+        if not isinstance(getattr(p, name), bool):
+            raise ValueError(f"{name} must be a bool; got {getattr(p, name)!r}")
     if p.seed is not None and (not _is_int(p.seed) or not -(1 << 63) <= p.seed < (1 << 63)):
         raise ValueError(f"seed must be None or a 64-bit signed int; got {p.seed!r}")
     if not _is_int(p.n) or not 1 <= p.n <= 64:
         raise ValueError(f"n must be an int in [1, 64]; got {p.n!r}")
-    try:
-        stop_ids = [int(t) for t in p.stop_token_ids]
-    except (TypeError, ValueError):
-        raise ValueError(f"stop_token_ids must be a list of ints; got {p.stop_token_ids!r}") from None
+    if isinstance(p.stop_token_ids, (str, bytes)) or not isinstance(p.stop_token_ids, Iterable) \
+            or not all(_is_int(t) for t in p.stop_token_ids):
+        raise ValueError(f"stop_token_ids must be a list of ints; got {p.stop_token_ids!r}")
+    stop_ids = [int(t) for t in p.stop_token_ids]
     if any(not 0 <= t < vocab for t in stop_ids):
         raise ValueError(f"stop_token_ids must be in [0, {vocab}); got {stop_ids}")
     stop = p.stop
@@ -265,6 +276,23 @@ def validate_params(p: SamplingParams, vocab: int) -> None:
             raise ValueError(f"stop must be a non-empty string or a list of them; got {stop!r}")
         if len(items) > 16:
             raise ValueError(f"stop allows at most 16 strings; got {len(items)}")
+
+
+def sample_seed(seed: int, k: int) -> int:
+    """The seed of sample ``k`` of a request seeded ``seed`` (``n`` > 1): ``seed + k``, wrapped
+    into the signed 64-bit range, so the largest valid seed stays valid."""
+    return (int(seed) + k + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+class StepError(RuntimeError):
+    """An engine step failed after it was scheduled. ``request_ids``: the requests of that step,
+    now finished with reason "error" (their KV freed); every other request goes on."""
+
+    def __init__(self, request_ids: Sequence[int], cause: BaseException):
+        self.request_ids = list(request_ids)
+        self.cause = cause
+        super().__init__(f"engine step failed ({type(cause).__name__}: {cause}); requests "
+                         f"{self.request_ids} finished with 'error'")
 
 
 class Engine:
@@ -359,6 +387,7 @@ class Engine:
             if n > 1:
                 self._sourced[name] = n
         self._reqs: Dict[int, _Req] = {}
+        self._step_open = False  # between the scheduler's step() and update()
         self._next_id = 0
         self._chains: Dict[int, TokenTree] = {}
         self.stats = EngineStats()
@@ -393,6 +422,8 @@ class Engine:
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {v}); got {bad[:5]}")
         validate_params(p, v)
+        if p.top_k >= v:  # keeps every token: the same as off (and fits the filters' int32)
+            p = replace(p, top_k=0)
         window = self.runner.model.cfg.sliding_window
         limit = min(window or (1 << 62), self.runner.model.cfg.max_position_embeddings
                     if self.runner.model.cfg.rope_scaling.rope_type != "dynamic" else (1 << 62))
@@ -470,11 +501,11 @@ class Engine:
         return GenerationResult(request_id, list(r.generated), r.finish_reason, st)
 
     def _finish(self, rid: int, r: _Req, reason: Optional[str]) -> None:
-        if reason == "abort":
+        if reason in ("abort", "error"):
             self._record.pop(rid, None)
         r.finished = True
         r.finish_reason = reason
-        if reason != "abort":
+        if reason not in ("abort", "error"):
             for d in self.drafters.values():
                 try:
                     d.learn(rid, r.context)
@@ -574,17 +605,52 @@ class Engine:
     # ---- the loop ----
 
     def step(self) -> List[RequestOutput]:
-        """Run one scheduler step over the whole batch; returns the requests that progressed."""
-        sched, runner = self.scheduler, self.runner
+        """Run one scheduler step over the whole batch; returns the requests that progressed.
+
+        Raises :class:`StepError` when the step fails after it was scheduled (a bug, or input
+        that slipped past validation): the requests of that step finish with reason "error"
+        (their KV freed) and the engine stays usable for every other request."""
         trace = StepTrace(time.perf_counter()) if self.trace_hook is not None else None
         if self._sourced:
             self._set_draft_sources()
-        so = sched.step()
+        so = self.scheduler.step()
+        self._step_open = True
+        try:
+            return self._run_step(so, trace)
+        except Exception as e:
+            failed = self._fail_step(so)
+            _log.exception("engine step failed; requests %s finish with 'error'", failed)
+            raise StepError(failed, e) from e
+
+    def _fail_step(self, so) -> List[int]:
+        """After a failed step: finish its requests with 'error' and close the scheduler's step."""
+        failed = []
+        for rid in list(so.ids):
+            r = self._reqs.get(rid)
+            if r is None or r.finished:
+                continue
+            try:
+                self.scheduler.abort(rid)
+            except Exception:  # noqa: BLE001 - already gone from the scheduler
+                pass
+            self._finish(rid, r, "error")
+            failed.append(rid)
+        if self._step_open:
+            self._step_open = False
+            self.scheduler.update(_C.StepResult())
+        return failed
+
+    def _update(self, result) -> List[RequestOutput]:
+        self._step_open = False
+        return self._apply(self.scheduler.update(result))
+
+    def _run_step(self, so, trace) -> List[RequestOutput]:
+        sched, runner = self.scheduler, self.runner
         for rid in so.preempted_ids:
             self._release_drafters(rid)  # its KV is gone: drafters start over at its prefill
         result = _C.StepResult()
         if len(so) == 0:
-            return self._apply(sched.update(result))
+            return self._update(result)
         kinds, starts, budgets = so.kinds, so.start_pos, so.draft_budget
         tok_ptr, blk_ptr, slot_ptr = so.token_indptr, so.block_indptr, so.slot_indptr
         all_tokens, all_blocks, all_slots = so.tokens, so.block_tables, so.slots
@@ -709,7 +775,7 @@ class Engine:
         self.stats.steps += 1
         if self.adaptive and self._speculate and self.stats.steps % 4 == 0:
             self._update_cost_model()
-        outs = self._apply(sched.update(result))
+        outs = self._update(result)
         if self.switch_below > 0:
             self._maybe_switch(dec_idx, so.ids)
         if trace is not None:

@@ -19,9 +19,11 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field, replace
+from numbers import Integral
 from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
-from pyspec.engine import Engine, RequestStats, Router, SamplingParams, _as_params
+from pyspec.engine import (Engine, RequestStats, Router, SamplingParams, _as_params,
+                           sample_seed)
 from pyspec.runner import ModelRunner
 
 __all__ = ["LLM", "SpecConfig", "GenerationOutput", "Completion", "StreamChunk", "generate"]
@@ -191,6 +193,9 @@ class LLM:
         if not isinstance(spec, SpecConfig):
             raise ValueError(f"spec must be a pyspec.SpecConfig; got {type(spec).__name__}")
         spec.validate()
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or \
+                not 1 <= block_size <= 1024:
+            raise ValueError(f"block_size must be an int in [1, 1024]; got {block_size!r}")
         if not isinstance(kv_cache_tokens, int) or kv_cache_tokens < block_size:
             raise ValueError(f"kv_cache_tokens must be an int >= block_size; got {kv_cache_tokens!r}")
         if model is None or model == "default":
@@ -232,9 +237,8 @@ class LLM:
             if not prompt:
                 raise ValueError("a prompt must be a non-empty string or a list of token ids")
             return self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                     for t in prompt):
-            return list(prompt)
+        if isinstance(prompt, (list, tuple)) and all(_is_id(t) for t in prompt):
+            return [int(t) for t in prompt]
         raise ValueError(f"a prompt must be a string or a list of token ids; got "
                          f"{type(prompt).__name__}")
 
@@ -249,7 +253,10 @@ class LLM:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _params(self, params) -> SamplingParams:
+        from pyspec.engine import validate_params
+
         p = _as_params(params)
+        validate_params(p, self.engine.vocab_size)  # before the end-of-sequence ids are added
         if not p.ignore_eos:
             eos = [int(e) for e in self.tokenizer.eos_token_ids]
             p = replace(p, stop_token_ids=list(p.stop_token_ids) + [e for e in eos
@@ -266,7 +273,7 @@ class LLM:
         rids = []
         try:
             for k in range(p.n):
-                seed = None if p.seed is None else p.seed + k
+                seed = None if p.seed is None else sample_seed(p.seed, k)
                 rids.append(self.engine.add_request(ids, replace(p, seed=seed, n=1)))
         except ValueError:
             for rid in rids:
@@ -274,6 +281,15 @@ class LLM:
                 self.engine.result(rid, pop=True)
             raise
         return rids
+
+    def _discard(self, rids) -> None:
+        """Abort and forget these requests (those the engine still holds)."""
+        for rid in rids:
+            try:
+                self.engine.abort(rid)
+                self.engine.result(rid, pop=True)
+            except ValueError:  # never added, or already forgotten
+                pass
 
     def _drive(self, tracks: Dict[int, _Track], on_delta=None) -> None:
         eng = self.engine
@@ -311,8 +327,7 @@ class LLM:
         if not isinstance(prompts, (str, list, tuple)):
             raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; "
                              f"got {type(prompts).__name__}")
-        single = isinstance(prompts, str) or (bool(prompts) and
-                                              all(isinstance(t, int) for t in prompts))
+        single = isinstance(prompts, str) or (bool(prompts) and all(_is_id(t) for t in prompts))
         plist_in = [prompts] if single else list(prompts)
         if not plist_in:
             raise ValueError("no prompts given")
@@ -336,12 +351,13 @@ class LLM:
                 for rid in rids:
                     tracks[rid] = _Track(self, rid, p, t0)
         except ValueError:
-            for rids in groups:
-                for rid in rids:
-                    self.engine.abort(rid)
-                    self.engine.result(rid, pop=True)
+            self._discard(tracks)
             raise
-        self._drive(tracks)
+        try:
+            self._drive(tracks)
+        except BaseException:  # a failed step (StepError), an interrupt: leave nothing behind
+            self._discard(tracks)
+            raise
         return [self._collect(pr, ids, rids, tracks, t0)
                 for pr, ids, rids in zip(prompts, encoded, groups)]
 
@@ -399,3 +415,8 @@ def generate(prompt: Prompt, *, model: Optional[str] = None, draft="default",
     if chat:
         return llm.chat([{"role": "user", "content": prompt}], params)
     return llm.generate(prompt, params)[0]
+
+
+def _is_id(t) -> bool:
+    """A token id: any integer (numpy's too) but a bool."""
+    return isinstance(t, Integral) and not isinstance(t, bool)

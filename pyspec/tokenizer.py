@@ -8,6 +8,8 @@ templates are rendered with a sandboxed jinja2 environment set up like Hugging F
 
 from __future__ import annotations
 
+import functools
+
 import json
 import os
 from datetime import datetime
@@ -153,6 +155,13 @@ class Tokenizer:
         """Number of token ids, added tokens included."""
         return self._tk.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest token's length in characters of its vocabulary entry (a byte-level
+        entry spells each byte as one character): text longer than ``n * max_token_chars``
+        cannot be fewer than ``n`` tokens, a bound checked before tokenizing huge input."""
+        return max((len(t) for t in self._tk.get_vocab(with_added_tokens=True)), default=1)
+
     def __len__(self) -> int:
         return self.vocab_size
 
@@ -170,6 +179,11 @@ class Tokenizer:
         its special tokens, such as :meth:`apply_chat_template` output."""
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, not {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate: no UTF-8 (or token) for it
+            raise ValueError(f"the text is not valid Unicode: {e.reason} "
+                             f"({text[e.start]!r} at index {e.start})") from None
         return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:

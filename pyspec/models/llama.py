@@ -119,7 +119,12 @@ class LlamaForCausalLM:
     def from_pretrained(cls, path: str, dtype="float32", device: str = "cpu") -> "LlamaForCausalLM":
         if not os.path.isdir(path):
             raise ValueError(f"model path {path!r} is not a directory")
-        if torch.device(device).type != "cpu":
+        try:
+            kind = torch.device(device).type
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device must be a torch device string such as 'cpu'; got "
+                             f"{device!r}") from None
+        if kind != "cpu":
             # Weights load anywhere, but the forward needs tree attention on that device, and the
             # CUDA kernel does not exist yet: fail at load, not at the first step.
             raise ValueError(f"device {device!r} is not supported yet: the model forward runs on "

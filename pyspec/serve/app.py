@@ -17,7 +17,7 @@ import uuid
 from dataclasses import replace
 from typing import Dict, List, Optional
 
-from pyspec.engine import SamplingParams, validate_params
+from pyspec.engine import SamplingParams, StepError, sample_seed, validate_params
 from pyspec.serve.config import ServerConfig
 from pyspec.serve.metrics import Metrics
 
@@ -169,6 +169,18 @@ class EngineLoop:
                 continue
             try:
                 outs = eng.step()
+            except StepError as e:  # the step's requests finished with 'error'; others go on
+                for rid in e.request_ids:
+                    h = self._live.get(rid)
+                    if h is None:
+                        continue
+                    try:
+                        self._finish(h, "error")
+                    except Exception:  # noqa: BLE001
+                        self._live.pop(rid, None)
+                    h.put(("error", RequestError(500, f"engine error: {e.cause}",
+                                                 kind="server_error")))
+                continue
             except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
                 import logging
 
@@ -196,6 +208,13 @@ def _err(e: RequestError):
     from fastapi.responses import JSONResponse
 
     return JSONResponse(e.body(), status_code=e.status)
+
+
+# OpenAI request fields this server does not implement, with the value that means "not used":
+# a request that sets one otherwise gets a 400 rather than an answer that ignored it.
+_UNSUPPORTED = {"logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0, "best_of": 1,
+                "echo": False, "suffix": "", "tools": [], "tool_choice": "none", "functions": [],
+                "function_call": "none", "response_format": {"type": "text"}}
 
 
 def _get(body: dict, key: str, types, default=None, check=None, what=""):
@@ -274,6 +293,8 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
             body = json.loads(text)
         except json.JSONDecodeError as e:
             raise RequestError(400, f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise RequestError(400, "the request body nests JSON too deeply") from None
         if not isinstance(body, dict):
             raise RequestError(400, "the request body must be a JSON object")
         model = body.get("model")
@@ -307,16 +328,36 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
                                         "16 of them", "stop")
         if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs"):
             raise RequestError(400, "'logprobs' is not supported by this server", "logprobs")
+        for key, default in _UNSUPPORTED.items():
+            if key in body and body[key] is not None and body[key] != default and not (
+                    key == "best_of" and body[key] == n):
+                raise RequestError(400, f"'{key}' is not supported by this server (allowed: "
+                                        f"leave it out, or {json.dumps(default)})", key)
         settings = state["config"].for_tenant(tenant)
         p = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                            top_k=top_k, min_p=min_p, seed=seed, stop=stop, n=n,
-                           ignore_eos=bool(body.get("ignore_eos", False)),
+                           ignore_eos=_get(body, "ignore_eos", bool, False, None, "true or false"),
                            speculative=settings.speculates(rid))
         try:
             validate_params(p, llm.engine.vocab_size)
-        except ValueError as e:
-            raise RequestError(400, str(e)) from None
+        except ValueError as e:  # its message starts with the field's name
+            key = str(e).split(" ", 1)[0]
+            raise RequestError(400, str(e), key if key in body else None) from None
         return llm._params(p)
+
+    async def tokenize(fn, arg, chars: int, field: str) -> List[int]:
+        """``fn(arg)`` off the event loop (a long text takes a while to tokenize and must not
+        stall other requests' streams); text too long to fit the context in any tokenization
+        is refused without tokenizing it."""
+        limit = min(max_ctx, kv_cap - 1)
+        if chars > limit * llm.tokenizer.max_token_chars:
+            raise RequestError(400, f"this model's maximum context length is {limit} tokens; the "
+                                    f"{field} has {chars} characters, more than that many tokens "
+                                    "can hold", field, "context_length_exceeded")
+        try:
+            return await asyncio.to_thread(fn, arg)
+        except ValueError as e:
+            raise RequestError(400, str(e), field) from None
 
     def check_prompt(ids: List[int], p: SamplingParams) -> None:
         if not ids:
@@ -351,7 +392,7 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
         aloop = asyncio.get_running_loop()
         handles = []
         for k in range(p.n):
-            sp = replace(p, n=1, seed=None if p.seed is None else p.seed + k)
+            sp = replace(p, n=1, seed=None if p.seed is None else sample_seed(p.seed, k))
             h = _Handle(aloop, ids, sp, llm)
             h.score = gate.wants(f"{req_id}-{k}", sp.speculative)
             if shadow is not None and shadow.wants(f"{req_id}-{k}"):
@@ -471,7 +512,7 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError(400, "'prompt' is empty", "prompt")
-            ids = llm.tokenizer.encode(prompt)
+            ids = await tokenize(llm.tokenizer.encode, prompt, len(prompt), "prompt")
         elif isinstance(prompt, list) and prompt and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
@@ -496,7 +537,8 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
                                 for i, r in enumerate(results)],
                     "usage": usage(len(ids), results), "speculation": spec_stats(handles)}
 
-        return await run(request, ids, p, bool(body.get("stream")), chunk, final, rid,
+        return await run(request, ids, p, _get(body, "stream", bool, False, None, "true or false"),
+                         chunk, final, rid,
                          stream_usage(body),
                          lambda u: {"id": rid, "object": "text_completion", "created": created,
                                     "model": model_name, "choices": [], "usage": u})
@@ -507,10 +549,9 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
         rid = "chatcmpl-" + uuid.uuid4().hex
         tenant = request.headers.get("x-tenant")
         msgs = body.get("messages")
-        try:
-            ids = llm.chat_prompt(msgs)
-        except ValueError as e:
-            raise RequestError(400, str(e), "messages") from None
+        chars = sum(len(m["content"]) for m in msgs if isinstance(m, dict) and
+                    isinstance(m.get("content"), str)) if isinstance(msgs, list) else 0
+        ids = await tokenize(llm.chat_prompt, msgs, chars, "messages")
         p = params_from(body, tenant, rid)
         check_prompt(ids, p)
         log_prompt("chat", msgs)
@@ -534,7 +575,8 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
                                 for i, r in enumerate(results)],
                     "usage": usage(len(ids), results), "speculation": spec_stats(handles)}
 
-        return await run(request, ids, p, bool(body.get("stream")), chunk, final, rid,
+        return await run(request, ids, p, _get(body, "stream", bool, False, None, "true or false"),
+                         chunk, final, rid,
                          stream_usage(body),
                          lambda u: {"id": rid, "object": "chat.completion.chunk", "created": created,
                                     "model": model_name, "choices": [], "usage": u})

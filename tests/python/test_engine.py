@@ -161,6 +161,15 @@ def test_stop_token(model, references):
     ([1, 2], dict(top_k=-1)),
     ([1, 2], dict(stop_token_ids=[500])),
     ([1, 2], dict(bogus=1)),
+    # Values that are in range as Python floats but not once the filters convert to float32.
+    ([1, 2], dict(temperature=1e300)),
+    ([1, 2], dict(top_p=1e-300)),
+    ([1, 2], dict(top_p=1e-46)),
+    ([1, 2], dict(ignore_eos="no")),
+    ([1, 2], dict(speculative=1)),
+    ([1, 2], dict(stop_token_ids=[1.7])),
+    ([1, 2], dict(stop_token_ids="ab")),
+    ([1, 2], dict(stop_token_ids=5)),
 ])
 def test_bad_input_raises(model, prompt, params):
     eng = Engine(ModelRunner(model, num_blocks=8, block_size=8))
@@ -171,6 +180,52 @@ def test_bad_input_raises(model, prompt, params):
     check_idle(eng)
     with pytest.raises(ValueError):
         eng.abort(12345)
+
+
+def test_extreme_but_valid_sampling_values(model):
+    """A top_k past the vocabulary (even past int32) keeps every token, like top_k=0; a
+    temperature that float32 rounds to 0 or a tiny top_p still sample; nothing breaks the
+    engine for the next request."""
+    eng = Engine(ModelRunner(model, num_blocks=32, block_size=8))
+    base = dict(max_tokens=6, temperature=0.8, seed=3)
+    ref = eng.generate([[3, 4, 5]], base)[0].token_ids
+    for k in (model.cfg.vocab_size, 1 << 31, 1 << 70):
+        assert eng.generate([[3, 4, 5]], dict(base, top_k=k))[0].token_ids == ref
+    for extra in (dict(temperature=1e-300), dict(temperature=1e-40), dict(top_p=1.2e-38),
+                  dict(min_p=1e-300)):
+        res = eng.generate([[3, 4, 5]], dict(base, **extra))[0]
+        assert len(res.token_ids) == 6 and res.finish_reason == "length"
+    check_idle(eng)
+
+
+def test_failed_step_fails_only_its_requests(model, references, monkeypatch):
+    """A step that fails after it was scheduled finishes that step's requests with 'error',
+    frees their KV and closes the scheduler's step: the engine serves the next requests (before
+    this, every later step failed with 'the previous Step() has not been applied')."""
+    import pyspec
+
+    eng = Engine(ModelRunner(model, num_blocks=64, block_size=8), gamma=GAMMA)
+    a = eng.add_request(prompts()[0], dict(max_tokens=MAX_TOKENS))
+    b = eng.add_request(prompts()[1], dict(max_tokens=MAX_TOKENS))
+    eng.step()
+    real = eng.runner.step
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(eng.runner, "step", broken)
+    with pytest.raises(pyspec.StepError, match="injected failure") as info:
+        eng.step()
+    assert calls and sorted(info.value.request_ids) == sorted([a, b])
+    for rid in (a, b):
+        assert eng.result(rid, pop=True).finish_reason == "error"
+    check_idle(eng)
+    monkeypatch.setattr(eng.runner, "step", real)
+    res = eng.generate([prompts()[3]], dict(max_tokens=MAX_TOKENS))[0]
+    assert res.token_ids == references[3] and res.finish_reason == "length"
+    check_idle(eng)
 
 
 def test_bad_engine_config(model):

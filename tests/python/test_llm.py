@@ -140,11 +140,47 @@ def test_stream_closed_early_frees_kv(llm):
     ({"stop": [""]}, "stop"),
     ({"bogus": 1}, "unknown sampling"),
     ({"max_tokens": 5000}, "context|KV pool"),
+    ({"temperature": 1e300}, "temperature"),
+    ({"temperature": 1, "top_p": 1e-300}, "top_p"),
+    ({"ignore_eos": "no"}, "ignore_eos"),
+    ({"stop_token_ids": "ab"}, "stop_token_ids"),
 ])
 def test_bad_params(llm, params, match):
     with pytest.raises(ValueError, match=match):
         llm.generate(PROMPTS[:2], params)
     assert not llm.engine.scheduler.has_unfinished  # nothing left queued
+
+
+def test_surrogates_numpy_ids_and_the_largest_seed(llm):
+    import numpy as np
+
+    for bad in ("\ud800", "ok \udfff"):  # lone surrogates: no UTF-8 for them
+        with pytest.raises(ValueError, match="not valid Unicode"):
+            llm.generate(bad, {"max_tokens": 2})
+        with pytest.raises(ValueError, match="not valid Unicode"):
+            llm.chat([{"role": "user", "content": bad}], {"max_tokens": 2})
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    ref = llm.generate(ids, {"max_tokens": 4})[0].token_ids
+    assert llm.generate(np.array(ids).tolist(), {"max_tokens": 4})[0].token_ids == ref
+    assert llm.generate([np.int64(t) for t in ids], {"max_tokens": 4})[0].token_ids == ref
+    # n samples of the largest seed: seeds wrap into the 64-bit range instead of overflowing.
+    out = llm.generate(PROMPTS[0], {"max_tokens": 4, "temperature": 1.0, "n": 2,
+                                    "seed": (1 << 63) - 1})[0]
+    assert len(out.outputs) == 2
+    assert not llm.engine.scheduler.has_unfinished
+
+
+def test_failed_step_raises_and_leaves_nothing_behind(llm, monkeypatch):
+    eng = llm.engine
+    monkeypatch.setattr(eng.runner, "step", lambda *a, **k: (_ for _ in ()).throw(
+        RuntimeError("injected failure")))
+    with pytest.raises(pyspec.StepError, match="injected failure"):
+        llm.generate(PROMPTS[:2], {"max_tokens": 8})
+    monkeypatch.undo()
+    s = eng.scheduler
+    assert not s.has_unfinished and s.num_free_blocks == s.num_total_blocks
+    assert not eng._reqs  # every request of the failed call was forgotten
+    assert len(llm.generate(PROMPTS[0], {"max_tokens": 4, "ignore_eos": True})[0].token_ids) == 4
 
 
 def test_bad_prompts_and_config(llm, model_dir, tmp_path):
@@ -159,6 +195,11 @@ def test_bad_prompts_and_config(llm, model_dir, tmp_path):
         pyspec.LLM(model_dir, draft="medusa-please")
     with pytest.raises(ValueError, match="device"):
         pyspec.LLM(model_dir, device="cuda")
+    with pytest.raises(ValueError, match="device"):
+        pyspec.LLM(model_dir, device="tpu")
+    for bs in (0, -4, 1.5):
+        with pytest.raises(ValueError, match="block_size"):
+            pyspec.LLM(model_dir, block_size=bs)
     with pytest.raises(ValueError, match="ewma_window"):
         pyspec.LLM(model_dir, spec=pyspec.SpecConfig(ewma_window=0))
 

@@ -178,6 +178,17 @@ def test_disconnect_mid_stream_frees_kv(server, monkeypatch):
     (b'{"prompt": "x", "logprobs": 3}', 400, "logprobs"),
     (b'{"prompt": "x", "stop": [""]}', 400, "stop"),
     (b'[1, 2]', 400, None),
+    # Values a float32 filter cannot take (they used to fail the engine step for everyone).
+    (b'{"prompt": "x", "top_p": 1e-300}', 400, "top_p"),
+    (b'{"prompt": "x", "top_p": 1e-46}', 400, "top_p"),
+    (b'{"prompt": "x", "stream": "no"}', 400, "stream"),
+    (b'{"prompt": "x", "ignore_eos": "false"}', 400, "ignore_eos"),
+    (b'{"prompt": "x", "presence_penalty": 0.5}', 400, "presence_penalty"),
+    (b'{"prompt": "x", "logit_bias": {"1": 5}}', 400, "logit_bias"),
+    (b'{"prompt": "x", "echo": true}', 400, "echo"),
+    (b'{"prompt": "x", "best_of": 3}', 400, "best_of"),
+    (b'{"prompt": "\\ud800"}', 400, "prompt"),
+    (b'{"prompt": "x", "deep": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, None),
 ])
 def test_bad_requests_get_4xx_and_server_keeps_serving(server, body, status, param):
     r = httpx.post(server["base"] + "/v1/completions", content=body,
@@ -186,6 +197,55 @@ def test_bad_requests_get_4xx_and_server_keeps_serving(server, body, status, par
     err = r.json()["error"]
     assert err["message"] and err["type"]
     assert err["param"] == param
+    ok = server["client"].completions.create(model="pyspec", prompt="x", max_tokens=2)
+    assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_valid_extremes_and_unused_openai_defaults_are_served(server):
+    base = server["base"] + "/v1/completions"
+    for extra in ({"top_k": 1 << 31, "temperature": 1.0}, {"temperature": 1e-300},
+                  {"presence_penalty": 0, "logit_bias": {}, "best_of": 1, "echo": False}):
+        r = httpx.post(base, json={"prompt": "x", "max_tokens": 2, **extra})
+        assert r.status_code == 200, (extra, r.text)
+
+
+def test_chat_lone_surrogate_is_a_400(server):
+    r = httpx.post(server["base"] + "/v1/chat/completions",
+                   content=b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+
+
+def test_huge_prompt_refused_before_tokenizing(server):
+    """Text longer than the context could hold in any tokenization is refused at once, and
+    tokenizing runs off the event loop (a long prompt does not stall other requests)."""
+    llm = server["llm"]
+    limit = min(llm.model.cfg.max_position_embeddings,
+                llm.runner.kv.num_blocks * llm.runner.block_size - 1)
+    text = "x" * (limit * llm.tokenizer.max_token_chars + 1)
+    t0 = time.perf_counter()
+    r = httpx.post(server["base"] + "/v1/completions", json={"prompt": text, "max_tokens": 2},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert time.perf_counter() - t0 < 5
+
+
+def test_failed_engine_step_fails_only_its_requests(server, monkeypatch):
+    """An engine step that raises: the requests in it get a 500, the engine closes the step, and
+    the next request is served (it used to answer 500 to everything until a restart)."""
+    eng = server["llm"].engine
+    real = eng.runner.step
+    calls = []
+
+    def broken_once(*args, **kwargs):
+        if not calls:
+            calls.append(1)
+            raise RuntimeError("injected failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(eng.runner, "step", broken_once)
+    r = httpx.post(server["base"] + "/v1/completions", json={"prompt": "x", "max_tokens": 3})
+    assert calls and r.status_code == 500 and "injected failure" in r.text
     ok = server["client"].completions.create(model="pyspec", prompt="x", max_tokens=2)
     assert ok.choices[0].finish_reason in ("length", "stop")
 
