@@ -61,6 +61,9 @@ def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Dra
     split = split_spec(spec)
     if split is not None:
         sep, specs = split
+        if any(not part for part in specs):
+            raise ValueError(f"draft {spec!r} has an empty part: each part of 'A{sep}B' must be "
+                             f"a drafter ({DRAFT_CHOICES})")
         parts = [make_drafter(part, target_runner) for part in specs]
         if any(p is None for p in parts):
             raise ValueError(f"{spec!r}: 'none' cannot be part of a combined drafter")
@@ -125,12 +128,14 @@ def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Dra
                 key, _, val = opt.partition("=")
                 if key != "tree":
                     raise ValueError(f"unknown draft-model option {opt!r}; allowed: tree=W")
-                width = _int_arg(val, "tree", 1)
+                width = _int_arg(val, "tree", 1, "=")
             tm = target_runner.model
             model = LlamaForCausalLM.from_pretrained(path, dtype=tm.dtype)
             return ModelDrafter(model, target_runner, width=width, max_depth=5)
         raise ValueError(f"{path!r} holds neither drafter.json (EAGLE/Medusa heads) nor "
                          "config.json (a draft model)")
+    if os.sep in path or path.startswith((".", "~")):
+        raise ValueError(f"drafter folder {path!r} does not exist")
     raise ValueError(f"unknown drafter {spec!r}; use {DRAFT_CHOICES}")
 
 
@@ -150,24 +155,26 @@ def _folder_options(opt: str, names: dict, unknown: str, what: str) -> dict:
     -> argument; ``prob`` is a number, the rest integers)."""
     over = {}
     for item in filter(None, opt.split(",")):
-        key, _, val = item.partition("=")
+        key, eq, val = item.partition("=")
         if key not in names:
             raise ValueError(f"{unknown} {key!r}; allowed: "
                              + ", ".join(f"{k}=" for k in names) + what)
+        if not eq or not val:
+            raise ValueError(f"drafter option {key!r} needs a value: {key}=VALUE")
         if key == "prob":
             try:
                 over[names[key]] = float(val)
             except ValueError:
                 raise ValueError(f"prob= needs a number in [0, 1); got {val!r}") from None
         else:
-            over[names[key]] = _int_arg(val, key, 0)
+            over[names[key]] = _int_arg(val, key, 0, "=")
     return over
 
 
-def _int_arg(arg: str, name: str, default: int) -> int:
+def _int_arg(arg: str, name: str, default: int, sep: str = ":") -> int:
     if not arg:
         return default
     try:
         return int(arg)
     except ValueError:
-        raise ValueError(f"{name}:N needs an integer N; got {arg!r}") from None
+        raise ValueError(f"{name}{sep}N needs an integer N; got {arg!r}") from None

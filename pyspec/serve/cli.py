@@ -62,6 +62,8 @@ def cmd_serve(args) -> int:
 
     if not 0 <= args.prompt_log_ratio <= 1:
         raise ValueError("--prompt-log-ratio must be in [0, 1]")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535]; got {args.port}")
     logging.basicConfig(level=logging.INFO)
     llm, app = build(args)
     if args.config:

@@ -42,10 +42,14 @@ def read_prompts(path: str, limit: Optional[int] = None, per_category: Optional[
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{k}: not valid JSON ({e})") from None
-            text = (row.get("turns") or [None])[0] if "turns" in row else row.get(
-                "prompt", row.get("text"))
+            turns = row.get("turns") if isinstance(row, dict) else None
+            if isinstance(row, dict) and "turns" in row:
+                text = turns[0] if isinstance(turns, list) and turns else None
+            else:
+                text = row.get("prompt", row.get("text")) if isinstance(row, dict) else None
             if not isinstance(text, str) or not text:
-                raise ValueError(f"{path}:{k}: needs 'turns' (a list of strings) or 'prompt'")
+                raise ValueError(f"{path}:{k}: each line must be a JSON object with 'turns' (a "
+                                 "non-empty list of strings) or 'prompt' (a non-empty string)")
             out.append((str(row.get("category", "all")), text))
     if not out:
         raise ValueError(f"{path}: no prompts")
@@ -301,6 +305,15 @@ def add_parser(sub):
 def _cmd(args) -> int:
     if args.max_tokens < 1:
         raise ValueError("--max-tokens must be >= 1")
+    for name, v in (("--limit", args.limit), ("--per-category", args.per_category)):
+        if v is not None and v < 1:
+            raise ValueError(f"{name} must be >= 1 (leave it out for all prompts); got {v}")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out!r} exists and is not a folder")
+    try:  # before the evaluation runs: a report that cannot be written wastes the run
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {args.out!r}: cannot create the report folder ({e})") from None
     if not 0 < args.threshold < 1:
         raise ValueError("--threshold must be in (0, 1)")
     heads = _heads_folder(args.draft) if args.record_in_manifest else None

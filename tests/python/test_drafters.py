@@ -613,6 +613,16 @@ def test_merged_spec_errors(model, tmp_path):
     f = make_drafter("ngram|ngram:2+ngram", runner)  # '|' binds looser than '+'
     assert isinstance(f, FirstDrafter) and f.name == "ngram|ngram+ngram"
     assert isinstance(f.parts[1], MergedDrafter)
+    # Messages that name what is wrong.
+    for spec, match in (("ngram|", "empty part"), ("+", "empty part"),
+                        ("ngram++ngram", "empty part"),
+                        (str(tmp_path / "no-such-folder"), "does not exist"),
+                        ("./nope", "does not exist"),
+                        (plus + "@width=abc", "width=N needs an integer"),
+                        (plus + "@nodes", "'nodes' needs a value"),
+                        (plus + "@nodes=", "'nodes' needs a value")):
+        with pytest.raises(ValueError, match=match):
+            make_drafter(spec, runner)
 
 
 class Scripted(Drafter):

@@ -144,6 +144,21 @@ def test_eval_draft_report_and_promotion_gate(tiny, tmp_path, capsys):
     # 'default' records into the package's shipped drafter: only for the embedded target.
     assert cli.main(["eval-draft", "--target", tiny, "--draft", "default", "--prompts",
                      str(prompts), "--record-in-manifest", "--out", out]) == 2
+    capsys.readouterr()
+    # Bad prompt lines, limits and report folders: one-line errors before anything runs.
+    for line in ('[1, 2]', '5', '{"turns": 5}', '{"turns": {"a": 1}}', '{"turns": "hello"}',
+                 '{"turns": []}', '{"prompt": ""}'):
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(line + "\n")
+        assert cli.main(["eval-draft", "--target", tiny, "--prompts", str(bad), "--out",
+                         out]) == 2, line
+        err = capsys.readouterr().err
+        assert "bad.jsonl:1" in err and "Traceback" not in err, (line, err)
+    for opt in (["--limit", "0"], ["--limit", "-1"], ["--per-category", "-1"],
+                ["--out", str(prompts)]):
+        assert cli.main(["eval-draft", "--target", tiny, "--prompts", str(prompts),
+                         "--out", out] + opt) == 2, opt
+        assert opt[0] in capsys.readouterr().err
 
 
 def test_eval_records_into_manifest(tiny, trained, tmp_path):
