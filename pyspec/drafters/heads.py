@@ -49,6 +49,8 @@ import torch.nn.functional as F
 from pyspec import TokenTree
 from pyspec.drafters.base import Draft, Drafter, DraftRequest, PrefillChunk, Verified, slots_of
 from pyspec.drafters.tree_builder import TreeBuilder
+from pyspec.linear import linear
+from pyspec.ops import rms_norm
 from pyspec.runner import ModelRunner, SeqStep
 
 FORMAT = "pyspec-drafter"
@@ -60,11 +62,6 @@ _LAYER_KEYS = ["input_layernorm.weight", "post_attention_layernorm.weight",
                "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
                "mlp.down_proj.weight"]
-
-
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return (w.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,8 +182,8 @@ class MedusaDrafter(Drafter):
         ranked = {}
         if have:
             m = self.target
-            h = _rms(torch.stack([self._last[r.request_id] for r in have]), m.norm,
-                     m.cfg.rms_norm_eps)  # [B, H]
+            h = rms_norm(torch.stack([self._last[r.request_id] for r in have]), m.norm,
+                         m.cfg.rms_norm_eps)  # [B, H]
             z = torch.einsum("bh,koh->bko", h, self.w) + self.b  # [B, K, H]
             hk = h[:, None, :] + F.silu(z)
             logits = m.linear(hk.reshape(-1, h.shape[-1]), m.lm_head).float()
@@ -309,7 +306,7 @@ class EagleDrafter(Drafter):
 
     def _push(self, rid: int, start: int, feats: torch.Tensor, next_tokens: Sequence[int]) -> None:
         if self.fuse_w is not None:  # the target's layers fused into one feature (EAGLE-3)
-            feats = F.linear(feats.to(self.fuse_w.dtype), self.fuse_w)
+            feats = linear(feats.to(self.fuse_w.dtype).contiguous(), self.fuse_w)
         dc = self._dc.get(rid)
         have = len(self._feat.get(rid, ()))
         if dc is None or dc + have != start:  # first chunk, or a gap (e.g. after a cache hit)
@@ -363,7 +360,9 @@ class EagleDrafter(Drafter):
 
     def _embed(self, tokens: List[int], feats: torch.Tensor) -> torch.Tensor:
         e = F.embedding(torch.tensor(tokens, dtype=torch.int64), self.target.embed)
-        return F.linear(torch.cat([e, feats.to(e.dtype)], dim=-1), self.fc_w, self.fc_b)
+        # The core's dense kernel, like every layer of the head: torch's GEMM here would wake
+        # its own thread team while the core's workers still poll for their next job.
+        return linear(torch.cat([e, feats.to(e.dtype)], dim=-1), self.fc_w, self.fc_b)
 
     @torch.inference_mode()
     def propose(self, reqs: List[DraftRequest]) -> List[Draft]:
