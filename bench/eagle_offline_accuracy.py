@@ -15,7 +15,11 @@ features) for four prompt sets:
 
 Each set also reports how often the target's token lies in the head's draft vocabulary (the head
 cannot propose another) and depth-1 agreement split by the target's own confidence (its top
-probability): a gap between sets at equal confidence is the head's, not the text's.
+probability): a gap between sets at equal confidence is the head's, not the text's. The
+``breakdown`` splits depth-1 agreement further by the kind of token the target wants next (one
+that continues a word, one that repeats a pair of tokens already in the context) and puts prompt
+lookup beside the head at the same positions (the first token it would draft: the engine's
+drafters try it first), with how often either of the two is right.
 
     python bench/eagle_offline_accuracy.py ~/.cache/pyspec/drafters/smollm2-eagle-v3
 """
@@ -85,17 +89,45 @@ def novel_prompts(n: int):
             for t, u in (rng.sample(NOVEL_TOPICS, 2) for _ in range(n))]
 
 
-def _generated_part(head, dv, tokens, hidden, logits, p0):
+def _generated_part(head, dv, tokens, hidden, logits, p0, word_cont):
     """Depth-1/2 agreement, the target's confidence and its token at every position from ``p0``
-    (the last prompt position) on; ``logits[p]`` is the target's prediction after position p."""
+    (the last prompt position) on; ``logits[p]`` is the target's prediction after position p.
+    Also per position: the target's token continues a word (``word_cont``: a bool per vocabulary
+    id), the pair (context's last token, target's token) occurred earlier in the context, and
+    prompt lookup's first drafted token is the target's."""
+    from pyspec.decode import prompt_lookup_drafter
+
     nxt = logits.argmax(-1)
     top = torch.softmax(logits.float(), dim=-1).max(-1).values
     d1, d2 = agreement(head, dv, tokens[1:len(hidden) + 1], hidden, nxt[1:])
     m = d1[p0:].numel()
-    return d1[p0:], d2[p0:], top[1:][p0:p0 + m], nxt[1:][p0:p0 + m]
+    want = nxt[1:][p0:p0 + m]
+    lookup = prompt_lookup_drafter(3)
+    ctx = [int(t) for t in tokens]
+    cont, pair, lk = [], [], []
+    for i in range(m):
+        # Entry i: the context runs to position p0 + i + 1 and the target wants `want[i]` next.
+        end, w = p0 + i + 2, int(want[i])
+        prev = ctx[end - 1]
+        cont.append(bool(word_cont[w]))
+        pair.append(any(ctx[j] == prev and ctx[j + 1] == w for j in range(end - 2)))
+        ch = lookup(ctx[:end], 1)
+        lk.append(bool(ch) and int(ch[0]) == w)
+    flags = torch.tensor([cont, pair, lk], dtype=torch.bool)
+    return d1[p0:], d2[p0:], top[1:][p0:p0 + m], want, flags
 
 
-def score(llm, head, dv, prompts, max_tokens):
+def word_continuations(tokenizer, vocab: int) -> torch.Tensor:
+    """Per token id: whether the token starts with a letter or digit, i.e. continues the word
+    before it (a word's first token carries its leading space)."""
+    out = torch.zeros(vocab, dtype=torch.bool)
+    for i in range(vocab):
+        s = tokenizer.decode([i])
+        out[i] = bool(s) and s[0].isalnum()
+    return out
+
+
+def score(llm, head, dv, prompts, max_tokens, word_cont):
     from pyspec.runner import ModelRunner, SeqStep
 
     parts = []
@@ -107,12 +139,12 @@ def score(llm, head, dv, prompts, max_tokens):
         res = runner.step([SeqStep(full, 0, list(range(runner.kv.num_blocks)), None, "all")],
                           return_hidden=head.feature_layers)
         parts.append(_generated_part(head, dv, full, res.hidden[:-1].float(), res.logits,
-                                     len(ids) - 1))
+                                     len(ids) - 1, word_cont))
     return summarize(parts, dv, prompts=len(prompts))
 
 
 def summarize(parts, dv, **extra):
-    d1, d2, conf, nxt = (torch.cat(x) for x in zip(*parts))
+    d1, d2, conf, nxt, flags = (torch.cat(x, dim=-1) for x in zip(*parts))
     in_vocab = torch.zeros(int(max(int(dv.max()), int(nxt.max())) + 1), dtype=torch.bool)
     in_vocab[dv] = True
     out = dict(extra, positions=int(d1.numel()), depth1_top1=round(float(d1.float().mean()), 4),
@@ -123,6 +155,24 @@ def summarize(parts, dv, **extra):
         f"{lo:.1f}-{min(hi, 1.0):.1f}": [int(m.sum()), round(float(d1[m].float().mean()), 4)
                                          if bool(m.any()) else None]
         for lo, hi in CONFIDENCE_BINS for m in [(conf >= lo) & (conf < hi)]}
+    cont, pair, lookup = flags
+    sure = conf >= 0.9
+
+    def row(m):  # [positions, share of all, head depth-1, prompt lookup, head or lookup]
+        n = int(m.sum())
+        if n == 0:
+            return [0, 0.0, None, None, None]
+        return [n, round(n / d1.numel(), 4)] + [round(float(x[m].float().mean()), 4)
+                                                for x in (d1, lookup, d1 | lookup)]
+
+    out["breakdown"] = {"columns": ["positions", "share", "head_depth1", "prompt_lookup",
+                                    "head_or_lookup"],
+                        "all": row(torch.ones_like(d1)),
+                        "continues_a_word": row(cont), "starts_a_word_or_other": row(~cont),
+                        "pair_seen_in_context": row(pair), "pair_not_seen": row(~pair),
+                        "target_at_least_0.9_sure": row(sure),
+                        "target_at_least_0.9_sure_pair_seen": row(sure & pair),
+                        "target_at_least_0.9_sure_pair_not_seen": row(sure & ~pair)}
     return out
 
 
@@ -151,13 +201,15 @@ def main(argv=None):
 
     llm = pyspec.LLM(None, draft="none", progress=False, kv_cache_tokens=2048)
     head, dv, conf = head_from(args.folder, llm)
+    word_cont = word_continuations(llm.tokenizer, llm.model.cfg.vocab_size)
     recipe = (conf.get("manifest") or {}).get("recipe") or {}
     out = {}
     if "mt_bench" in sets:
         rows = [json.loads(line) for line in open(os.path.join(HERE, "data",
                                                                "mt_bench_questions.jsonl"))]
         rows = rows[::max(1, len(rows) // args.prompts)][:args.prompts]
-        out["mt_bench"] = score(llm, head, dv, [r["turns"][0] for r in rows], args.max_tokens)
+        out["mt_bench"] = score(llm, head, dv, [r["turns"][0] for r in rows], args.max_tokens,
+                                word_cont)
     if "heldout" in sets:
         pset = args.heldout_set or (recipe.get("prompt_set") or "diverse").split(",")[-1]
         if pset == "self":  # requests the target writes with another seed, less the trained
@@ -169,9 +221,11 @@ def main(argv=None):
                                       prompt_set=pset))
             fresh = D.seed_prompts(20 * args.prompts, seed=777, prompt_set=pset)
         held = [p for p in fresh if p not in seen][:args.prompts]
-        out["heldout"] = dict(score(llm, head, dv, held, args.max_tokens), prompt_set=pset)
+        out["heldout"] = dict(score(llm, head, dv, held, args.max_tokens, word_cont),
+                              prompt_set=pset)
     if "novel_topics" in sets:
-        out["novel_topics"] = score(llm, head, dv, novel_prompts(args.prompts), args.max_tokens)
+        out["novel_topics"] = score(llm, head, dv, novel_prompts(args.prompts), args.max_tokens,
+                                    word_cont)
     layers = head.feature_layers
     data = args.data or os.path.join(args.folder, "data.pt" if len(layers) == 1 else
                                      "features-" + "-".join(map(str, layers)) + ".pt")
@@ -183,7 +237,8 @@ def main(argv=None):
             h = s.hidden.float()
             logits = F.linear(_rms(h[:, -head.cfg.hidden_size:], head.teacher_norm, head.eps),
                               lm_head)
-            parts.append(_generated_part(head, dv, s.tokens, h, logits, s.num_prompt - 1))
+            parts.append(_generated_part(head, dv, s.tokens, h, logits, s.num_prompt - 1,
+                                         word_cont))
         out["training_corpus"] = summarize(parts, dv, sequences=len(seqs))
     print(json.dumps(out, indent=1))
 
