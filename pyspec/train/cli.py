@@ -74,7 +74,7 @@ _METHOD_OPTIONS = {"draft_layers": ("draft-model",), "medusa_heads": ("medusa",)
                    "epochs": ("eagle", "medusa", "draft-model"),
                    "lr": ("eagle", "medusa", "draft-model"),
                    "batch_tokens": ("eagle", "medusa", "draft-model")}
-_GENERATION_OPTIONS = ("prompts", "prompt_set", "max_tokens", "batch")
+_GENERATION_OPTIONS = ("prompts", "prompt_set", "prompt_file", "max_tokens", "batch")
 
 
 def _recorded_command(args, generated: bool, used_gen_dtype: bool) -> str:
@@ -85,12 +85,42 @@ def _recorded_command(args, generated: bool, used_gen_dtype: bool) -> str:
         if k in _METHOD_OPTIONS:
             return args.method in _METHOD_OPTIONS[k]
         if k in _GENERATION_OPTIONS:
-            return generated
+            return generated and not (k in ("prompts", "prompt_set") and args.prompt_file)
         if k == "gen_dtype":
             return used_gen_dtype
         return True
     return "pyspec train-draft " + " ".join(
         f"--{k.replace('_', '-')} {getattr(args, k)}" for k in sorted(vars(args)) if used(k))
+
+
+def _initial_head(args, layers):
+    """--init-from DIR: the trained EAGLE head to start from. Its draft vocabulary, intermediate
+    size and feature layers are the new head's (given otherwise, they must agree)."""
+    from pyspec.drafters.heads import read_heads
+
+    if args.method != "eagle":
+        raise ValueError("--init-from applies to --method eagle only")
+    path = os.path.expanduser(args.init_from)
+    if path == "eagle":  # the head shipped for the embedded model
+        from pyspec.models.default import shipped_drafter_path
+
+        path = shipped_drafter_path("eagle")
+        if path is None:
+            raise ValueError("--init-from eagle: this build ships no EAGLE head")
+    if not os.path.isfile(os.path.join(path, "drafter.json")):
+        raise ValueError(f"--init-from {args.init_from!r}: not a drafter folder (drafter.json)")
+    cfg, tensors = read_heads(path)
+    if cfg.get("method") != "eagle":
+        raise ValueError(f"--init-from {args.init_from!r} is a {cfg.get('method')} drafter; an "
+                         "EAGLE head is needed")
+    e = cfg["eagle"]
+    own = e.get("feature_layers")
+    if layers is not None and list(layers) != list(own or layers):
+        raise ValueError(f"--feature-layers {layers} differ from the initial head's {own}")
+    args.intermediate_size = int(e["intermediate_size"])
+    args.draft_vocab = int(tensors["draft_vocab"].numel())
+    version = (cfg.get("manifest") or {}).get("drafter_version")
+    return {"tensors": tensors, "version": version}, (own or layers)
 
 
 def train_draft(args) -> str:
@@ -108,6 +138,9 @@ def train_draft(args) -> str:
     layers = _feature_layers(args.feature_layers)
     if layers and args.method != "eagle":
         raise ValueError("--feature-layers applies to --method eagle only")
+    init = None
+    if args.init_from is not None:
+        init, layers = _initial_head(args, layers)
     for k, v in _METHOD_DEFAULTS.get(args.method, {}).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -141,7 +174,15 @@ def train_draft(args) -> str:
             seqs.extend(part)
     else:
         seqs = []
-        for prompt_set in args.prompt_set.split(","):  # one corpus per set, as separate runs do
+        if args.prompt_file is not None:  # requests people wrote (or a served prompt log)
+            from pyspec.train.evaluate import read_prompts
+
+            prompts = [text for _, text in read_prompts(args.prompt_file)]
+            print(f"{len(prompts)} requests from {args.prompt_file}")
+            seqs.extend(D.generate_corpus(gen, prompts, max_tokens=args.max_tokens,
+                                          batch=args.batch, seed=args.seed))
+        for prompt_set in args.prompt_set.split(",") if args.prompt_file is None else []:
+            # one corpus per set, as separate runs do
             if prompt_set == "self":
                 prompts = _self_prompts(gen, args)
             else:
@@ -181,9 +222,12 @@ def train_draft(args) -> str:
     used_gen_dtype = not data_paths or bool(recompute)
     recipe = {"command": _recorded_command(args, generated=not data_paths,
                                            used_gen_dtype=used_gen_dtype),
-        **({"data": data_paths} if data_paths else {
+        **({"data": data_paths} if data_paths else {"prompt_file": args.prompt_file,
+                                                    "max_tokens": args.max_tokens}
+           if args.prompt_file is not None else {
             "seed_prompts": args.prompts, "prompt_set": args.prompt_set,
             "max_tokens": args.max_tokens}),
+        **({"init_from": {"path": args.init_from, "version": init["version"]}} if init else {}),
         "sequences": len(seqs), "tokens": n_tok,
         **({"generated_tokens": n_gen} if n_gen is not None else {}),
         "epochs": args.epochs, "lr": args.lr,
@@ -207,7 +251,8 @@ def train_draft(args) -> str:
         print(f"wrote {out} ({(time.time() - t0) / 60:.1f} min)")
         return out
     eos = [int(e) for e in gen.tokenizer.eos_token_ids]
-    vocab = D.draft_vocabulary(seqs, gen.model.cfg.vocab_size, args.draft_vocab, always=eos)
+    vocab = (init["tensors"]["draft_vocab"].to(torch.int64) if init else
+             D.draft_vocabulary(seqs, gen.model.cfg.vocab_size, args.draft_vocab, always=eos))
     covered = float(D.token_counts(seqs, gen.model.cfg.vocab_size)[vocab].sum()) / max(n_tok, 1)
     if args.method == "medusa":
         from pyspec.train import medusa as M
@@ -226,7 +271,7 @@ def train_draft(args) -> str:
     head = E.train(target, seqs, args.out, draft_vocab=vocab,
                    intermediate_size=args.intermediate_size, epochs=args.epochs, lr=args.lr,
                    max_entries=args.batch_tokens, steps=args.unroll_steps, seed=args.seed,
-                   feature_layers=layers)
+                   feature_layers=layers, init=init["tensors"] if init else None)
     recipe.update(draft_vocab=int(vocab.numel()), draft_vocab_token_coverage=round(covered, 4),
                   intermediate_size=args.intermediate_size, unroll_steps=args.unroll_steps,
                   **({"feature_layers": layers} if layers else {}))
@@ -246,7 +291,8 @@ def _write_corpus(args, gen, seqs, data_paths, n_tok, n_gen, t0, t_data) -> str:
     recipe = {"command": _recorded_command(args, generated=not data_paths,
                                            used_gen_dtype=not data_paths),
               **({"data": data_paths} if data_paths else {
-                  "seed_prompts": args.prompts, "prompt_set": args.prompt_set,
+                  **({"prompt_file": args.prompt_file} if args.prompt_file is not None else {
+                      "seed_prompts": args.prompts, "prompt_set": args.prompt_set}),
                   "max_tokens": args.max_tokens, "gen_dtype": args.gen_dtype}),
               "sequences": len(seqs), "tokens": n_tok,
               **({"generated_tokens": n_gen} if n_gen is not None else {})}
@@ -285,6 +331,13 @@ def add_parser(sub):
                    "self: requests the target writes itself after its chat template's user-turn "
                    "header (kept in DIR/self-prompts.jsonl); several comma-separated: --prompts "
                    "prompts of each, one corpus after another")
+    p.add_argument("--prompt-file", default=None,
+                   help="generate from these requests instead of a --prompt-set: JSONL lines with "
+                   "'prompt' or MT-bench style 'turns' (what pyspec serve --prompt-log writes)")
+    p.add_argument("--init-from", default=None,
+                   help="eagle: start from this trained head (a drafter folder, or 'eagle' for "
+                   "the shipped one) instead of from scratch; its draft vocabulary, intermediate "
+                   "size and feature layers are kept")
     p.add_argument("--max-tokens", type=int, default=192)
     p.add_argument("--batch", type=int, default=64, help="generation batch size")
     p.add_argument("--gen-dtype", default="auto", choices=["auto", "float32", "bfloat16"],

@@ -134,6 +134,38 @@ class EagleHead(nn.Module):
         logits = F.linear(_rms(x, self.norm, self.eps), self.lm_head)
         return x, logits, (k, v)
 
+    # drafter.safetensors names (export) -> this module's parameter names.
+    _EXPORT_NAMES = {"fc.weight": "fc.weight", "norm.weight": "norm",
+                     "layer.input_layernorm.weight": "ln1",
+                     "layer.post_attention_layernorm.weight": "ln2",
+                     "layer.self_attn.q_proj.weight": "q.weight",
+                     "layer.self_attn.k_proj.weight": "k.weight",
+                     "layer.self_attn.v_proj.weight": "v.weight",
+                     "layer.self_attn.o_proj.weight": "o.weight",
+                     "layer.mlp.gate_proj.weight": "gate.weight",
+                     "layer.mlp.up_proj.weight": "up.weight",
+                     "layer.mlp.down_proj.weight": "down.weight",
+                     "lm_head.weight": "lm_head", "fuse.weight": "fuse.weight"}
+
+    def load_exported(self, tensors: dict) -> None:
+        """Start from a trained head's drafter.safetensors tensors (the inverse of export);
+        shapes must match (the same draft vocabulary, intermediate size and feature layers)."""
+        own = self.state_dict()
+        state = {}
+        for name, key in self._EXPORT_NAMES.items():
+            if key not in own:
+                if name in tensors:
+                    raise ValueError(f"the initial head has {name} but this head has no {key}")
+                continue
+            if name not in tensors:
+                raise ValueError(f"the initial head lacks {name}")
+            t = tensors[name].float()
+            if tuple(t.shape) != tuple(own[key].shape):
+                raise ValueError(f"the initial head's {name} has shape {tuple(t.shape)}; this "
+                                 f"head needs {tuple(own[key].shape)}")
+            state[key] = t
+        self.load_state_dict(state)
+
     def export(self) -> dict:
         p = {k: v.detach().float().contiguous() for k, v in self.state_dict().items()}
         fuse = {"fuse.weight": p["fuse.weight"]} if self.fuse is not None else {}
@@ -193,7 +225,8 @@ def _tensors(seqs, idx, max_len, h_final):
 def train(llm, seqs, out_dir: str, *, draft_vocab: torch.Tensor, intermediate_size: int = 1024,
           epochs: int = 4, lr: float = 1e-3, max_entries: int = 256, max_len: int = 512,
           steps: int = 3, step_decay: float = 0.8, reg_weight: float = 0.0, noise: float = 0.05,
-          seed: int = 0, feature_layers=None, progress: bool = True, log=print) -> EagleHead:
+          seed: int = 0, feature_layers=None, init: dict = None, progress: bool = True,
+          log=print) -> EagleHead:
     """Train (resuming from ``out_dir/checkpoint.pt`` when present) and return the head.
 
     ``steps`` > 1 unrolls the head as it runs at inference ("training-time test", EAGLE-3): pass
@@ -203,7 +236,8 @@ def train(llm, seqs, out_dir: str, *, draft_vocab: torch.Tensor, intermediate_si
     ``step_decay ** (k - 1)``. Without it deeper tree levels run on features the head never
     learned to read (on the default model, ``bench/eagle_offline_accuracy.py``: top-1 0.54 at
     depth 1 but 0.12 at depth 2 on its own corpus with a feature-regression loss alone). ``reg_weight`` adds EAGLE-1's feature regression on
-    pass 1."""
+    pass 1. ``init``: a trained head's drafter.safetensors tensors to start from (a fresh run
+    only; a checkpoint in ``out_dir`` resumes instead)."""
     from tqdm import tqdm
 
     from pyspec.train import loop as L
@@ -212,6 +246,8 @@ def train(llm, seqs, out_dir: str, *, draft_vocab: torch.Tensor, intermediate_si
         raise ValueError(f"steps must be >= 1; got {steps}")
     torch.manual_seed(seed)
     head = EagleHead(llm.model, draft_vocab, intermediate_size, feature_layers)
+    if init is not None:
+        head.load_exported(init)
     h = llm.model.cfg.hidden_size
     k_layers = len(head.feature_layers)
     if seqs[0].hidden.shape[-1] != k_layers * h:

@@ -83,6 +83,55 @@ def test_training_is_deterministic_and_resumable(tiny, trained, tmp_path):
     assert conf["manifest"]["recipe"]["epochs"] == 2
 
 
+def test_prompt_file_and_init_from(tiny, trained, tmp_path):
+    """--prompt-file generates from given requests (the format eval-draft reads, e.g. a served
+    prompt log); --init-from starts a head from a trained one (its draft vocabulary and sizes
+    kept): before any step it computes exactly what the initial head computes."""
+    from safetensors.torch import load_file
+
+    from pyspec.train.eagle import EagleHead
+
+    reqs = tmp_path / "requests.jsonl"
+    with open(reqs, "w") as f:
+        for i, t in enumerate(["write a poem about rain", "what is 2 + 2?", "list three birds",
+                               "explain gravity to a child", "sort [3, 1, 2] in python",
+                               "act as a tour guide in rome"]):
+            f.write(json.dumps({"prompt": t} if i % 2 else {"category": "x", "turns": [t]}) + "\n")
+    out = str(tmp_path / "ft")
+    rc = cli.main(["train-draft", "--target", tiny, "--out", out, "--prompt-file", str(reqs),
+                   "--max-tokens", "10", "--batch", "3", "--epochs", "1", "--init-from", trained,
+                   "--tree-nodes", "8", "--seed", "1"])
+    assert rc == 0
+    man = json.load(open(os.path.join(out, "drafter.json")))["manifest"]
+    rec = man["recipe"]
+    assert rec["sequences"] == 6 and rec["prompt_file"] == str(reqs)
+    assert rec["init_from"]["path"] == trained and "--init-from" in rec["command"]
+    assert "--prompt-set" not in rec["command"] and "--prompts " not in rec["command"]
+    a = load_file(os.path.join(trained, "drafter.safetensors"))
+    b = load_file(os.path.join(out, "drafter.safetensors"))
+    assert torch.equal(a["draft_vocab"], b["draft_vocab"])  # the initial head's vocabulary
+    assert a["layer.mlp.gate_proj.weight"].shape == b["layer.mlp.gate_proj.weight"].shape
+    assert not torch.equal(a["fc.weight"], b["fc.weight"])  # and it trained from there
+    _lossless(tiny, out)
+    # load_exported is export's inverse.
+    import pyspec
+
+    llm = pyspec.LLM(tiny, draft="none", kv_cache_tokens=256)
+    conf = json.load(open(os.path.join(trained, "drafter.json")))
+    head = EagleHead(llm.model, a["draft_vocab"], conf["eagle"]["intermediate_size"])
+    head.load_exported(a)
+    for k, v in head.export().items():
+        assert torch.equal(v.to(a[k].dtype), a[k]), k
+    with pytest.raises(ValueError, match="shape"):
+        EagleHead(llm.model, a["draft_vocab"][:10], 32).load_exported(a)
+    # Bad uses: another method, a folder without a drafter, a missing prompt file.
+    for extra in (["--method", "medusa", "--init-from", trained],
+                  ["--init-from", str(tmp_path)],
+                  ["--prompt-file", str(tmp_path / "none.jsonl")]):
+        assert cli.main(["train-draft", "--target", tiny, "--out", str(tmp_path / "bad")]
+                        + extra) == 2, extra
+
+
 def test_target_mismatch_warns_vocab_mismatch_fails(trained, tmp_path):
     import pyspec
 
