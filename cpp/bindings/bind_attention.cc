@@ -61,7 +61,14 @@ partition. Immutable; safe to share between threads.
       .def_property_readonly(
           "num_split_tiles", [](const AttentionPlan& p) { return p.merges().size(); },
           "Query tiles whose prefix is split into KV chunks merged by log-sum-exp.")
-      .def("is_tree", &AttentionPlan::is_tree, py::arg("request"),
+      .def(
+          "is_tree",
+          [](const AttentionPlan& p, int64_t b) {
+            const int64_t n = static_cast<int64_t>(p.tree_flags().size());
+            PYSPEC_CHECK(b >= 0 && b < n, "request must be in [0, ", n, "); got ", b);
+            return p.is_tree(b);
+          },
+          py::arg("request"),
            "True when the request's new tokens form a tree, False for a causal chunk.")
       .def("__repr__", &AttentionPlan::ToString);
 

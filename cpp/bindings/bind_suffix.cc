@@ -2,6 +2,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstdint>
+#include <limits>
+#include <string>
 #include <vector>
 
 #include "pyspec/suffix_index.h"
@@ -20,11 +23,20 @@ ordered by its first 32 tokens); the datastore of corpus drafting.
 ``SuffixIndex(tokens, offsets)``: ``tokens`` int32 [N] (all documents back to back, >= 0),
 ``offsets`` int64 [D + 1] (document d is tokens[offsets[d]:offsets[d + 1]]).
 )doc")
-      .def(py::init([](py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens,
+      .def(py::init([](py::array_t<int64_t, py::array::c_style | py::array::forcecast> tokens,
                        py::array_t<int64_t, py::array::c_style | py::array::forcecast> offsets) {
              if (tokens.ndim() != 1 || offsets.ndim() != 1)
                throw py::value_error("tokens and offsets must be 1-D arrays");
-             std::vector<int32_t> t(tokens.data(), tokens.data() + tokens.size());
+             // Read as int64 and range-checked: a cast straight to int32 would wrap 2^32 + 5
+             // to 5 without a word.
+             std::vector<int32_t> t(static_cast<size_t>(tokens.size()));
+             const int64_t* tk = tokens.data();
+             for (py::ssize_t i = 0; i < tokens.size(); ++i) {
+               if (tk[i] < 0 || tk[i] > std::numeric_limits<int32_t>::max())
+                 throw py::value_error("tokens[" + std::to_string(i) + "] = " +
+                                       std::to_string(tk[i]) + " must be >= 0 and fit in int32");
+               t[static_cast<size_t>(i)] = static_cast<int32_t>(tk[i]);
+             }
              std::vector<int64_t> o(offsets.data(), offsets.data() + offsets.size());
              py::gil_scoped_release nogil;
              return SuffixIndex(t, o);

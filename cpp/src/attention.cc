@@ -29,6 +29,11 @@
 #define PYSPEC_INLINE inline __attribute__((always_inline))
 
 namespace pyspec {
+
+namespace {
+constexpr int64_t kMaxAttentionBlockSize = int64_t{1} << 20;
+constexpr int64_t kMaxAttentionContext = int64_t{1} << 31;  // tokens before a request's new ones
+}  // namespace
 namespace {
 
 using detail::StrCat;
@@ -86,7 +91,9 @@ AttentionPlan PlanAttention(const TensorView& q_indptr, const TensorView& prefix
   CheckIndexTensor(tree_parents, "tree_parents", 1);
   CheckIndexTensor(tree_indptr, "tree_indptr", 1);
   CheckShape(tree_indptr, "tree_indptr", {B + 1});
-  PYSPEC_CHECK(block_size > 0, "'block_size' must be positive; got ", block_size);
+  // Bounds that keep the plan's cost sums (tokens x context x heads) far from int64 overflow.
+  PYSPEC_CHECK(block_size > 0 && block_size <= kMaxAttentionBlockSize,
+               "'block_size' must be in [1, ", kMaxAttentionBlockSize, "]; got ", block_size);
   PYSPEC_CHECK(num_blocks >= 0 && num_blocks <= INT32_MAX,
                "'num_blocks' must be in [0, 2^31); got ", num_blocks);
   const int64_t hq = options.num_q_heads, hkv = options.num_kv_heads;
@@ -122,7 +129,8 @@ AttentionPlan PlanAttention(const TensorView& q_indptr, const TensorView& prefix
     PYSPEC_CHECK(q_len >= 0, "'q_indptr' must be non-decreasing; request ", b, " has q_len ",
                  q_len);
     const int64_t p = plan.prefix_lens_[b];
-    PYSPEC_CHECK(p >= 0, "'prefix_lens[", b, "]' = ", p, " is negative");
+    PYSPEC_CHECK(p >= 0 && p <= kMaxAttentionContext, "'prefix_lens[", b, "]' = ", p,
+                 " must be in [0, ", kMaxAttentionContext, "]");
     const int64_t used = CeilDiv(p, block_size);
     PYSPEC_CHECK(used <= max_blocks, "'block_tables' has ", max_blocks, " columns but request ",
                  b, " needs ", used, " blocks for prefix_lens[", b, "] = ", p);
@@ -194,11 +202,17 @@ AttentionPlan PlanAttention(const TensorView& q_indptr, const TensorView& prefix
     }
   }
   // Aim for ~4 items per thread so the dynamic schedule balances uneven requests.
-  const int64_t target_cost = std::max<int64_t>(1, total_cost * heads / (4 * threads));
+  // (In double: costs times heads can pass int64 for large head counts; the split needs no
+  // exactness.)
+  const double target_cost =
+      std::max(1.0, std::floor(static_cast<double>(total_cost) * static_cast<double>(heads) /
+                               (4.0 * static_cast<double>(threads))));
   for (const Tile& t : tiles) {
     const int64_t p = plan.prefix_lens_[t.b];
-    int64_t splits =
-        std::min(CeilDiv(t.cost * heads, target_cost), std::max<int64_t>(1, p / min_chunk));
+    const double want = std::ceil(static_cast<double>(t.cost) * static_cast<double>(heads) /
+                                  target_cost);
+    int64_t splits = std::min(want < 1e18 ? static_cast<int64_t>(want) : int64_t{1} << 60,
+                              std::max<int64_t>(1, p / min_chunk));
     splits = std::max<int64_t>(splits, 1);
     const int64_t chunk =
         splits > 1 ? RoundUp(CeilDiv(p, splits), kTileKeys) : std::max<int64_t>(p, 1);

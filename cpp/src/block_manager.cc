@@ -21,6 +21,8 @@ inline uint64_t Mix64(uint64_t x) {
   return x;
 }
 
+constexpr int64_t kMaxTokenSlots = int64_t{1} << 31;
+
 }  // namespace
 
 BlockManager::BlockManager(int64_t num_blocks, int block_size, bool enable_prefix_cache)
@@ -29,8 +31,10 @@ BlockManager::BlockManager(int64_t num_blocks, int block_size, bool enable_prefi
                "num_blocks must be in [1, 2^31 - 1]; got ", num_blocks);
   PYSPEC_CHECK(block_size >= 1 && block_size <= 65536, "block_size must be in [1, 65536]; got ",
                block_size);
-  PYSPEC_CHECK(num_blocks * block_size <= std::numeric_limits<int64_t>::max() / 4,
-               "num_blocks * block_size is too large");
+  // Token slots are allocated (and zeroed) up front: a bound far above any real KV pool keeps a
+  // mistyped size an error instead of an allocation that exhausts the machine's memory.
+  PYSPEC_CHECK(num_blocks * block_size <= kMaxTokenSlots, "num_blocks * block_size (",
+               num_blocks * block_size, " token slots) must be at most ", kMaxTokenSlots);
   blocks_.resize(num_blocks);
   block_tokens_.assign(static_cast<size_t>(num_blocks) * block_size, 0);
   free_list_.reserve(num_blocks);
@@ -410,7 +414,13 @@ void BlockManager::SlotsFor(int64_t id, int64_t start, int64_t n, int64_t* out) 
 }
 
 std::vector<int64_t> BlockManager::SlotsFor(int64_t id, int64_t start, int64_t n) const {
+  PYSPEC_CHECK(start >= 0, "start must be >= 0; got ", start);
   PYSPEC_CHECK(n >= 0, "n must be >= 0; got ", n);
+  // The capacity check before the allocation (a huge n is a ValueError, not a huge vector).
+  const int64_t capacity = static_cast<int64_t>(Get(id, "slots_for").table.size()) * block_size_;
+  PYSPEC_CHECK(n <= capacity - start, "positions [", start, ", ", start, " + ", n,
+               ") exceed the reserved capacity ", capacity, " of request_id ", id,
+               "; call reserve() first");
   std::vector<int64_t> out(static_cast<size_t>(n));
   SlotsFor(id, start, n, out.data());
   return out;

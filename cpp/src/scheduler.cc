@@ -275,7 +275,10 @@ bool Scheduler::ReserveOrPreempt(Request& r, int64_t extra) {
 
 int64_t OptimalDraftLength(double alpha, double draft_cost, double verify_cost, int64_t max_len,
                            double* gain) {
-  PYSPEC_CHECK(max_len >= 1, "max_len must be >= 1; got ", max_len);
+  // Draft lengths are tree nodes per step (a TokenTree holds at most 256); the bound keeps the
+  // scan below short whatever a caller passes.
+  PYSPEC_CHECK(max_len >= 1 && max_len <= kMaxOptimalDraftLength, "max_len must be in [1, ",
+               kMaxOptimalDraftLength, "]; got ", max_len);
   PYSPEC_CHECK(std::isfinite(draft_cost) && draft_cost >= 0.0 && std::isfinite(verify_cost) &&
                    verify_cost >= 0.0,
                "draft_cost and verify_cost must be finite and >= 0");

@@ -103,10 +103,13 @@ SuffixIndex::Draft SuffixIndex::Propose(const int32_t* ctx, int64_t n, int max_n
   PYSPEC_CHECK(max_match >= 1 && min_match >= 1 && min_match <= max_match,
                "need 1 <= min_match <= max_match; got min_match=", min_match,
                ", max_match=", max_match);
-  PYSPEC_CHECK(max_depth >= 0 && max_match + max_depth <= kSortDepth,
+  PYSPEC_CHECK(max_depth >= 0 && static_cast<int64_t>(max_match) + max_depth <= kSortDepth,
                "max_match + max_depth must be <= ", kSortDepth, "; got ", max_match, " + ",
                max_depth);
   PYSPEC_CHECK(max_children >= 1, "max_children must be >= 1; got ", max_children);
+  // A draft is a token tree: at most 256 nodes are verified, so a much larger bound only
+  // guards the search's memory against a mistyped argument.
+  PYSPEC_CHECK(max_nodes <= 4096, "max_nodes must be <= 4096; got ", max_nodes);
   Draft out;
   if (max_nodes <= 0 || max_depth <= 0 || n <= 0 || sa_.empty()) return out;
   const Match match = LongestMatch(ctx, n, max_match, min_match);

@@ -31,6 +31,8 @@ TEST(BlockManager, ConstructorValidates) {
   EXPECT_THROW(BlockManager(int64_t{1} << 32, 16), ValueError);
   EXPECT_THROW(BlockManager(8, 0), ValueError);
   EXPECT_THROW(BlockManager(8, 65537), ValueError);
+  // Token slots are allocated up front: far beyond any real pool is an error, not an allocation.
+  EXPECT_THROW(BlockManager(int64_t{1} << 28, 16), ValueError);
   BlockManager bm(7, 3);
   EXPECT_EQ(bm.num_total_blocks(), 7);
   EXPECT_EQ(bm.num_free_blocks(), 7);

@@ -712,6 +712,10 @@ TEST(CostModel, MatchesBruteForceOptimum) {
   EXPECT_LT(gain, 1.0);  // poor acceptance and a costly drafter: plain decoding wins
   EXPECT_THROW(pyspec::OptimalDraftLength(0.5, -1.0, 0.0, 4), pyspec::ValueError);
   EXPECT_THROW(pyspec::OptimalDraftLength(0.5, 0.0, 0.0, 0), pyspec::ValueError);
+  // A huge max_len is refused, not scanned (it held the interpreter for seconds to forever).
+  EXPECT_THROW(pyspec::OptimalDraftLength(0.5, 0.0, 0.0, pyspec::kMaxOptimalDraftLength + 1),
+               pyspec::ValueError);
+  EXPECT_GE(pyspec::OptimalDraftLength(0.999, 0.0, 0.01, pyspec::kMaxOptimalDraftLength), 1);
 }
 
 namespace {

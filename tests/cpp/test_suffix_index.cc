@@ -50,6 +50,9 @@ TEST(SuffixIndex, RejectsBadInput) {
   const int32_t ctx[] = {1, 2};
   EXPECT_THROW(s.Propose(ctx, 2, 4, 30, 8, 1, 0.f, 4), ValueError);  // 8 + 30 > 32
   EXPECT_THROW(s.Propose(ctx, 2, 4, 4, 2, 3, 0.f, 4), ValueError);   // min > max match
+  // max_match + max_depth is summed without int overflow; max_nodes is bounded.
+  EXPECT_THROW(s.Propose(ctx, 2, 4, 2147483647, 2147483647, 1, 0.f, 4), ValueError);
+  EXPECT_THROW(s.Propose(ctx, 2, 4097, 4, 8, 1, 0.f, 4), ValueError);
 }
 
 TEST(SuffixIndex, EmptyCorpusAndNoMatch) {

@@ -422,6 +422,36 @@ def test_accept_bad_input(mutate, match, device):
         sampling.accept(**args)
 
 
+def test_accept_trees_refuses_outputs_that_share_memory_with_inputs():
+    """The raw op writes its outputs while it still reads its inputs: an output aliasing an input
+    (or another output) is a ValueError (it crashed the process: a read of half-written parents,
+    or a double free)."""
+    b, v = 8, 16
+    tp = torch.zeros(4 * b, v)
+    tp[:, 3] = 1
+    tok = torch.tensor([0, 3, 3, 3] * b, dtype=torch.int32)
+    ind = torch.arange(0, 4 * b + 1, 4)
+    flags = (torch.ones(b, dtype=torch.bool), torch.zeros(b, dtype=torch.bool),
+             torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long))
+
+    def run(par, nodes, emitted, count):
+        _C.accept_trees(tp, None, tok, par, ind, *flags, nodes, emitted, count)
+
+    buf = torch.zeros(4 * b + 4, dtype=torch.int32)
+    par = buf[:4 * b]
+    par.copy_(torch.tensor([-1, 0, 1, 2] * b, dtype=torch.int32))
+    with pytest.raises(ValueError, match="emitted_tokens.*shares memory with 'parents'"):
+        run(par, torch.empty(b, 4, dtype=torch.int32), buf[4:].view(b, 4),
+            torch.empty(b, dtype=torch.int32))
+    out = torch.empty(2 * b, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="shares memory with 'accepted_nodes'"):
+        run(par.clone(), out[:b], out[b // 2:b // 2 + b], torch.empty(b, dtype=torch.int32))
+    # Separate outputs (views of one buffer that do not overlap are fine).
+    count = torch.empty(b, dtype=torch.int32)
+    run(par.clone(), out[:b], out[b:], count)
+    assert count.tolist() == [3] * b
+
+
 @pytest.mark.parametrize("device", devices())
 def test_sampled_child_with_zero_draft_probability_is_an_error(device):
     args = _args(device)

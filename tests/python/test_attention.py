@@ -192,6 +192,9 @@ def test_chain_tree_equals_causal_chunk_and_plan_reuse(device):
                                  c["num_blocks"])
     assert [tree_plan.is_tree(b) for b in range(3)] == [True, False, True]
     assert not any(causal_plan.is_tree(b) for b in range(3))
+    for b in (3, -1, 1 << 40):  # out of range: an error, not a read past the flags
+        with pytest.raises(ValueError, match="request"):
+            tree_plan.is_tree(b)
     args = (c["q"], c["k_pages"], c["v_pages"], c["k_new"], c["v_new"])
     o1 = tree_attention(tree_plan, *args)
     o2 = tree_attention(causal_plan, *args)
@@ -234,6 +237,8 @@ def _set(key, fn):
     (_set("tree_indptr", lambda c: torch.tensor([0, 2, 3, 3])), "tree_indptr"),
     (_set("tree_indptr", lambda c: torch.tensor([0, 3, 3])), "tree_indptr"),
     (_set("prefix", lambda c: torch.tensor([9, -1, 0])), r"prefix_lens\[1\]"),
+    # A context past 2^31 tokens (its cost sums overflowed int64 into a plan of ~2^53 items).
+    (_set("prefix", lambda c: torch.tensor([9, 1 << 62, 0])), r"prefix_lens\[1\]"),
     (_set("q_indptr", lambda c: torch.tensor([0, 3, 2, 6])), "q_indptr"),
     (_set("q_indptr", lambda c: torch.tensor([1, 3, 5, 6])), "q_indptr"),
     (_set("q_indptr", lambda c: torch.tensor([0.0, 3, 5, 6])), "q_indptr"),

@@ -162,6 +162,9 @@ def test_argument_errors_name_the_argument():
         bm.slots_for(1, -1, 1)
     with pytest.raises(ValueError, match="capacity"):
         bm.slots_for(1, 6, 3)
+    for n in (1 << 27, 1 << 40):  # checked before the list is allocated (no MemoryError)
+        with pytest.raises(ValueError, match="capacity"):
+            bm.slots_for(1, 0, n)
     with pytest.raises(ValueError, match="num_computed"):
         bm.commit(1, [1], num_computed=-1)
     with pytest.raises(ValueError, match="more tokens computed"):

@@ -191,6 +191,8 @@ def test_optimal_draft_length_matches_leviathan_formula():
     assert gain < 1.0  # speculation would be slower than plain decoding
     with pytest.raises(ValueError):
         _C.optimal_draft_length(0.5, -0.1, 0.0, 4)
+    with pytest.raises(ValueError, match="max_len"):  # refused, not scanned for seconds
+        _C.optimal_draft_length(0.5, 0.0, 0.0, 1 << 40)
     s = _C.Scheduler(16, 4, cost_model=True)
     with pytest.raises(ValueError, match="verify_cost"):
         s.set_cost_model(0.1, float("inf"))

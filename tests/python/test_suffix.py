@@ -101,6 +101,22 @@ def tiny(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiny-target"))
 
 
+def test_index_checks_token_range_and_search_bounds():
+    import numpy as np
+
+    from pyspec import _C
+
+    for bad in (np.array([1, 2, (1 << 32) + 5]), np.array([1, -3, 2]), [1, 1 << 31]):
+        with pytest.raises(ValueError, match="tokens"):  # never wrapped into int32 quietly
+            _C.SuffixIndex(bad, np.array([0, 3]))
+    ix = _C.SuffixIndex(np.array([1, 2, 1, 2, 3]), np.array([0, 5]))
+    with pytest.raises(ValueError, match="max_match \\+ max_depth"):  # no int overflow
+        ix.propose([1], 8, (1 << 31) - 1, (1 << 31) - 1, 1, 0.0, 3)
+    with pytest.raises(ValueError, match="max_nodes"):
+        ix.propose([1], 5000, 4, 8, 1, 0.0, 3)
+    assert ix.propose([1], 8, 4, 8, 1, 0.0, 3)[0][0] == 2
+
+
 def test_corpus_files_options_and_errors(tiny, tmp_path):
     import pyspec
 

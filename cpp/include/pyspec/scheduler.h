@@ -88,6 +88,8 @@ struct SchedulerConfig {
   void Validate() const;  // throws ValueError
 };
 
+// The longest draft OptimalDraftLength scans (a ValueError above).
+constexpr int64_t kMaxOptimalDraftLength = 4096;
 // The Leviathan et al. optimum: the gamma in [1, max_len] maximizing expected tokens per unit time
 // (formula above) for per-token acceptance `alpha` in [0, 1]; `*gain` (optional) receives that
 // maximum relative to plain decoding (> 1: speculation pays).
