@@ -113,6 +113,11 @@ def apply_sampling_filters(
     logits = logits.contiguous()
     n, dev = logits.shape[0], logits.device
     t = _per_row(temperature, n, "temperature", torch.float32, dev, Real)
+    if _is_scalar(top_k, Integral) and top_k > logits.shape[-1]:
+        top_k = logits.shape[-1]  # keeps every token either way; fits the kernel's int32
+    elif isinstance(top_k, torch.Tensor) and not top_k.is_floating_point() and top_k.numel() \
+            and int(top_k.max()) > logits.shape[-1]:
+        top_k = top_k.clamp(max=logits.shape[-1])
     k = _per_row(top_k, n, "top_k", torch.int32, dev, Integral)
     p = _per_row(top_p, n, "top_p", torch.float32, dev, Real)
     m = _per_row(min_p, n, "min_p", torch.float32, dev, Real)

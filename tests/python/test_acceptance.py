@@ -481,6 +481,13 @@ def test_filters_bad_input(kw, match, device):
         sampling.apply_sampling_filters(torch.full((1, 3), float("-inf"), device=device))
 
 
+def test_filters_top_k_past_the_vocabulary_keeps_every_token():
+    logits = torch.randn(3, 10)
+    ref = sampling.apply_sampling_filters(logits, 0.7, 0)
+    for k in (10, 11, 1 << 31, 1 << 40, torch.tensor([1 << 40, 12, 0])):
+        torch.testing.assert_close(sampling.apply_sampling_filters(logits, 0.7, k), ref)
+
+
 # ---- CUDA against the CPU oracle ----------------------------------------------------------------
 
 
