@@ -617,8 +617,10 @@ class Engine:
         self._step_open = True
         try:
             return self._run_step(so, trace)
-        except Exception as e:
+        except BaseException as e:
             failed = self._fail_step(so)
+            if not isinstance(e, Exception):  # KeyboardInterrupt: the engine stays usable
+                raise
             _log.exception("engine step failed; requests %s finish with 'error'", failed)
             raise StepError(failed, e) from e
 

@@ -181,6 +181,14 @@ def test_failed_step_raises_and_leaves_nothing_behind(llm, monkeypatch):
     assert not s.has_unfinished and s.num_free_blocks == s.num_total_blocks
     assert not eng._reqs  # every request of the failed call was forgotten
     assert len(llm.generate(PROMPTS[0], {"max_tokens": 4, "ignore_eos": True})[0].token_ids) == 4
+    # Ctrl-C in the middle of a step: the interrupt propagates, the LLM stays usable.
+    monkeypatch.setattr(eng.runner, "step", lambda *a, **k: (_ for _ in ()).throw(
+        KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS[:2], {"max_tokens": 8})
+    monkeypatch.undo()
+    assert not eng._reqs and not s.has_unfinished
+    assert len(llm.generate(PROMPTS[0], {"max_tokens": 4, "ignore_eos": True})[0].token_ids) == 4
 
 
 def test_bad_prompts_and_config(llm, model_dir, tmp_path):
