@@ -31,7 +31,6 @@ and in :attr:`Engine.stats`.
 from __future__ import annotations
 
 import logging
-import math
 import random
 import time
 from dataclasses import dataclass, field, fields, replace
@@ -51,7 +50,6 @@ _log = logging.getLogger("pyspec.engine")
 
 _F32_MAX = 3.4028234663852886e38  # the largest finite float32
 _F32_TINY = 1.1754943508222875e-38  # the smallest normal float32
-_I32_MAX = (1 << 31) - 1
 
 __all__ = ["Engine", "SamplingParams", "RequestOutput", "GenerationResult", "RequestStats",
            "Router", "EngineStats", "StepTrace"]

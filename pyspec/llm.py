@@ -266,19 +266,15 @@ class LLM:
     # ---- generation ----
 
     def _submit(self, ids: List[int], p: SamplingParams) -> List[int]:
-        """Adds the n samples of one prompt; on a bad parameter nothing stays queued."""
-        from pyspec.engine import validate_params
-
-        validate_params(p, self.engine.vocab_size)
+        """Adds the n samples of one prompt (``p`` from :meth:`_params`, which validated it); on
+        a bad prompt nothing stays queued."""
         rids = []
         try:
             for k in range(p.n):
                 seed = None if p.seed is None else sample_seed(p.seed, k)
                 rids.append(self.engine.add_request(ids, replace(p, seed=seed, n=1)))
         except ValueError:
-            for rid in rids:
-                self.engine.abort(rid)
-                self.engine.result(rid, pop=True)
+            self._discard(rids)
             raise
         return rids
 

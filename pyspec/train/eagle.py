@@ -168,20 +168,8 @@ class EagleHead(nn.Module):
 
     def export(self) -> dict:
         p = {k: v.detach().float().contiguous() for k, v in self.state_dict().items()}
-        fuse = {"fuse.weight": p["fuse.weight"]} if self.fuse is not None else {}
-        return {**fuse,
-            "fc.weight": p["fc.weight"], "norm.weight": p["norm"],
-            "layer.input_layernorm.weight": p["ln1"],
-            "layer.post_attention_layernorm.weight": p["ln2"],
-            "layer.self_attn.q_proj.weight": p["q.weight"],
-            "layer.self_attn.k_proj.weight": p["k.weight"],
-            "layer.self_attn.v_proj.weight": p["v.weight"],
-            "layer.self_attn.o_proj.weight": p["o.weight"],
-            "layer.mlp.gate_proj.weight": p["gate.weight"],
-            "layer.mlp.up_proj.weight": p["up.weight"],
-            "layer.mlp.down_proj.weight": p["down.weight"],
-            "lm_head.weight": p["lm_head"], "draft_vocab": self.draft_vocab.to(torch.int64),
-        }
+        out = {name: p[key] for name, key in self._EXPORT_NAMES.items() if key in p}
+        return {**out, "draft_vocab": self.draft_vocab.to(torch.int64)}
 
 
 def _batches(seqs, max_entries: int, max_len: int, rng: torch.Generator):
