@@ -18,8 +18,10 @@ METHODS = ("eagle", "medusa", "draft-model", "suffix")
 # for several tokens) and --batch-tokens (an EAGLE head learns most per token from many small
 # steps: at 6,144 tokens per step 0.5M tokens made 258 steps in 3 epochs and left it far
 # undertrained, see README "Training and evaluating drafters").
-_METHOD_DEFAULTS = {"eagle": {"tree_depth": 5, "tree_nodes": 24, "batch_tokens": 256},
-                    "medusa": {"batch_tokens": 2048}, "draft-model": {"batch_tokens": 2048},
+_METHOD_DEFAULTS = {"eagle": {"tree_depth": 5, "tree_nodes": 24, "batch_tokens": 256,
+                              "draft_vocab": 8192, "intermediate_size": 1024},
+                    "medusa": {"batch_tokens": 2048, "draft_vocab": 8192},
+                    "draft-model": {"batch_tokens": 2048},
                     "suffix": {"tree_depth": 8, "tree_nodes": 8}}
 
 
@@ -93,9 +95,34 @@ def _recorded_command(args, generated: bool, used_gen_dtype: bool) -> str:
         f"--{k.replace('_', '-')} {getattr(args, k)}" for k in sorted(vars(args)) if used(k))
 
 
+def _prompt_lists(gen, args):
+    """The prompts to generate the corpus from: the --prompt-file requests (people's, or a served
+    prompt log), else one list per --prompt-set."""
+    from pyspec.train import data as D
+
+    if args.prompt_file is not None:
+        from pyspec.train.evaluate import read_prompts
+
+        prompts = [text for _, text in read_prompts(args.prompt_file)]
+        print(f"{len(prompts)} requests from {args.prompt_file}")
+        return [prompts]
+    return [_self_prompts(gen, args) if name == "self" else
+            D.seed_prompts(args.prompts, seed=args.seed, prompt_set=name)
+            for name in args.prompt_set.split(",")]
+
+
+def _data_recipe(args, data_paths) -> dict:
+    """Where a run's corpus came from, for its manifest."""
+    if data_paths:
+        return {"data": data_paths}
+    source = ({"prompt_file": args.prompt_file} if args.prompt_file is not None else
+              {"seed_prompts": args.prompts, "prompt_set": args.prompt_set})
+    return {**source, "max_tokens": args.max_tokens}
+
+
 def _initial_head(args, layers):
     """--init-from DIR: the trained EAGLE head to start from. Its draft vocabulary, intermediate
-    size and feature layers are the new head's (given otherwise, they must agree)."""
+    size and feature layers are the new head's (given explicitly, they must agree)."""
     from pyspec.drafters.heads import read_heads
 
     if args.method != "eagle":
@@ -117,8 +144,13 @@ def _initial_head(args, layers):
     own = e.get("feature_layers")
     if layers is not None and list(layers) != list(own or layers):
         raise ValueError(f"--feature-layers {layers} differ from the initial head's {own}")
-    args.intermediate_size = int(e["intermediate_size"])
-    args.draft_vocab = int(tensors["draft_vocab"].numel())
+    for name, value in (("intermediate_size", int(e["intermediate_size"])),
+                        ("draft_vocab", int(tensors["draft_vocab"].numel()))):
+        given = getattr(args, name)
+        if given is not None and given != value:
+            raise ValueError(f"--{name.replace('_', '-')} {given} differs from the initial "
+                             f"head's {value} (leave it out to keep the head's)")
+        setattr(args, name, value)
     version = (cfg.get("manifest") or {}).get("drafter_version")
     return {"tensors": tensors, "version": version}, (own or layers)
 
@@ -132,8 +164,9 @@ def train_draft(args) -> str:
         raise ValueError(f"--method {args.method!r} is not available; choose one of "
                          f"{', '.join(METHODS)}")
     for name in ("prompts", "max_tokens", "batch", "epochs", "draft_vocab", "intermediate_size",
-                 "draft_layers", "medusa_heads", "unroll_steps"):
-        if getattr(args, name) < 1:
+                 "draft_layers", "medusa_heads", "unroll_steps", "tree_depth", "tree_nodes",
+                 "batch_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     layers = _feature_layers(args.feature_layers)
     if layers and args.method != "eagle":
@@ -144,13 +177,12 @@ def train_draft(args) -> str:
     for k, v in _METHOD_DEFAULTS.get(args.method, {}).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    for k in ("tree_depth", "tree_nodes", "batch_tokens"):
-        if getattr(args, k) is not None and getattr(args, k) < 1:
-            raise ValueError(f"--{k.replace('_', '-')} must be >= 1")
     if args.gen_dtype == "auto":  # the recipe records what was used
         from pyspec.train.loop import native_bf16
 
         args.gen_dtype = "bfloat16" if native_bf16() else "float32"
+    if args.prompt_file is not None and not os.path.isfile(args.prompt_file):
+        raise ValueError(f"--prompt-file {args.prompt_file!r}: no such file")
     t0 = time.time()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(args.seed)
@@ -174,19 +206,7 @@ def train_draft(args) -> str:
             seqs.extend(part)
     else:
         seqs = []
-        if args.prompt_file is not None:  # requests people wrote (or a served prompt log)
-            from pyspec.train.evaluate import read_prompts
-
-            prompts = [text for _, text in read_prompts(args.prompt_file)]
-            print(f"{len(prompts)} requests from {args.prompt_file}")
-            seqs.extend(D.generate_corpus(gen, prompts, max_tokens=args.max_tokens,
-                                          batch=args.batch, seed=args.seed))
-        for prompt_set in args.prompt_set.split(",") if args.prompt_file is None else []:
-            # one corpus per set, as separate runs do
-            if prompt_set == "self":
-                prompts = _self_prompts(gen, args)
-            else:
-                prompts = D.seed_prompts(args.prompts, seed=args.seed, prompt_set=prompt_set)
+        for prompts in _prompt_lists(gen, args):  # one corpus per list, as separate runs do
             seqs.extend(D.generate_corpus(gen, prompts, max_tokens=args.max_tokens,
                                           batch=args.batch, seed=args.seed))
         torch.save(seqs, data_path)
@@ -222,11 +242,7 @@ def train_draft(args) -> str:
     used_gen_dtype = not data_paths or bool(recompute)
     recipe = {"command": _recorded_command(args, generated=not data_paths,
                                            used_gen_dtype=used_gen_dtype),
-        **({"data": data_paths} if data_paths else {"prompt_file": args.prompt_file,
-                                                    "max_tokens": args.max_tokens}
-           if args.prompt_file is not None else {
-            "seed_prompts": args.prompts, "prompt_set": args.prompt_set,
-            "max_tokens": args.max_tokens}),
+        **_data_recipe(args, data_paths),
         **({"init_from": {"path": args.init_from, "version": init["version"]}} if init else {}),
         "sequences": len(seqs), "tokens": n_tok,
         **({"generated_tokens": n_gen} if n_gen is not None else {}),
@@ -290,10 +306,8 @@ def _write_corpus(args, gen, seqs, data_paths, n_tok, n_gen, t0, t_data) -> str:
 
     recipe = {"command": _recorded_command(args, generated=not data_paths,
                                            used_gen_dtype=not data_paths),
-              **({"data": data_paths} if data_paths else {
-                  **({"prompt_file": args.prompt_file} if args.prompt_file is not None else {
-                      "seed_prompts": args.prompts, "prompt_set": args.prompt_set}),
-                  "max_tokens": args.max_tokens, "gen_dtype": args.gen_dtype}),
+              **_data_recipe(args, data_paths),
+              **({} if data_paths else {"gen_dtype": args.gen_dtype}),
               "sequences": len(seqs), "tokens": n_tok,
               **({"generated_tokens": n_gen} if n_gen is not None else {})}
     manifest = {"drafter_version": args.version, "method": "suffix",
@@ -349,9 +363,11 @@ def add_parser(sub):
     p.add_argument("--batch-tokens", type=int, default=None,
                    help="training tokens per optimizer step (padded; a longer sequence makes a "
                    "step of its own); default: eagle 256, medusa and draft-model 2048")
-    p.add_argument("--draft-vocab", type=int, default=8192,
-                   help="reduced draft vocabulary size (medusa: the loss's vocabulary)")
-    p.add_argument("--intermediate-size", type=int, default=1024)
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="reduced draft vocabulary size (medusa: the loss's vocabulary; default "
+                   "8192, or the --init-from head's)")
+    p.add_argument("--intermediate-size", type=int, default=None,
+                   help="eagle: the head's MLP width (default 1024, or the --init-from head's)")
     p.add_argument("--unroll-steps", type=int, default=3,
                    help="eagle: train the head over this many of its own steps (training-time "
                    "test; 1 = teacher-forced features only)")

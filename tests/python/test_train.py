@@ -124,12 +124,21 @@ def test_prompt_file_and_init_from(tiny, trained, tmp_path):
         assert torch.equal(v.to(a[k].dtype), a[k]), k
     with pytest.raises(ValueError, match="shape"):
         EagleHead(llm.model, a["draft_vocab"][:10], 32).load_exported(a)
-    # Bad uses: another method, a folder without a drafter, a missing prompt file.
+    # Bad uses: another method, a folder without a drafter, a missing prompt file, sizes given
+    # explicitly that differ from the initial head's (the same ones are accepted: the run above
+    # recorded them).
+    size = conf["eagle"]["intermediate_size"]
+    vocab = int(a["draft_vocab"].numel())
+    assert f"--intermediate-size {size}" in rec["command"]
+    assert f"--draft-vocab {vocab}" in rec["command"]
     for extra in (["--method", "medusa", "--init-from", trained],
                   ["--init-from", str(tmp_path)],
-                  ["--prompt-file", str(tmp_path / "none.jsonl")]):
+                  ["--prompt-file", str(tmp_path / "none.jsonl")],
+                  ["--init-from", trained, "--intermediate-size", str(size + 8)],
+                  ["--init-from", trained, "--draft-vocab", str(vocab - 1)]):
         assert cli.main(["train-draft", "--target", tiny, "--out", str(tmp_path / "bad")]
                         + extra) == 2, extra
+    assert not os.path.exists(tmp_path / "bad")  # refused before anything was written
 
 
 def test_target_mismatch_warns_vocab_mismatch_fails(trained, tmp_path):
