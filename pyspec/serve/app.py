@@ -17,7 +17,7 @@ import uuid
 from dataclasses import replace
 from typing import Dict, List, Optional
 
-from pyspec.engine import SamplingParams, StepError, sample_seed, validate_params
+from pyspec.engine import SamplingParams, StepError, sample_seed
 from pyspec.serve.config import ServerConfig
 from pyspec.serve.metrics import Metrics
 
@@ -253,8 +253,10 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
 
         shadow = Shadow(llm, shadow_draft, shadow_ratio, metrics)
     loop_.shadow = shadow
-    max_ctx = llm.model.cfg.max_position_embeddings
-    kv_cap = llm.runner.kv.num_blocks * llm.runner.block_size
+    # The longest sequence (prompt + completion) a request may ask for: the model's positions,
+    # and the KV cache less the one slot the last step writes.
+    ctx_limit = min(llm.model.cfg.max_position_embeddings,
+                    llm.runner.kv.num_blocks * llm.runner.block_size - 1)
     el = llm.model.embed.element_size()
     metrics.memory.labels(component="target_weights").set(
         sum(t.numel() * t.element_size() for t in _model_tensors(llm.model)))
@@ -339,21 +341,19 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
                            ignore_eos=_get(body, "ignore_eos", bool, False, None, "true or false"),
                            speculative=settings.speculates(rid))
         try:
-            validate_params(p, llm.engine.vocab_size)
+            return llm._params(p)  # validates
         except ValueError as e:  # its message starts with the field's name
             key = str(e).split(" ", 1)[0]
             raise RequestError(400, str(e), key if key in body else None) from None
-        return llm._params(p)
 
     async def tokenize(fn, arg, chars: int, field: str) -> List[int]:
         """``fn(arg)`` off the event loop (a long text takes a while to tokenize and must not
         stall other requests' streams); text too long to fit the context in any tokenization
         is refused without tokenizing it."""
-        limit = min(max_ctx, kv_cap - 1)
-        if chars > limit * llm.tokenizer.max_token_chars:
-            raise RequestError(400, f"this model's maximum context length is {limit} tokens; the "
-                                    f"{field} has {chars} characters, more than that many tokens "
-                                    "can hold", field, "context_length_exceeded")
+        if chars > ctx_limit * llm.tokenizer.max_token_chars:
+            raise RequestError(400, f"this model's maximum context length is {ctx_limit} "
+                                    f"tokens; the {field} has {chars} characters, more than "
+                                    "that many tokens can hold", field, "context_length_exceeded")
         try:
             return await asyncio.to_thread(fn, arg)
         except ValueError as e:
@@ -365,10 +365,10 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
         if any(not 0 <= t < llm.engine.vocab_size for t in ids):
             raise RequestError(400, f"prompt token ids must be in [0, {llm.engine.vocab_size})",
                                "prompt")
-        limit = min(max_ctx, kv_cap - 1)
-        if len(ids) + p.max_tokens > limit:
-            raise RequestError(400, f"this model's maximum context length is {limit} tokens; the "
-                                    f"prompt has {len(ids)} and max_tokens is {p.max_tokens}",
+        if len(ids) + p.max_tokens > ctx_limit:
+            raise RequestError(400, f"this model's maximum context length is {ctx_limit} "
+                                    f"tokens; the prompt has {len(ids)} and max_tokens is "
+                                    f"{p.max_tokens}",
                                "max_tokens", "context_length_exceeded")
 
     def log_prompt(kind: str, payload) -> None:
