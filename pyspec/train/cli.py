@@ -112,9 +112,19 @@ def _prompt_lists(gen, args):
 
 
 def _data_recipe(args, data_paths) -> dict:
-    """Where a run's corpus came from, for its manifest."""
+    """Where a run's corpus came from, for its manifest. Reused data is traced to the commands
+    that generated it (the recipes of the drafter folders it is, or sits in)."""
     if data_paths:
-        return {"data": data_paths}
+        made_by = {}
+        for p in data_paths:
+            conf = os.path.join(p if os.path.isdir(p) else os.path.dirname(p) or ".",
+                                "drafter.json")
+            try:
+                with open(conf) as f:
+                    made_by[p] = json.load(f)["manifest"]["recipe"]["command"]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # no record of how it was made
+        return {"data": data_paths, **({"data_commands": made_by} if made_by else {})}
     source = ({"prompt_file": args.prompt_file} if args.prompt_file is not None else
               {"seed_prompts": args.prompts, "prompt_set": args.prompt_set})
     return {**source, "max_tokens": args.max_tokens}

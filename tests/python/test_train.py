@@ -257,6 +257,8 @@ def test_train_draft_model_method(tiny, trained, tmp_path):
                   "--prompt-set", "--prompts", "--gen-dtype"):  # unused: another method's, or
         assert other not in command, other                   # generation's (it trained on --data)
     assert "gen_dtype" not in man["recipe"] and "max_tokens" not in man["recipe"]
+    assert man["recipe"]["data_commands"] == {corpus: json.load(open(os.path.join(
+        trained, "drafter.json")))["manifest"]["recipe"]["command"]}
     assert man["recipe"]["sequences"] == 2 * len(torch.load(corpus, weights_only=False))
     assert json.load(open(os.path.join(out, "config.json")))["num_hidden_layers"] == 1
     llm, _ = _lossless(tiny, out, max_tokens=10)
@@ -320,6 +322,12 @@ def test_train_on_a_corpus_drafter_folder(tiny, trained, tmp_path, capsys):
     assert recipe["tokens"] == sum(len(s.tokens) for s in seqs)
     assert "generated_tokens" not in recipe  # a corpus does not record where its prompts end
     assert f"--data {corpus}" in recipe["command"] and "--gen-dtype" in recipe["command"]
+    # Reused data is traced to the commands that made it: the corpus folder's own recipe, and
+    # for that corpus the recipe of the run whose data.pt it read.
+    made = json.load(open(os.path.join(corpus, "drafter.json")))["manifest"]["recipe"]
+    assert recipe["data_commands"] == {corpus: made["command"]}
+    assert made["data_commands"] == {data: json.load(open(os.path.join(
+        trained, "drafter.json")))["manifest"]["recipe"]["command"]}
     assert "feature_layers" not in conf["eagle"]  # the final hidden state alone: a plain head
     feats = torch.load(os.path.join(out, "features-2.pt"), weights_only=False)
     assert [f.tokens for f in feats] == [s.tokens for s in seqs]
