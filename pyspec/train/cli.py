@@ -191,18 +191,19 @@ def train_draft(args) -> str:
         from pyspec.train.loop import native_bf16
 
         args.gen_dtype = "bfloat16" if native_bf16() else "float32"
+    # The input files are checked before anything is loaded or written.
     if args.prompt_file is not None and not os.path.isfile(args.prompt_file):
         raise ValueError(f"--prompt-file {args.prompt_file!r}: no such file")
-    t0 = time.time()
-    os.makedirs(args.out, exist_ok=True)
-    torch.manual_seed(args.seed)
-    gen = pyspec.LLM(args.target, draft="none", dtype=args.gen_dtype, kv_cache_tokens=1024,
-                     progress=True)
     data_paths = [os.path.expanduser(p) for p in (args.data or "").split(",") if p]
     for p in data_paths:
         if not (os.path.isfile(p) or os.path.isdir(p)):
             raise ValueError(f"--data: {p!r} is neither a file nor a folder (give data.pt files "
                              "or corpus drafter folders, comma-separated)")
+    t0 = time.time()
+    os.makedirs(args.out, exist_ok=True)
+    torch.manual_seed(args.seed)
+    gen = pyspec.LLM(args.target, draft="none", dtype=args.gen_dtype, kv_cache_tokens=1024,
+                     progress=True)
     data_path = os.path.join(args.out, "data.pt")
     if data_paths or os.path.isfile(data_path):
         seqs = []

@@ -245,6 +245,7 @@ def test_train_draft_model_method(tiny, trained, tmp_path):
     corpus = os.path.join(trained, "data.pt")
     assert cli.main(["train-draft", "--target", tiny, "--out", out, "--method", "draft-model",
                      "--data", corpus + "," + str(tmp_path / "missing.pt")]) == 2
+    assert not os.path.exists(out)  # refused before anything was written
     # Several corpora (comma-separated) are concatenated.
     rc = cli.main(["train-draft", "--target", tiny, "--out", out, "--method", "draft-model",
                    "--data", corpus + "," + corpus, "--draft-layers", "1", "--epochs", "1"])
