@@ -152,6 +152,8 @@ def tree_attention(
             raise ValueError(f"'{name}' must be a torch.Tensor; got {type(t).__name__}")
     if q.dim() != 3:
         raise ValueError(f"'q' must be [num_queries, num_q_heads, head_dim]; got {tuple(q.shape)}")
+    if q.shape[-1] < 1:
+        raise ValueError(f"the head size (last dim of 'q') must be > 0; got {tuple(q.shape)}")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if out is None:

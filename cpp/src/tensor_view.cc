@@ -61,6 +61,9 @@ int64_t TensorView::numel() const {
 }
 
 bool TensorView::is_contiguous() const {
+  // Like torch: a tensor without elements is contiguous whatever its strides (torch gives an
+  // empty [M, 0] tensor strides (1, 1), which no row-major layout would have).
+  if (numel() == 0) return true;
   int64_t expected = 1;
   for (int d = ndim - 1; d >= 0; --d) {
     if (shape[d] != 1 && strides[d] != expected) return false;

@@ -263,6 +263,7 @@ def test_plan_bad_input(mutate, match):
     (_set("out", lambda c: torch.empty(6, 4, 64, dtype=torch.bfloat16)), "'out'"),
     (_set("lse", lambda c: torch.empty(6, 4, dtype=torch.float64)), "'lse'"),
     (_set("lse", lambda c: torch.empty(6, 3)), "'lse'"),
+    (_set("q", lambda c: c["q"][:, :, :0]), "head size"),
 ])
 def test_run_bad_input(mutate, match):
     c = _good_args()

@@ -109,6 +109,19 @@ def test_wrapper_shapes_out_and_fallbacks():
     assert linear(torch.empty(0, 12), w, b).shape == (0, 9)
 
 
+@pytest.mark.parametrize("m,n,k", [(2, 3, 0), (0, 3, 4), (2, 0, 4), (0, 0, 0)])
+def test_core_zero_size_is_math_not_layout(m, n, k):
+    """A zero-size dimension is not a layout error (torch gives an empty [M, 0] tensor strides
+    (1, 1), which the core once called non-contiguous): the core computes what torch does, bias
+    alone (or zeros) for K = 0, empty results otherwise."""
+    x, w, b = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
+    for bias in (None, b):
+        out = torch.full((m, n), 7.0)
+        _C.linear(x, w, bias, out)
+        torch.testing.assert_close(out, F.linear(x, w, bias))
+        torch.testing.assert_close(linear(x, w, bias), F.linear(x, w, bias))
+
+
 def test_bad_inputs_raise_value_error():
     x, w, out = torch.randn(2, 8), torch.randn(3, 8), torch.empty(2, 3)
     with pytest.raises(ValueError, match="'w'"):

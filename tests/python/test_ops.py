@@ -105,6 +105,15 @@ def test_rms_norm_core_matches_torch(dtype, rows):
         assert torch.equal(ops.rms_norm(x[r:r + 1].clone(), w, 1e-5), got[r:r + 1])
 
 
+@pytest.mark.parametrize("shape", [(2, 0), (0, 4)])
+def test_rms_norm_zero_size(shape):
+    """Rows without features or no rows at all: an empty result, not a contiguity error."""
+    x = torch.zeros(shape)
+    out = ops.rms_norm(x, torch.ones(shape[1]), 1e-6)
+    assert out.shape == shape
+    _C.rms_norm(x, torch.ones(shape[1]), 1e-6, x)
+
+
 def test_rms_norm_falls_back_for_autograd_and_layouts():
     x = torch.randn(4, 32, requires_grad=True)
     w = torch.randn(32)
