@@ -57,16 +57,24 @@ DEFAULT_PROMPT = ("Rewrite this Python function with clearer variable names and 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     import pyspec
+    from pyspec.engine import validate_params
 
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1; got {args.max_tokens}")
     if args.gamma is not None and not 1 <= args.gamma <= 255:
         raise ValueError(f"--gamma must be in [1, 255]; got {args.gamma}")
     spec = pyspec.SpecConfig(num_speculative_tokens=args.gamma, adaptive=not args.no_adaptive)
-    llm = pyspec.LLM(args.model, args.draft, spec, dtype=args.dtype)
     params = pyspec.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                    top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                                    seed=args.seed, ignore_eos=args.ignore_eos)
+    # Checked before the model loads (seconds to minutes): the messages name the field, which is
+    # the option's name with '-' for '_'. The vocabulary only bounds stop_token_ids (none here).
+    try:
+        validate_params(params, vocab=1)
+    except ValueError as e:
+        field, _, rest = str(e).partition(" ")
+        raise ValueError(f"--{field.replace('_', '-')} {rest}") from None
+    llm = pyspec.LLM(args.model, args.draft, spec, dtype=args.dtype)
     prompt = ([{"role": "user", "content": args.prompt}]
               if not args.no_chat and llm.tokenizer.chat_template else args.prompt)
     ids = llm.chat_prompt(prompt) if isinstance(prompt, list) else llm.encode(prompt)
@@ -94,12 +102,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     print("-" * 72)
 
     def rate(n, secs, ttft):
+        """Decode speed: the tokens after the first over the time after it; None without any
+        (one token is all prefill), rather than a NaN printed as a speed."""
         d = secs - (ttft or 0.0)
-        return (n - 1) / d if n > 1 and d > 0 else float("nan")
+        return (n - 1) / d if n > 1 and d > 0 else None
+
+    def speed(r):
+        return f"{r:7.1f} tok/s decode" if r is not None else \
+            "    n/a tok/s decode (no decode steps after the first token)"
 
     name = "speculative" if llm.engine.default_drafter else "plain"
     spec_rate = rate(len(tokens), spec_s, first)
-    print(f"{name:<12} {len(tokens):4d} tokens in {spec_s:6.2f}s = {spec_rate:7.1f} tok/s decode "
+    print(f"{name:<12} {len(tokens):4d} tokens in {spec_s:6.2f}s = {speed(spec_rate)} "
           f"({stats.steps} target steps, finish: {reason})")
     print(f"acceptance length: {stats.acceptance_length:.2f} tokens per speculative step "
           f"({stats.accepted_tokens}/{stats.draft_tokens} draft tokens accepted in "
@@ -111,10 +125,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         plain = llm.generate(ids, [dataclasses.replace(params, speculative=False)])[0]
         p_rate = rate(len(plain.token_ids), plain.seconds, plain.time_to_first_token)
         print(f"{'plain':<12} {len(plain.token_ids):4d} tokens in {plain.seconds:6.2f}s = "
-              f"{p_rate:7.1f} tok/s decode ({plain.stats.steps} target steps, finish: "
+              f"{speed(p_rate)} ({plain.stats.steps} target steps, finish: "
               f"{plain.finish_reason})")
-        print(f"speedup: {plain.seconds / spec_s:.2f}x end to end, {spec_rate / p_rate:.2f}x "
-              f"decode (same process, same prompt)")
+        decode = ("decode n/a (a run generated one token: no decode steps to compare)"
+                  if spec_rate is None or p_rate is None else f"{spec_rate / p_rate:.2f}x decode")
+        print(f"speedup: {plain.seconds / spec_s:.2f}x end to end, {decode} (same process, same "
+              "prompt)")
         same = plain.token_ids == tokens
         # Deterministic drafts are verified by sampling the target with plain decoding's draws;
         # a draft model's sampled chains by rejection sampling (equal only in distribution).

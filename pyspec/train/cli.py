@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import time
@@ -165,6 +166,48 @@ def _initial_head(args, layers):
     return {"tensors": tensors, "version": version}, (own or layers)
 
 
+# What the written drafter accepts when it loads (EagleDrafter, SuffixDrafter, MedusaDrafter):
+# a value outside these ranges would train for hours and then write a drafter that fails to load.
+_TREE_RANGES = {"eagle": {"tree_width": (1, 16), "tree_depth": (1, 32), "tree_nodes": (1, 255)},
+                "suffix": {"tree_depth": (1, 16), "tree_nodes": (1, 255)}}
+_RANGES = {"medusa_heads": (1, 16)}
+
+
+def _check_options(args) -> None:
+    """The checks that need neither the target nor the data, made before anything is loaded or
+    written: a bad value found after the corpus is generated wastes that run (tens of minutes)."""
+    ranges = {**_RANGES, **_TREE_RANGES.get(args.method, {})}
+    for name in ("prompts", "max_tokens", "batch", "epochs", "draft_vocab", "intermediate_size",
+                 "draft_layers", "medusa_heads", "unroll_steps", "tree_width", "tree_depth",
+                 "tree_nodes", "batch_tokens"):
+        v = getattr(args, name)
+        lo, hi = ranges.get(name, (1, None))
+        if v is None or (lo <= v and (hi is None or v <= hi)):
+            continue
+        option = "--" + name.replace("_", "-")
+        if hi is None:
+            raise ValueError(f"{option} must be >= 1; got {v}")
+        limit = f" (what a {args.method} drafter loads with)" if name.startswith("tree_") else ""
+        raise ValueError(f"{option} must be in [{lo}, {hi}]{limit}; got {v}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise ValueError(f"--lr must be a finite number > 0; got {args.lr}")
+
+
+def _check_target_layers(args, num_layers: int, layers) -> None:
+    """The options that depend on the target's layer count, checked once its config is read and
+    before the corpus is generated."""
+    if args.method == "draft-model" and args.draft_layers > num_layers:
+        raise ValueError(f"--draft-layers must be in [1, {num_layers}] (the target's layers); "
+                         f"got {args.draft_layers}")
+    if layers:
+        from pyspec.models.llama import feature_layers
+
+        try:
+            feature_layers(layers, num_layers)
+        except ValueError as e:
+            raise ValueError(f"--feature-layers {args.feature_layers}: {e}") from None
+
+
 def train_draft(args) -> str:
     import pyspec
     from pyspec.train import data as D
@@ -173,11 +216,7 @@ def train_draft(args) -> str:
     if args.method not in METHODS:
         raise ValueError(f"--method {args.method!r} is not available; choose one of "
                          f"{', '.join(METHODS)}")
-    for name in ("prompts", "max_tokens", "batch", "epochs", "draft_vocab", "intermediate_size",
-                 "draft_layers", "medusa_heads", "unroll_steps", "tree_depth", "tree_nodes",
-                 "batch_tokens"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    _check_options(args)
     layers = _feature_layers(args.feature_layers)
     if layers and args.method != "eagle":
         raise ValueError("--feature-layers applies to --method eagle only")
@@ -200,19 +239,25 @@ def train_draft(args) -> str:
             raise ValueError(f"--data: {p!r} is neither a file nor a folder (give data.pt files "
                              "or corpus drafter folders, comma-separated)")
     t0 = time.time()
+    # Saved corpora are read before the target loads: a file that is not one is refused before
+    # anything is loaded or written (a corpus drafter folder needs the target's vocabulary).
+    data_path = os.path.join(args.out, "data.pt")
+    reuse = data_paths or ([data_path] if os.path.isfile(data_path) else [])
+    saved = {p: D.load_sequences(p, "--data" if data_paths else "--out (resuming)")
+             for p in reuse if not os.path.isdir(p)}
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(args.seed)
     gen = pyspec.LLM(args.target, draft="none", dtype=args.gen_dtype, kv_cache_tokens=1024,
                      progress=True)
-    data_path = os.path.join(args.out, "data.pt")
-    if data_paths or os.path.isfile(data_path):
+    _check_target_layers(args, gen.model.cfg.num_hidden_layers, layers)
+    if reuse:
         seqs = []
-        for p in data_paths or [data_path]:
+        for p in reuse:
             if os.path.isdir(p):  # a corpus drafter: tokens only, features computed below
                 part = D.corpus_sequences(p, gen.model.cfg.vocab_size)
                 print(f"loaded {len(part)} documents from the corpus drafter {p}")
             else:
-                part = torch.load(p, weights_only=False)
+                part = saved[p]
                 print(f"loaded {len(part)} generated sequences from {p}")
             seqs.extend(part)
     else:
@@ -284,8 +329,6 @@ def train_draft(args) -> str:
     if args.method == "medusa":
         from pyspec.train import medusa as M
 
-        if args.medusa_heads > 16:
-            raise ValueError("--medusa-heads must be in [1, 16]")
         heads = M.train(target, seqs, args.out, num_heads=args.medusa_heads, draft_vocab=vocab,
                         epochs=args.epochs, lr=args.lr, max_entries=args.batch_tokens,
                         seed=args.seed)

@@ -445,6 +445,24 @@ class Sequence_:
     num_prompt: Optional[int]  # None: not known (a corpus drafter's documents)
 
 
+def load_sequences(path: str, what: str = "--data") -> List[Sequence_]:
+    """A corpus saved by ``train-draft`` (its ``data.pt``, or a ``features-*.pt``): the generated
+    sequences. Any other file is a ValueError naming it (``what``: the option that gave it)."""
+    try:
+        seqs = torch.load(path, weights_only=False)
+    # Unpickling arbitrary bytes can raise almost any exception (ValueError, UnpicklingError,
+    # RuntimeError, EOFError, AttributeError, ...), none of which says what was wrong with the file.
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"{what}: {path!r} is not a corpus saved by train-draft (its data.pt) "
+                         f"nor a corpus drafter folder: torch.load failed ({type(e).__name__}: "
+                         f"{e})") from None
+    if not isinstance(seqs, list) or not all(isinstance(s, Sequence_) for s in seqs):
+        raise ValueError(f"{what}: {path!r} is a torch file but not a corpus saved by train-draft "
+                         f"(its data.pt: a list of generated sequences); it holds a "
+                         f"{type(seqs).__name__}")
+    return seqs
+
+
 def corpus_sequences(path: str, vocab_size: int) -> List[Sequence_]:
     """A corpus drafter folder's documents (``train-draft --method suffix``) as sequences without
     features: the target's answers, ready for one teacher-forced pass instead of generating them

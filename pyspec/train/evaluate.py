@@ -30,12 +30,26 @@ TRACKED = ("tokens_per_target_step",)
 
 def read_prompts(path: str, limit: Optional[int] = None, per_category: Optional[int] = None):
     """JSONL rows: MT-bench style ``{"category", "turns": [...]}`` or ``{"prompt", "category"?}``
-    (also what ``pyspec serve``'s prompt sampling writes)."""
+    (also what ``pyspec serve``'s prompt sampling writes), as ``(category, text)`` pairs."""
+    return [(c, t) for _, c, t in read_prompt_lines(path, limit, per_category)]
+
+
+def read_prompt_lines(path: str, limit: Optional[int] = None,
+                      per_category: Optional[int] = None):
+    """:func:`read_prompts` with each prompt's line number: ``(line, category, text)``."""
     if not os.path.isfile(path):
         raise ValueError(f"--prompts: {path!r} is not a file")
     out = []
-    with open(path, encoding="utf-8") as f:
-        for k, line in enumerate(f, 1):
+    # Read as bytes and decoded per line: an encoding error then names the file and its line (a
+    # text-mode read decodes in chunks and fails with neither).
+    with open(path, "rb") as f:
+        for k, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{k}: not UTF-8 text (byte {raw[e.start]:#04x} at "
+                                 f"column {e.start + 1}); prompts files must be UTF-8 JSONL"
+                                 ) from None
             if not line.strip():
                 continue
             try:
@@ -50,16 +64,16 @@ def read_prompts(path: str, limit: Optional[int] = None, per_category: Optional[
             if not isinstance(text, str) or not text:
                 raise ValueError(f"{path}:{k}: each line must be a JSON object with 'turns' (a "
                                  "non-empty list of strings) or 'prompt' (a non-empty string)")
-            out.append((str(row.get("category", "all")), text))
+            out.append((k, str(row.get("category", "all")), text))
     if not out:
         raise ValueError(f"{path}: no prompts")
     if per_category:
         seen: Dict[str, int] = {}
         kept = []
-        for c, t in out:
+        for k, c, t in out:
             if seen.get(c, 0) < per_category:
                 seen[c] = seen.get(c, 0) + 1
-                kept.append((c, t))
+                kept.append((k, c, t))
         out = kept
     return out[:limit] if limit else out
 
@@ -89,18 +103,49 @@ def _summary(rows: List[dict]) -> dict:
                 identical_to_plain=sum(r["identical"] for r in rows))
 
 
+def sampling_params(max_tokens: int, temperature: float):
+    """The evaluation's sampling parameters, checked (ValueError naming the bad one): done before
+    the target loads, so a bad value costs no load."""
+    from pyspec.engine import SamplingParams, validate_params
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0)
+    # The vocabulary only bounds stop_token_ids, and there are none here.
+    validate_params(params, vocab=1)
+    return params
+
+
+def context_limit(cfg) -> int:
+    """The most tokens (prompt + new) a request may span on a model of config ``cfg``: the bound
+    Engine.add_request enforces (the sliding window, and the trained context unless dynamic RoPE
+    scaling extends it)."""
+    window = cfg.sliding_window or (1 << 62)
+    return min(window, cfg.max_position_embeddings
+               if cfg.rope_scaling.rope_type != "dynamic" else (1 << 62))
+
+
 def evaluate(target: Optional[str], drafts: Dict[str, str], prompts, *, max_tokens: int = 128,
              temperature: float = 0.0, dtype: str = "float32", adaptive: bool = True,
-             progress: bool = True) -> dict:
+             progress: bool = True, where: Optional[List[str]] = None) -> dict:
+    """``where``: where each prompt came from (e.g. ``FILE:LINE``), for error messages."""
     import pyspec
     from tqdm import tqdm
 
     from pyspec.engine import Engine, SamplingParams
     from pyspec.runner import ModelRunner
 
+    params = sampling_params(max_tokens, temperature)
     base = pyspec.LLM(target, draft="none", dtype=dtype, kv_cache_tokens=1024, progress=progress)
-    blocks = 8 + (max(len(base.chat_prompt([{"role": "user", "content": p}])) for _, p in prompts)
-                  + max_tokens + 64) // 16
+    enc = [base.chat_prompt([{"role": "user", "content": p}]) for _, p in prompts]
+    # Every prompt is checked against the context before any is evaluated: one too long would
+    # otherwise fail the run when evaluation reaches it.
+    limit = context_limit(base.model.cfg)
+    for i, ids in enumerate(enc):
+        if len(ids) + max_tokens > limit:
+            name = where[i] if where else f"prompt {i + 1}"
+            raise ValueError(f"{name}: the prompt ({len(ids)} tokens in the chat template) + "
+                             f"--max-tokens {max_tokens} exceeds the target's context of {limit} "
+                             "tokens; shorten the prompt or lower --max-tokens")
+    blocks = 8 + (max(len(ids) for ids in enc) + max_tokens + 64) // 16
 
     def engine(spec):
         return Engine(ModelRunner(base.model, num_blocks=blocks, block_size=16), drafter=spec,
@@ -108,8 +153,6 @@ def evaluate(target: Optional[str], drafts: Dict[str, str], prompts, *, max_toke
 
     plain = engine("none")
     engines = {name: engine(spec) for name, spec in drafts.items()}
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0)
-    enc = [base.chat_prompt([{"role": "user", "content": p}]) for _, p in prompts]
     for e in [plain, *engines.values()]:  # warm-up outside the timings
         e.generate([enc[0][:16]], SamplingParams(max_tokens=4))
     rows: Dict[str, List[dict]] = {n: [] for n in engines}
@@ -305,6 +348,11 @@ def add_parser(sub):
 def _cmd(args) -> int:
     if args.max_tokens < 1:
         raise ValueError("--max-tokens must be >= 1")
+    try:  # before anything is loaded or written; the message names the field: the option's
+        sampling_params(args.max_tokens, args.temperature)
+    except ValueError as e:
+        field, _, rest = str(e).partition(" ")
+        raise ValueError(f"--{field.replace('_', '-')} {rest}") from None
     for name, v in (("--limit", args.limit), ("--per-category", args.per_category)):
         if v is not None and v < 1:
             raise ValueError(f"{name} must be >= 1 (leave it out for all prompts); got {v}")
@@ -325,12 +373,14 @@ def _cmd(args) -> int:
         raise ValueError(f"--record-in-manifest needs a drafter that uses a drafter folder "
                          f"(drafter.json: EAGLE/Medusa heads or a corpus, alone or in A+B / A|B, "
                          f"or 'default'); {args.draft!r} has none")
-    prompts = read_prompts(args.prompts, args.limit, args.per_category)
+    rows = read_prompt_lines(args.prompts, args.limit, args.per_category)
+    prompts = [(c, t) for _, c, t in rows]
     drafts = {"candidate": args.draft}
     if args.baseline:
         drafts["baseline"] = args.baseline
     report = evaluate(args.target, drafts, prompts, max_tokens=args.max_tokens,
-                      temperature=args.temperature, dtype=args.dtype, adaptive=args.adaptive)
+                      temperature=args.temperature, dtype=args.dtype, adaptive=args.adaptive,
+                      where=[f"{args.prompts}:{k}" for k, _, _ in rows])
     paths = write_report(report, args.out)
     if args.record_in_manifest:
         record_in_manifest(heads, report, args)

@@ -167,6 +167,69 @@ def test_train_bad_arguments(tiny, tmp_path):
                      "--batch-tokens", "0"]) == 2
 
 
+@pytest.mark.parametrize("opts, message", [
+    (["--tree-width", "0"], "--tree-width must be in [1, 16]"),
+    (["--tree-width", "17"], "--tree-width must be in [1, 16]"),
+    (["--tree-depth", "33"], "--tree-depth must be in [1, 32]"),
+    (["--tree-nodes", "256"], "--tree-nodes must be in [1, 255]"),
+    (["--method", "suffix", "--tree-depth", "17"], "--tree-depth must be in [1, 16]"),
+    (["--method", "suffix", "--tree-nodes", "0"], "--tree-nodes must be in [1, 255]"),
+    (["--method", "medusa", "--medusa-heads", "17"], "--medusa-heads must be in [1, 16]"),
+    (["--lr", "0"], "--lr must be a finite number > 0"),
+    (["--lr", "nan"], "--lr must be a finite number > 0"),
+])
+def test_train_option_ranges_are_checked_before_loading(tmp_path, capsys, opts, message):
+    """Values the written drafter could not load with (EagleDrafter: width 1..16, depth 1..32,
+    nodes 1..255; a corpus: depth 1..16; Medusa: 1..16 heads) are refused before the target
+    loads (here it does not even exist) and before the output folder is created."""
+    out = tmp_path / "x"
+    assert cli.main(["train-draft", "--target", str(tmp_path / "no-such-model"), "--out",
+                     str(out)] + opts) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
+def test_train_target_dependent_options_are_checked_before_generating(tiny, trained, tmp_path,
+                                                                       capsys):
+    """--draft-layers beyond the target's layers (it would silently copy all of them) and bad
+    --feature-layers are refused once the target's config is known, before any generation."""
+    out = tmp_path / "dm"
+    assert cli.main(["train-draft", "--target", tiny, "--out", str(out), "--method",
+                     "draft-model", "--data", os.path.join(trained, "data.pt"), "--draft-layers",
+                     "3"]) == 2
+    assert "--draft-layers must be in [1, 2]" in capsys.readouterr().err
+    out = tmp_path / "fl"
+    assert cli.main(["train-draft", "--target", tiny, "--out", str(out), "--prompts", "2",
+                     "--max-tokens", "4", "--feature-layers", "1,5"]) == 2
+    assert "--feature-layers 1,5" in capsys.readouterr().err
+    assert not (out / "data.pt").exists()  # refused before the corpus was generated
+
+
+def test_train_data_that_is_not_a_corpus(tiny, tmp_path, capsys):
+    """--data FILE that torch cannot load as a train-draft corpus: one line naming the file and
+    what it should be, before the target loads or anything is written."""
+    junk = tmp_path / "junk.pt"
+    junk.write_text("garbage\n")
+    other = tmp_path / "other.pt"
+    torch.save({"weights": torch.zeros(2)}, other)
+    out = tmp_path / "x"
+    for path in (junk, other):
+        assert cli.main(["train-draft", "--target", tiny, "--out", str(out), "--method",
+                         "draft-model", "--data", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert str(path) in err and "not a corpus saved by train-draft" in err, err
+        assert "Traceback" not in err
+        assert not out.exists()
+    # A run resuming in a folder whose data.pt is not a corpus says so too.
+    os.makedirs(out)
+    shutil.copy(junk, out / "data.pt")
+    assert cli.main(["train-draft", "--target", tiny, "--out", str(out), "--method",
+                     "draft-model"]) == 2
+    err = capsys.readouterr().err
+    assert str(out / "data.pt") in err and "not a corpus saved by train-draft" in err, err
+
+
 def test_eval_draft_report_and_promotion_gate(tiny, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     with open(prompts, "w") as f:
@@ -217,6 +280,50 @@ def test_eval_draft_report_and_promotion_gate(tiny, tmp_path, capsys):
         assert cli.main(["eval-draft", "--target", tiny, "--prompts", str(prompts),
                          "--out", out] + opt) == 2, opt
         assert opt[0] in capsys.readouterr().err
+
+
+def test_eval_draft_prompt_file_errors_name_the_line(tiny, tmp_path, capsys, monkeypatch):
+    """A prompts file that is not UTF-8, and a prompt longer than the target's context (1024
+    tokens here), fail naming the file and line; the long one before any prompt is evaluated."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(json.dumps({"prompt": "fine"}).encode() + b"\n" + b'{"prompt": "\xff\xfe"}\n')
+    out = str(tmp_path / "rep")
+    assert cli.main(["eval-draft", "--target", tiny, "--draft", "ngram", "--prompts", str(bad),
+                     "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:2" in err and "UTF-8" in err and "Traceback" not in err, err
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt": "abc abc"}) + "\n\n"
+                    + json.dumps({"prompt": "the cat sat on the mat " * 60}) + "\n")
+    from pyspec.engine import Engine
+
+    calls = []
+    monkeypatch.setattr(Engine, "generate", lambda self, *a, **k: calls.append(1) or [])
+    assert cli.main(["eval-draft", "--target", tiny, "--draft", "ngram", "--prompts", str(long),
+                     "--max-tokens", "8", "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert f"{long}:3" in err and "context of 1024 tokens" in err, err
+    assert not calls  # refused before the warm-up and the first prompt
+
+
+def test_sampling_options_are_checked_before_loading(tmp_path, capsys):
+    """Bad sampling values fail naming the option before the model loads (here: none exists)."""
+    missing = str(tmp_path / "no-such-model")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    for opts, message in ((["--temperature", "nan"], "--temperature must be"),
+                          (["--temperature", "-1"], "--temperature must be")):
+        assert cli.main(["eval-draft", "--target", missing, "--prompts", str(prompts), "--out",
+                         str(tmp_path / "rep")] + opts) == 2
+        err = capsys.readouterr().err
+        assert message in err and "no-such-model" not in err, err
+    for opts, message in ((["--temperature", "-1"], "--temperature must be"),
+                          (["--top-p", "0"], "--top-p must be"),
+                          (["--min-p", "2"], "--min-p must be"),
+                          (["--top-k", "-1"], "--top-k must be")):
+        assert cli.main(["generate", "x", "--model", missing] + opts) == 2
+        err = capsys.readouterr().err
+        assert message in err and "no-such-model" not in err, err
 
 
 def test_eval_records_into_manifest(tiny, trained, tmp_path):
