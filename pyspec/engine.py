@@ -35,7 +35,8 @@ import random
 import time
 from dataclasses import dataclass, field, fields, replace
 from numbers import Integral, Real
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import (Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple,
+                    Union)
 
 import torch
 
@@ -238,6 +239,11 @@ def _as_params(params: Union[None, SamplingParams, Mapping]) -> SamplingParams:
     raise ValueError(f"params must be a SamplingParams, a dict or None; got {type(params).__name__}")
 
 
+# Stop strings are checked against the text after every token; a bound on their length bounds
+# that work per token (and no real stop sequence comes near it).
+MAX_STOP_CHARS = 1024
+
+
 def validate_params(p: SamplingParams, vocab: int) -> None:
     """ValueError naming the bad field and what is allowed."""
     if not _is_int(p.max_tokens) or p.max_tokens < 1:
@@ -261,8 +267,11 @@ def validate_params(p: SamplingParams, vocab: int) -> None:
         raise ValueError(f"seed must be None or a 64-bit signed int; got {p.seed!r}")
     if not _is_int(p.n) or not 1 <= p.n <= 64:
         raise ValueError(f"n must be an int in [1, 64]; got {p.n!r}")
-    if isinstance(p.stop_token_ids, (str, bytes)) or not isinstance(p.stop_token_ids, Iterable) \
-            or not all(_is_int(t) for t in p.stop_token_ids):
+    if isinstance(p.stop_token_ids, (str, bytes, Iterator)) or \
+            not isinstance(p.stop_token_ids, Iterable) or \
+            not all(_is_int(t) for t in p.stop_token_ids):
+        # An iterator is refused: checking it here would consume it, and the request would then
+        # silently stop on nothing.
         raise ValueError(f"stop_token_ids must be a list of ints; got {p.stop_token_ids!r}")
     stop_ids = [int(t) for t in p.stop_token_ids]
     if any(not 0 <= t < vocab for t in stop_ids):
@@ -274,6 +283,15 @@ def validate_params(p: SamplingParams, vocab: int) -> None:
             raise ValueError(f"stop must be a non-empty string or a list of them; got {stop!r}")
         if len(items) > 16:
             raise ValueError(f"stop allows at most 16 strings; got {len(items)}")
+        for s in items:
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"stop strings may have at most {MAX_STOP_CHARS} characters; "
+                                 f"got one of {len(s)}")
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"stop string {ascii(s)[:80]} is not valid Unicode text (a lone "
+                                 "surrogate): generated text can never contain it") from None
 
 
 def sample_seed(seed: int, k: int) -> int:
@@ -374,6 +392,14 @@ class Engine:
         self._need_hidden = self._hidden_layers or False
         self._layers_of = {name: layers_of(d, depth) for name, d in self.drafters.items()
                            if d.needs_hidden}
+        from pyspec.models.llama import hidden_layers
+
+        for name, layers in self._layers_of.items():
+            try:  # a custom drafter's layer list is checked now, not at every request's step
+                hidden_layers(layers, depth)
+            except ValueError as e:
+                raise ValueError(f"drafter {name!r} reads target layers {list(layers)}: {e}"
+                                 ) from None
         # Drafters with several draft sources (`A|B` parts, prompt lookup's match lengths): name
         # -> number of sources. The scheduler keeps MAX_DRAFT_SOURCES estimates per request;
         # sources beyond share the last.

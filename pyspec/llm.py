@@ -16,13 +16,15 @@ distribution of plain sampling.
 
 from __future__ import annotations
 
+import collections
+import math
 import os
 import time
 from dataclasses import dataclass, field, replace
-from numbers import Integral
+from numbers import Integral, Real
 from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
-from pyspec.engine import (Engine, RequestStats, Router, SamplingParams, _as_params,
+from pyspec.engine import (Engine, RequestStats, Router, SamplingParams, StepError, _as_params,
                            sample_seed)
 from pyspec.runner import ModelRunner
 
@@ -68,11 +70,39 @@ class SpecConfig:
     switch_below: float = 0.0
 
     def validate(self) -> None:
-        if not isinstance(self.ewma_window, int) or not 1 <= self.ewma_window <= 100_000:
-            raise ValueError(f"ewma_window must be an int in [1, 100000]; got {self.ewma_window!r}")
-        if not 0.0 <= float(self.fallback_on_alpha_below) < 1.0:
-            raise ValueError(f"fallback_on_alpha_below must be in [0, 1); got "
+        """ValueError naming the first bad field and what it allows."""
+        def is_int(v):
+            return isinstance(v, Integral) and not isinstance(v, bool)
+
+        def is_real(v):
+            return isinstance(v, Real) and not isinstance(v, bool) and math.isfinite(v)
+
+        n = self.num_speculative_tokens
+        if n is not None and (not is_int(n) or not 0 <= n <= 255):
+            raise ValueError(f"num_speculative_tokens must be None or an int in [0, 255]; got "
+                             f"{n!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive must be a bool; got {self.adaptive!r}")
+        if not is_real(self.fallback_on_alpha_below) or \
+                not 0.0 <= self.fallback_on_alpha_below < 1.0:
+            raise ValueError(f"fallback_on_alpha_below must be a number in [0, 1); got "
                              f"{self.fallback_on_alpha_below!r}")
+        if not is_int(self.ewma_window) or not 1 <= self.ewma_window <= 100_000:
+            raise ValueError(f"ewma_window must be an int in [1, 100000]; got {self.ewma_window!r}")
+        for name in ("warmup_steps", "probe_interval", "spec_disable_batch_size",
+                     "spec_token_budget"):
+            v = getattr(self, name)
+            if not is_int(v) or not 0 <= v <= 1 << 30:
+                raise ValueError(f"{name} must be an int >= 0; got {v!r}")
+        if not isinstance(self.drafters, Mapping) or not all(
+                isinstance(k, str) and k for k in self.drafters):
+            raise ValueError(f"drafters must be a dict of name -> drafter spec; got "
+                             f"{type(self.drafters).__name__}")
+        if self.router is not None and not isinstance(self.router, Router):
+            raise ValueError(f"router must be a pyspec.Router or None; got "
+                             f"{type(self.router).__name__}")
+        if not is_real(self.switch_below) or not 0.0 <= self.switch_below <= 1.0:
+            raise ValueError(f"switch_below must be a number in [0, 1]; got {self.switch_below!r}")
 
 
 @dataclass
@@ -120,6 +150,7 @@ class _Track:
         self.dec = llm.tokenizer.incremental_decoder() if llm.tokenizer is not None else None
         stop = params.stop
         self.stops = [stop] if isinstance(stop, str) else list(stop or [])
+        self._longest = max((len(s) for s in self.stops), default=0)
         self.text = ""
         self.sent = 0  # characters of text handed out so far
         self.tokens: List[int] = []
@@ -128,42 +159,75 @@ class _Track:
         self.t0 = t0
         self.t_first: Optional[float] = None
         self.t_end: Optional[float] = None
+        # Whoever steps the engine hands this request's outputs to ``sink`` (a stream's buffer),
+        # and a failed step's error to ``error``.
+        self.sink = None
+        self.error: Optional[BaseException] = None
 
     def push(self, new: List[int], finished: bool, reason: Optional[str]):
         """Returns (text delta, token delta, stopped-by-string). Text that could be the start of
-        a stop string is held back until it is known not to be one (never streamed, then cut)."""
+        a stop string is held back until it is known not to be one (never streamed, then cut).
+
+        A speculative step emits several tokens at once; they are taken one at a time, as plain
+        decoding would emit them, so a stop string ends the output at the token that completed
+        it: tokens the step accepted past that one are not output (the text and the token ids
+        are those of plain decoding, whatever the drafter)."""
         if new and self.t_first is None:
             self.t_first = time.perf_counter()
-        if self.dec is not None:
+        sent = self.sent
+        if self.stops and self.dec is not None:
+            # One pass per token (the last also flushes the decoder when the request ends; a
+            # request that ends without a new token still flushes).
+            for i in range(max(len(new), 1 if finished else 0)):
+                before = len(self.text)
+                if i < len(new):
+                    self.text += self.dec.push(new[i])
+                if finished and i >= len(new) - 1:
+                    self.text += self.dec.flush()
+                if len(self.text) == before:
+                    continue
+                # A new occurrence ends in the new text, so it starts at most len(s) - 1 before.
+                lo = max(0, before - self._longest + 1)
+                hits = [j for j in (self.text.find(s, lo) for s in self.stops) if j >= 0]
+                if hits:
+                    cut = min(hits)
+                    kept = list(new[:i + 1])
+                    self.tokens.extend(kept)
+                    self.text = self.text[:cut]
+                    self.sent = cut
+                    self.finished, self.reason = True, "stop"
+                    self.t_end = time.perf_counter()
+                    return self.text[sent:cut], kept, True
+        elif self.dec is not None:
             piece = "".join(self.dec.push(t) for t in new)
             if finished:
                 piece += self.dec.flush()
             self.text += piece
         self.tokens.extend(new)
-        sent = self.sent
-        if self.stops:
-            lo = max(0, sent - max(len(s) for s in self.stops) + 1)
-            hits = [i for i in (self.text.find(s, lo) for s in self.stops) if i >= 0]
-            if hits:
-                cut = min(hits)
-                self.text = self.text[:cut]
-                self.sent = cut
-                self.finished, self.reason = True, "stop"
-                self.t_end = time.perf_counter()
-                return self.text[sent:cut], new, True
         if finished:
             self.finished, self.reason = True, reason
             self.t_end = time.perf_counter()
             self.sent = len(self.text)
             return self.text[sent:], new, False
+        self.sent = max(sent, len(self.text) - self._held())
+        return self.text[sent:self.sent], new, False
+
+    def _held(self) -> int:
+        """Characters at the end of the text that begin some stop string (the longest such
+        run, shorter than the stop string itself)."""
         hold = 0
         for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.text)), 0, -1):
-                if self.text.endswith(s[:k]):
-                    hold = max(hold, k)
+            if len(s) < 2:
+                continue
+            tail = self.text[max(0, len(self.text) - len(s) + 1):]
+            # The earliest place in the tail from which the rest of it starts ``s``.
+            j = tail.find(s[0])
+            while j >= 0:
+                if s.startswith(tail[j:]):
+                    hold = max(hold, len(tail) - j)
                     break
-        self.sent = max(sent, len(self.text) - hold)
-        return self.text[sent:self.sent], new, False
+                j = tail.find(s[0], j + 1)
+        return hold
 
 
 class LLM:
@@ -196,8 +260,14 @@ class LLM:
         if not isinstance(block_size, int) or isinstance(block_size, bool) or \
                 not 1 <= block_size <= 1024:
             raise ValueError(f"block_size must be an int in [1, 1024]; got {block_size!r}")
-        if not isinstance(kv_cache_tokens, int) or kv_cache_tokens < block_size:
+        if not _is_id(kv_cache_tokens) or kv_cache_tokens < block_size:
             raise ValueError(f"kv_cache_tokens must be an int >= block_size; got {kv_cache_tokens!r}")
+        for name, v in (("max_num_seqs", max_num_seqs),
+                        ("max_num_batched_tokens", max_num_batched_tokens)):
+            if not _is_id(v) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1; got {v!r}")
+        if not isinstance(enable_prefix_cache, bool):
+            raise ValueError(f"enable_prefix_cache must be a bool; got {enable_prefix_cache!r}")
         if model is None or model == "default":
             from pyspec.models.default import default_model_path
 
@@ -211,7 +281,15 @@ class LLM:
         self.model_path = path
         self.model = LlamaForCausalLM.from_pretrained(path, dtype=dtype, device=device)
         self.tokenizer = Tokenizer.from_pretrained(path)
-        self.runner = ModelRunner(self.model, -(-kv_cache_tokens // block_size), block_size)
+        try:
+            self.runner = ModelRunner(self.model, -(-kv_cache_tokens // block_size), block_size)
+        except (RuntimeError, MemoryError) as e:  # torch's allocator refusing
+            cfg = self.model.cfg
+            need = (2 * kv_cache_tokens * cfg.num_hidden_layers * cfg.num_key_value_heads
+                    * cfg.head_dim * self.model.embed.element_size())
+            raise ValueError(f"kv_cache_tokens={kv_cache_tokens}: the KV cache would take "
+                             f"{need / 2**30:.1f} GiB, which could not be allocated "
+                             f"({type(e).__name__}); give fewer tokens") from None
         alpha = 2.0 / (spec.ewma_window + 1)
         self.spec = spec
         self.engine = Engine(
@@ -224,6 +302,9 @@ class LLM:
             spec_disable_batch_size=spec.spec_disable_batch_size,
             spec_token_budget=spec.spec_token_budget)
         self.load_seconds = time.perf_counter() - t0
+        # Every unfinished request of this LLM by engine id, whichever call made it: calls may
+        # interleave (a stream left open while generate() runs, two streams read in turns).
+        self._tracks: Dict[int, _Track] = {}
 
     @property
     def drafter_name(self) -> str:
@@ -273,33 +354,56 @@ class LLM:
             for k in range(p.n):
                 seed = None if p.seed is None else sample_seed(p.seed, k)
                 rids.append(self.engine.add_request(ids, replace(p, seed=seed, n=1)))
-        except ValueError:
+        except BaseException:  # a bad prompt, or a user router/drafter raising anything
             self._discard(rids)
             raise
         return rids
 
     def _discard(self, rids) -> None:
         """Abort and forget these requests (those the engine still holds)."""
-        for rid in rids:
+        for rid in list(rids):
+            self._tracks.pop(rid, None)
             try:
                 self.engine.abort(rid)
                 self.engine.result(rid, pop=True)
             except ValueError:  # never added, or already forgotten
                 pass
 
-    def _drive(self, tracks: Dict[int, _Track], on_delta=None) -> None:
+    def _step(self) -> None:
+        """One engine step. Every output goes to its own request's track, whoever stepped; a
+        failed step's requests (finished with 'error', their KV freed) get the error, and the
+        call that owns them raises it: the other requests go on."""
         eng = self.engine
-        while any(not t.finished for t in tracks.values()):
+        try:
             outs = eng.step()
-            for o in outs:
-                t = tracks.get(o.request_id)
-                if t is None or t.finished:
-                    continue
-                delta, toks, stopped = t.push(o.new_tokens, o.finished, o.finish_reason)
-                if stopped and not o.finished:
-                    eng.abort(o.request_id)  # frees its KV now
-                if on_delta is not None and (delta or toks or t.finished):
-                    on_delta(t, delta, toks)
+        except StepError as e:
+            for rid in e.request_ids:
+                t = self._tracks.pop(rid, None)
+                if t is not None:
+                    t.error = e
+            return
+        for o in outs:
+            t = self._tracks.get(o.request_id)
+            if t is None or t.finished:
+                continue
+            delta, toks, stopped = t.push(o.new_tokens, o.finished, o.finish_reason)
+            if stopped and not o.finished:
+                eng.abort(o.request_id)  # frees its KV now
+            if t.finished:
+                self._tracks.pop(o.request_id, None)
+            if t.sink is not None and (delta or toks or t.finished):
+                t.sink(delta, toks)
+
+    def _drive(self, tracks: Dict[int, _Track]) -> None:
+        """Step until every one of ``tracks`` has finished (raising the error of one that
+        failed)."""
+        while True:
+            for t in tracks.values():
+                if t.error is not None:
+                    raise t.error
+            if all(t.finished for t in tracks.values()):
+                return
+            self._step()
 
     def _collect(self, prompt, ids, rids, tracks, t0) -> GenerationOutput:
         comps = []
@@ -345,8 +449,8 @@ class LLM:
                 rids = self._submit(ids, p)
                 groups.append(rids)
                 for rid in rids:
-                    tracks[rid] = _Track(self, rid, p, t0)
-        except ValueError:
+                    tracks[rid] = self._tracks[rid] = _Track(self, rid, p, t0)
+        except BaseException:  # nothing of this call stays queued
             self._discard(tracks)
             raise
         try:
@@ -378,26 +482,26 @@ class LLM:
         t0 = time.perf_counter()
         (rid,) = self._submit(ids, p)
         track = _Track(self, rid, p, t0)
-        eng = self.engine
+        buf: collections.deque = collections.deque()
+        track.sink = lambda delta, toks: buf.append((delta, toks))
+        self._tracks[rid] = track
         done = False
         try:
-            while not track.finished:
-                for o in eng.step():
-                    if o.request_id != rid:
-                        continue
-                    delta, toks, stopped = track.push(o.new_tokens, o.finished, o.finish_reason)
-                    if stopped and not o.finished:
-                        eng.abort(rid)
-                    if track.finished:
+            while True:
+                while buf:
+                    delta, toks = buf.popleft()
+                    if track.finished and not buf:  # the finishing output is always the last
                         done = True
-                        stats = eng.result(rid, pop=True).stats
+                        stats = self.engine.result(rid, pop=True).stats
                         yield StreamChunk(delta, toks, True, track.reason, stats)
-                    elif delta or toks:
-                        yield StreamChunk(delta, toks, False, None)
+                        return
+                    yield StreamChunk(delta, toks, False, None)
+                if track.error is not None:
+                    raise track.error
+                self._step()
         finally:
             if not done:
-                eng.abort(rid)
-                eng.result(rid, pop=True)
+                self._discard([rid])
 
 
 def generate(prompt: Prompt, *, model: Optional[str] = None, draft="default",
@@ -406,6 +510,12 @@ def generate(prompt: Prompt, *, model: Optional[str] = None, draft="default",
     """One call: load the model (the embedded default unless ``model``), generate for one prompt
     and return its :class:`GenerationOutput`. ``sampling``: :class:`SamplingParams` fields. Loads
     the model on every call: keep an :class:`LLM` to generate many times."""
+    if not (isinstance(prompt, str) or isinstance(prompt, (list, tuple)) and prompt
+            and all(_is_id(t) for t in prompt)):
+        raise ValueError("generate() takes one prompt: a string or a list of token ids (for a "
+                         "batch, keep an LLM and call its generate() with a list of prompts); got "
+                         f"{type(prompt).__name__}" + (" of strings" if isinstance(prompt, (
+                             list, tuple)) and prompt and isinstance(prompt[0], str) else ""))
     llm = LLM(model, draft, spec, dtype=dtype)
     params = SamplingParams(**sampling) if sampling else None
     if chat:

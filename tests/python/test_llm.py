@@ -246,3 +246,150 @@ def test_cli_generate_compare(model_dir, capsys):
     rc = cli.main(["generate", "x", "--model", model_dir, "--draft", "nonsense"])
     assert rc == 2
     assert "unknown drafter" in capsys.readouterr().err
+
+
+def test_cli_generate_compare_one_token(model_dir, capsys):
+    """One token is all prefill: no decode speed to print, nor a decode speedup (not NaN)."""
+    rc = cli.main(["generate", "abc abc abc abc", "--model", model_dir, "--draft", "ngram",
+                   "--max-tokens", "1", "--compare", "--ignore-eos"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "nan" not in out.lower(), out
+    assert "n/a tok/s decode" in out and "decode n/a" in out and "end to end" in out, out
+
+
+def test_stop_string_token_ids_do_not_depend_on_the_drafter(model_dir):
+    """A speculative step emits several tokens at once; a stop string completed by one of them
+    ends the output at that token, as plain decoding would: the tokens the step accepted past
+    it are not output, so text *and* token ids equal plain decoding's whatever the drafter.
+    The drafter here is the target itself (every draft accepted, up to 5 tokens a step)."""
+    plain = pyspec.LLM(model_dir, draft="none", kv_cache_tokens=4096)
+    spec = pyspec.LLM(model_dir, draft=model_dir, kv_cache_tokens=4096)
+    full = plain.generate(PROMPTS[0], {"max_tokens": 40, "ignore_eos": True})[0]
+    assert len(full.text) > 30
+    checked = 0
+    for k in range(3, 30, 3):
+        stop = full.text[k:k + 2]
+        params = {"max_tokens": 40, "ignore_eos": True, "stop": stop}
+        a = plain.generate(PROMPTS[0], params)[0]
+        b = spec.generate(PROMPTS[0], params)[0]
+        assert b.stats.accepted_tokens > 0
+        assert (b.text, b.token_ids, b.finish_reason) == (a.text, a.token_ids, a.finish_reason)
+        chunks = list(spec.stream(PROMPTS[0], params))
+        assert [t for c in chunks for t in c.token_ids] == a.token_ids
+        assert "".join(c.text for c in chunks) == a.text
+        checked += a.finish_reason == "stop"
+    assert checked >= 5
+    s = spec.engine.scheduler
+    assert not s.has_unfinished and s.num_free_blocks == s.num_total_blocks
+
+
+def test_held_back_text_is_the_longest_stop_prefix():
+    """The text held back from a stream (it may begin a stop string) is the longest end of the
+    text that is a proper prefix of some stop string, checked against brute force."""
+    import random
+
+    from pyspec.llm import _Track
+
+    rng = random.Random(0)
+    for _ in range(500):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 6)))
+                 for _ in range(rng.randint(1, 3))]
+        t = _Track.__new__(_Track)
+        t.stops, t.text = stops, "".join(rng.choice("abc") for _ in range(rng.randint(0, 12)))
+        want = max([k for s in stops for k in range(1, len(s)) if t.text.endswith(s[:k])],
+                   default=0)
+        assert t._held() == want, (stops, t.text)
+
+
+def test_streams_and_generate_interleave_without_losing_tokens(llm):
+    """Every call steps the one engine: a stream left open while generate() runs, or two
+    streams read in turns, still get all their tokens (each equal to its request run alone)."""
+    p = {"max_tokens": 20, "ignore_eos": True}
+    alone = [llm.generate(x, p)[0].token_ids for x in PROMPTS[:2]]
+    s = llm.stream(PROMPTS[0], p)
+    first = next(s)
+    assert llm.generate(PROMPTS[1], p)[0].token_ids == alone[1]
+    rest = list(s)  # used to spin forever: generate() had consumed its outputs
+    assert rest[-1].finished
+    assert first.token_ids + [t for c in rest for t in c.token_ids] == alone[0]
+    s1, s2 = llm.stream(PROMPTS[0], p), llm.stream(PROMPTS[1], p)
+    got = [[], []]
+    its = [iter(s1), iter(s2)]
+    live = [0, 1]
+    while live:
+        for i in list(live):
+            c = next(its[i], None)
+            if c is None:
+                live.remove(i)
+            else:
+                got[i].extend(c.token_ids)
+    assert got == alone
+    s = llm.engine.scheduler
+    assert not s.has_unfinished and not llm._tracks and not llm.engine._reqs
+
+
+def test_a_failure_while_submitting_leaves_nothing_queued(model_dir):
+    """A router (user code) raising something other than ValueError for the third prompt: the
+    first two, already added, are removed too."""
+    def route(f):
+        if f.prompt_len > 5:
+            raise ZeroDivisionError("router bug")
+        return False
+
+    r = pyspec.Router([(route, "a")], default="a")
+    llm = pyspec.LLM(model_dir, draft="ngram", kv_cache_tokens=512,
+                     spec=pyspec.SpecConfig(drafters={"a": "ngram"}, router=r))
+    with pytest.raises(ZeroDivisionError):
+        llm.generate(["ab", "ab", "a long prompt here"], {"max_tokens": 50, "ignore_eos": True})
+    assert not llm.engine.has_unfinished() and not llm.engine._reqs and not llm._tracks
+    assert len(llm.generate("ab", {"max_tokens": 4, "ignore_eos": True})[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("params, match", [
+    ({"stop_token_ids": iter([12])}, "stop_token_ids"),
+    ({"stop": "x" * 1025}, "at most 1024"),
+    ({"stop": ["ok", "\ud800"]}, "lone surrogate"),
+])
+def test_bad_stop_params(llm, params, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(PROMPTS[0], params)
+
+
+def test_generate_shortcut_refuses_a_batch():
+    with pytest.raises(ValueError, match="one prompt"):
+        pyspec.generate(["a", "b"], max_tokens=2)  # refused before any model is loaded
+
+
+@pytest.mark.parametrize("field, value", [
+    ("num_speculative_tokens", 1.5), ("adaptive", "no"), ("fallback_on_alpha_below", "0.5"),
+    ("fallback_on_alpha_below", None), ("ewma_window", True), ("warmup_steps", 1.5),
+    ("probe_interval", -1), ("drafters", "ngram"), ("router", "ngram"),
+    ("switch_below", float("nan")),
+])
+def test_bad_spec_config_names_the_field(model_dir, field, value):
+    with pytest.raises(ValueError, match=field):
+        pyspec.LLM(model_dir, spec=pyspec.SpecConfig(**{field: value}))
+
+
+def test_bad_engine_sizes_and_drafter_layers(model_dir):
+    from pyspec.drafters.base import Draft, Drafter
+
+    for kw, name in (({"max_num_seqs": 1.5}, "max_num_seqs"),
+                     ({"max_num_batched_tokens": "x"}, "max_num_batched_tokens"),
+                     ({"enable_prefix_cache": "no"}, "enable_prefix_cache"),
+                     ({"kv_cache_tokens": 10 ** 12}, "kv_cache_tokens")):
+        with pytest.raises(ValueError, match=name):
+            pyspec.LLM(model_dir, draft="ngram", **kw)
+
+    class ReadsLayer99(Drafter):
+        name = "layer99"
+        needs_hidden = True
+        hidden_layers = (99,)
+
+        def propose(self, reqs):
+            return [Draft([r.context[-1]], [-1]) for r in reqs]
+
+    # Refused when the engine is built, naming the drafter, not at every request's step.
+    with pytest.raises(ValueError, match="layer99.*99"):
+        pyspec.LLM(model_dir, draft=ReadsLayer99())
