@@ -68,8 +68,11 @@ def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Dra
         if any(p is None for p in parts):
             raise ValueError(f"{spec!r}: 'none' cannot be part of a combined drafter")
         return (FirstDrafter if sep == "|" else MergedDrafter)(parts)
-    name, _, arg = spec.partition(":")
+    name, colon, arg = spec.partition(":")
     if name == "default":
+        if colon:
+            raise ValueError(f"draft {spec!r}: 'default' takes no argument (it is prompt lookup, "
+                             "else the shipped corpus)")
         from pyspec.models.default import default_corpus_path, default_drafter_path
 
         # Prompt lookup when the context offers a continuation (long and often right), else the
@@ -128,12 +131,18 @@ def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Dra
                 key, _, val = opt.partition("=")
                 if key != "tree":
                     raise ValueError(f"unknown draft-model option {opt!r}; allowed: tree=W")
+                if not val:
+                    raise ValueError(f"draft-model option {opt!r} needs a value: tree=W (the "
+                                     "tree width, 1 = a chain)")
                 width = _int_arg(val, "tree", 1, "=")
             tm = target_runner.model
             model = LlamaForCausalLM.from_pretrained(path, dtype=tm.dtype)
             return ModelDrafter(model, target_runner, width=width, max_depth=5)
         raise ValueError(f"{path!r} holds neither drafter.json (EAGLE/Medusa heads) nor "
                          "config.json (a draft model)")
+    if os.path.exists(path):
+        raise ValueError(f"{path!r} is a file, not a drafter folder (a folder with drafter.json "
+                         "or a draft model's config.json)")
     if os.sep in path or path.startswith((".", "~")):
         raise ValueError(f"drafter folder {path!r} does not exist")
     raise ValueError(f"unknown drafter {spec!r}; use {DRAFT_CHOICES}")

@@ -620,7 +620,11 @@ def test_merged_spec_errors(model, tmp_path):
                         ("./nope", "does not exist"),
                         (plus + "@width=abc", "width=N needs an integer"),
                         (plus + "@nodes", "'nodes' needs a value"),
-                        (plus + "@nodes=", "'nodes' needs a value")):
+                        (plus + "@nodes=", "'nodes' needs a value"),
+                        ("default:3", "takes no argument"), ("default:foo", "takes no argument"),
+                        (os.path.join(str(tmp_path), "file.txt"), "is a file")):
+        if spec.endswith("file.txt"):
+            open(spec, "w").close()
         with pytest.raises(ValueError, match=match):
             make_drafter(spec, runner)
 

@@ -218,6 +218,9 @@ def test_draft_model_folder(model_dir, tmp_path):
     out = llm.generate(PROMPTS, {"max_tokens": 16})
     for p, o in zip(PROMPTS, out):
         assert o.token_ids == plain_ref(llm, llm.tokenizer.encode(p), 16)
+    for bad in ("@tree", "@tree="):
+        with pytest.raises(ValueError, match="needs a value"):
+            pyspec.LLM(model_dir, draft=draft_dir + bad, kv_cache_tokens=4096)
     tree = pyspec.LLM(model_dir, draft=draft_dir + "@tree=3", kv_cache_tokens=4096)
     out2 = tree.generate(PROMPTS, {"max_tokens": 16})
     assert [o.token_ids for o in out2] == [o.token_ids for o in out]
