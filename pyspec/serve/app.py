@@ -10,7 +10,9 @@ Bad requests get a 4xx with an OpenAI-style error body; they never reach the eng
 
 import asyncio
 import json
+import logging
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -120,6 +122,7 @@ class EngineLoop:
                 try:
                     h.rid = self.engine.add_request(h.ids, h.params)
                 except ValueError as e:
+                    self._abort_shadow(h)
                     h.put(("error", RequestError(400, str(e))))
                     continue
                 self._live[h.rid] = h
@@ -135,6 +138,12 @@ class EngineLoop:
                 h.aborted = True
                 if h.rid is not None and h.rid in self._live:
                     self._finish(h, "abort", abort=True)
+
+    def _abort_shadow(self, h: _Handle) -> None:
+        """The live request is gone: its mirrored copy has nothing left to be compared with (and
+        would otherwise run to its max_tokens, holding the shadow engine's KV and compute)."""
+        if h.shadow_key is not None and self.shadow is not None:
+            self.shadow.abort(h.shadow_key)
 
     def _finish(self, h: _Handle, reason: Optional[str], abort: bool = False) -> None:
         eng = self.engine
@@ -152,8 +161,10 @@ class EngineLoop:
         dur = time.perf_counter() - h.t0
         ttft = (t.t_first - h.t0) if t.t_first else None
         self.metrics.request_finished(res.stats, reason, ttft, dur, len(t.tokens))
-        if h.shadow_key is not None and self.shadow is not None and ttft is not None and \
-                len(t.tokens) > 1 and reason != "abort":
+        if reason == "abort":
+            self._abort_shadow(h)
+        elif h.shadow_key is not None and self.shadow is not None and ttft is not None and \
+                len(t.tokens) > 1:
             self.shadow.live_done(h.shadow_key, (dur - ttft) / (len(t.tokens) - 1))
         if self.tracer is not None:
             self.tracer.finish(h, reason, len(t.tokens))
@@ -204,10 +215,53 @@ class EngineLoop:
             self.metrics.after_step(eng)
 
 
-def _err(e: RequestError):
-    from fastapi.responses import JSONResponse
+def _err(e: RequestError, headers=None):
+    """The OpenAI-style error response. Rendered with ``ensure_ascii``: a message may quote
+    client text holding a lone surrogate (a model name, a chat role), which has no UTF-8."""
+    from fastapi.responses import Response
 
-    return JSONResponse(e.body(), status_code=e.status)
+    return Response(json.dumps(e.body(), ensure_ascii=True, separators=(",", ":")),
+                    status_code=e.status, headers=headers, media_type="application/json")
+
+
+# Request bodies up to this size are parsed on the event loop; larger ones in a worker thread
+# (json.loads of megabytes takes long enough to stall every other client's stream).
+_PARSE_INLINE_BYTES = 256 * 1024
+
+
+def _parse_json(raw: bytes):
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise RequestError(400, "the request body is not valid UTF-8") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise RequestError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise RequestError(400, "the request body nests JSON too deeply") from None
+    except ValueError as e:  # int() of a literal past sys.get_int_max_str_digits()
+        if "digits" not in str(e):
+            raise RequestError(400, f"the request body is not valid JSON: {e}") from None
+        raise RequestError(400, "the request body holds an integer with more than "
+                                f"{sys.get_int_max_str_digits()} digits") from None
+
+
+async def _disconnected(request) -> bool:
+    """Returns when the client has gone away. The body has been read already, so the next ASGI
+    ``receive`` only returns with ``http.disconnect`` (``request.is_disconnected()`` polls with a
+    cancelled scope, which never sees it with Starlette 1.x over uvicorn's h11)."""
+    try:
+        while True:
+            msg = await request.receive()
+            if msg.get("type") == "http.disconnect":
+                return True
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # noqa: BLE001 - a server whose receive fails: stop watching, serve on
+        logging.getLogger("pyspec.serve").debug("cannot watch the connection", exc_info=True)
+        await asyncio.Event().wait()
+        return False
 
 
 # OpenAI request fields this server does not implement, with the value that means "not used":
@@ -231,15 +285,22 @@ def _get(body: dict, key: str, types, default=None, check=None, what=""):
 
 def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = "pyspec",
                prompt_log: Optional[str] = None, prompt_log_ratio: float = 0.0, tracer=None,
-               shadow_draft: Optional[str] = None, shadow_ratio: float = 0.1):
+               shadow_draft: Optional[str] = None, shadow_ratio: float = 0.1,
+               max_body_bytes: int = 16 << 20):
     """The ASGI app serving ``llm`` (a :class:`pyspec.LLM`). ``prompt_log``: append a sampled
     share of served prompts to this JSONL file (``pyspec eval-draft --prompts`` replays it).
     ``tracer``: an OpenTelemetry tracer (see :mod:`pyspec.serve.tracing`); None: no tracing.
     ``shadow_draft``: a candidate drafter run on ``shadow_ratio`` of the traffic, mirrored, its
-    acceptance and speedup exported (:mod:`pyspec.serve.shadow`)."""
+    acceptance and speedup exported (:mod:`pyspec.serve.shadow`). ``max_body_bytes``: larger
+    request bodies get a 413 (checked while they arrive, not after buffering them)."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import PlainTextResponse, StreamingResponse
+    from fastapi.responses import PlainTextResponse, Response, StreamingResponse
     from prometheus_client import generate_latest, CONTENT_TYPE_LATEST
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+    from starlette.requests import ClientDisconnect
+
+    if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be an int >= 1; got {max_body_bytes!r}")
 
     state = {"config": config or ServerConfig()}
     metrics = Metrics()
@@ -257,6 +318,7 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
     # and the KV cache less the one slot the last step writes.
     ctx_limit = min(llm.model.cfg.max_position_embeddings,
                     llm.runner.kv.num_blocks * llm.runner.block_size - 1)
+    chat_overhead = _chat_overhead(llm.tokenizer)
     el = llm.model.embed.element_size()
     metrics.memory.labels(component="target_weights").set(
         sum(t.numel() * t.element_size() for t in _model_tensors(llm.model)))
@@ -286,17 +348,25 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
     app.state.shadow = shadow
 
     async def read_json(request: Request) -> dict:
-        raw = await request.body()
+        too_big = RequestError(413, f"the request body is larger than this server's limit of "
+                                    f"{max_body_bytes} bytes", None, "request_too_large")
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+            raise too_big  # refused before any of it is read
+        chunks, size = [], 0
         try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise RequestError(400, "the request body is not valid UTF-8") from None
-        try:
-            body = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise RequestError(400, f"the request body is not valid JSON: {e}") from None
-        except RecursionError:
-            raise RequestError(400, "the request body nests JSON too deeply") from None
+            async for chunk in request.stream():  # chunked bodies have no Content-Length
+                size += len(chunk)
+                if size > max_body_bytes:
+                    raise too_big
+                chunks.append(chunk)
+        except ClientDisconnect:  # gone before its body arrived: nobody reads the answer
+            raise RequestError(499, "the client closed the connection") from None
+        raw = b"".join(chunks)
+        if len(raw) > _PARSE_INLINE_BYTES:
+            body = await asyncio.to_thread(_parse_json, raw)
+        else:
+            body = _parse_json(raw)
         if not isinstance(body, dict):
             raise RequestError(400, "the request body must be a JSON object")
         model = body.get("model")
@@ -305,11 +375,13 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
                                     f"'{model_name}'", "model", "model_not_found")
         return body
 
-    def params_from(body: dict, tenant: Optional[str], rid: str) -> SamplingParams:
-        max_tokens = _get(body, "max_tokens", int, 16, lambda v: v >= 1, "an integer >= 1")
+    def params_from(body: dict, tenant: Optional[str], rid: str,
+                    default_max_tokens: int = 16) -> SamplingParams:
+        max_tokens = _get(body, "max_tokens", int, default_max_tokens, lambda v: v >= 1,
+                          "an integer >= 1")
         if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
-            max_tokens = _get(body, "max_completion_tokens", int, 16, lambda v: v >= 1,
-                              "an integer >= 1")
+            max_tokens = _get(body, "max_completion_tokens", int, default_max_tokens,
+                              lambda v: v >= 1, "an integer >= 1")
         temperature = float(_get(body, "temperature", (int, float), 1.0,
                                  lambda v: 0 <= v <= 100, "a number in [0, 100]"))
         top_p = float(_get(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1,
@@ -351,20 +423,26 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
         stall other requests' streams); text too long to fit the context in any tokenization
         is refused without tokenizing it."""
         if chars > ctx_limit * llm.tokenizer.max_token_chars:
+            what = "prompt has" if field == "prompt" else "messages render to at least"
             raise RequestError(400, f"this model's maximum context length is {ctx_limit} "
-                                    f"tokens; the {field} has {chars} characters, more than "
+                                    f"tokens; the {what} {chars} characters, more than "
                                     "that many tokens can hold", field, "context_length_exceeded")
         try:
             return await asyncio.to_thread(fn, arg)
         except ValueError as e:
             raise RequestError(400, str(e), field) from None
 
-    def check_prompt(ids: List[int], p: SamplingParams) -> None:
+    def check_prompt(ids: List[int], p: SamplingParams, field: str = "prompt") -> None:
         if not ids:
-            raise RequestError(400, "the prompt is empty", "prompt")
+            raise RequestError(400, "the prompt is empty", field)
         if any(not 0 <= t < llm.engine.vocab_size for t in ids):
             raise RequestError(400, f"prompt token ids must be in [0, {llm.engine.vocab_size})",
-                               "prompt")
+                               field)
+        if len(ids) >= ctx_limit:  # no room for one token, whatever max_tokens says
+            what = "prompt has" if field == "prompt" else "messages render to"
+            raise RequestError(400, f"this model's maximum context length is {ctx_limit} "
+                                    f"tokens; the {what} {len(ids)} tokens, which leaves no "
+                                    "room for a completion", field, "context_length_exceeded")
         if len(ids) + p.max_tokens > ctx_limit:
             raise RequestError(400, f"this model's maximum context length is {ctx_limit} "
                                     f"tokens; the prompt has {len(ids)} and max_tokens is "
@@ -401,24 +479,14 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
             handles.append(h)
             loop_.submit(h)
 
-        async def next_item(h, poll: bool):
-            # Streaming: Starlette cancels the response (and runs our finally) when the client
-            # goes away; polling the request there would race with that listener. Otherwise poll.
-            if not poll:
-                return await h.queue.get()
-            while True:
-                try:
-                    return await asyncio.wait_for(h.queue.get(), timeout=0.25)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        raise ConnectionAbortedError() from None
-
         if stream:
+            # Starlette cancels the response (and so runs the finally below) when the client goes
+            # away; a watcher of our own here would race with its listener for the message.
             async def gen():
                 done = [False] * len(handles)
                 pending = {}
                 try:
-                    pending = {asyncio.ensure_future(next_item(h, False)): i
+                    pending = {asyncio.ensure_future(h.queue.get()): i
                                for i, h in enumerate(handles)}
                     while pending:
                         finished, _ = await asyncio.wait(pending,
@@ -437,7 +505,7 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
                             if fin:
                                 done[i] = True
                             else:
-                                pending[asyncio.ensure_future(next_item(handles[i], False))] = i
+                                pending[asyncio.ensure_future(handles[i].queue.get())] = i
                     if include_usage:
                         n_out = sum(len(h.track.tokens) for h in handles)
                         yield "data: " + json.dumps(usage_chunk(
@@ -453,12 +521,28 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
 
             return StreamingResponse(gen(), media_type="text/event-stream")
 
+        # Not streaming: nothing is sent until the end, so nothing notices a client that went
+        # away unless we watch the connection, racing it against the handles' queues.
+        watcher = asyncio.ensure_future(_disconnected(request))
+        getter = None
         results = [None] * len(handles)
         try:
             for i, h in enumerate(handles):
                 text, toks = "", []
                 while True:
-                    item = await next_item(h, True)
+                    if h.queue.empty():
+                        getter = asyncio.ensure_future(h.queue.get())
+                        await asyncio.wait((getter, watcher), return_when=asyncio.FIRST_COMPLETED)
+                        if not getter.done():
+                            # The client is gone: free the engine, answer nobody (no traceback,
+                            # 499 as nginx logs it).
+                            for h2 in handles:
+                                loop_.abort(h2)
+                            return Response(status_code=499)
+                        item = getter.result()
+                        getter = None
+                    else:
+                        item = h.queue.get_nowait()
                     if item[0] == "error":
                         raise item[1]
                     _, delta, t, fin, reason = item
@@ -471,6 +555,10 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
             for h in handles:
                 loop_.abort(h)
             raise
+        finally:
+            watcher.cancel()
+            if getter is not None:
+                getter.cancel()
         return make_final(results, handles)
 
     def stream_usage(body) -> bool:
@@ -500,6 +588,20 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
     @app.exception_handler(RequestError)
     async def _on_request_error(request, exc: RequestError):
         return _err(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http_error(request, exc: StarletteHTTPException):
+        # Unknown paths (404) and methods (405) in the OpenAI error shape, not FastAPI's
+        # {"detail": ...}; the 405's Allow header is kept.
+        if exc.status_code == 404:
+            msg = f"unknown endpoint {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            msg = f"method {request.method} is not allowed on {request.url.path}"
+        else:
+            msg = str(exc.detail)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        kind = "server_error" if exc.status_code >= 500 else "invalid_request_error"
+        return _err(RequestError(exc.status_code, msg, None, code, kind), headers=exc.headers)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -549,11 +651,14 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
         rid = "chatcmpl-" + uuid.uuid4().hex
         tenant = request.headers.get("x-tenant")
         msgs = body.get("messages")
-        chars = sum(len(m["content"]) for m in msgs if isinstance(m, dict) and
-                    isinstance(m.get("content"), str)) if isinstance(msgs, list) else 0
-        ids = await tokenize(llm.chat_prompt, msgs, chars, "messages")
-        p = params_from(body, tenant, rid)
-        check_prompt(ids, p)
+        if isinstance(msgs, list) and len(msgs) > ctx_limit:  # each renders to a token or more
+            raise RequestError(400, f"this model's maximum context length is {ctx_limit} "
+                                    f"tokens; the request has {len(msgs)} messages",
+                               "messages", "context_length_exceeded")
+        ids = await tokenize(llm.chat_prompt, msgs, _chat_chars(msgs, chat_overhead), "messages")
+        # OpenAI's chat API has no max_tokens default: the reply may fill the context.
+        p = params_from(body, tenant, rid, max(1, ctx_limit - len(ids)))
+        check_prompt(ids, p, "messages")
         log_prompt("chat", msgs)
         created = int(time.time())
         first = set()
@@ -586,7 +691,7 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
         return {"object": "list", "data": [{"id": model_name, "object": "model",
                                             "created": 0, "owned_by": "pyspec"}]}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
     async def health():
         return {"status": "ok"}
 
@@ -596,6 +701,48 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
                                  media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _chat_overhead(tokenizer):
+    """What the chat template adds per message besides its role and text, measured once by
+    rendering one and two empty messages: (characters, whether the template renders the role).
+    The second message is a user's, or an assistant's for templates that insist on alternating
+    roles; (0, True) when the template cannot be measured (none, or it refuses both)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return 0, True
+    for second in ("user", "assistant"):
+        try:
+            one = tokenizer.apply_chat_template([{"role": "user", "content": ""}])
+            two = tokenizer.apply_chat_template([{"role": "user", "content": ""},
+                                                 {"role": second, "content": ""}])
+        except Exception:  # noqa: BLE001 - any template error: try the next, then give up
+            continue
+        with_role = two.count(second) > one.count(second)
+        return max(0, len(two) - len(one) - (len(second) if with_role else 0)), with_role
+    return 0, True
+
+
+def _chat_chars(msgs, overhead) -> int:
+    """A lower bound on the characters the chat template renders for ``msgs``: roles (when the
+    template renders them), the text of the content (a string, or a list of text parts), and the
+    template's per-message overhead, so that many tiny messages count too. Compared against the
+    context (see ``tokenize``) before anything is rendered or tokenized."""
+    if not isinstance(msgs, list):
+        return 0
+    per_message, with_role = overhead
+    chars = per_message * len(msgs)
+    for m in msgs:
+        if not isinstance(m, dict):
+            continue
+        if with_role and isinstance(m.get("role"), str):
+            chars += len(m["role"])
+        c = m.get("content")
+        if isinstance(c, str):
+            chars += len(c)
+        elif isinstance(c, list):
+            chars += sum(len(part["text"]) for part in c if isinstance(part, dict) and
+                         isinstance(part.get("text"), str))
+    return chars
 
 
 def _model_tensors(model):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import signal
 
 log = logging.getLogger("pyspec.serve")
@@ -28,7 +29,8 @@ def build(args):
     app = create_app(llm, cfg, model_name=args.served_model_name,
                      prompt_log=args.prompt_log, prompt_log_ratio=args.prompt_log_ratio,
                      tracer=tracer_from_env(args.otlp_endpoint), shadow_draft=args.shadow_draft,
-                     shadow_ratio=args.shadow_ratio)
+                     shadow_ratio=args.shadow_ratio,
+                     max_body_bytes=int(args.max_body_mb * (1 << 20)))
     return llm, app
 
 
@@ -62,6 +64,8 @@ def cmd_serve(args) -> int:
 
     if not 0 <= args.prompt_log_ratio <= 1:
         raise ValueError("--prompt-log-ratio must be in [0, 1]")
+    if not (math.isfinite(args.max_body_mb) and args.max_body_mb * (1 << 20) >= 1):
+        raise ValueError(f"--max-body-mb must be a number > 0; got {args.max_body_mb}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535]; got {args.port}")
     logging.basicConfig(level=logging.INFO)
@@ -87,6 +91,8 @@ def add_parser(sub):
     p.add_argument("--prompt-log", default=None,
                    help="append a sampled share of prompts to this JSONL (eval-draft replays it)")
     p.add_argument("--prompt-log-ratio", type=float, default=0.0)
+    p.add_argument("--max-body-mb", type=float, default=16.0,
+                   help="largest request body accepted, in MiB (larger: 413)")
     p.add_argument("--shadow-draft", default=None,
                    help="shadow mode: a candidate drafter run on mirrored traffic (responses "
                         "untouched); metrics labelled drafter=\"candidate\"")

@@ -6,6 +6,8 @@ Its outputs are discarded; its drafts, accepted tokens, acceptance length and sp
 under ``drafter="<name>"``. The speedup is the live request's decode time per output token divided by
 the mirrored copy's, both measured on this machine at the same time, so it reads "how much faster
 would this traffic be with the candidate" (an estimate: the two engines share the CPU/GPU).
+A mirrored copy ends where its live request does: at the live request's stop strings (applied
+here as the live engine loop applies them), and at once when the live request is aborted.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class Shadow:
 
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"shadow ratio must be in [0, 1]; got {ratio}")
+        self.llm = llm  # its tokenizer detokenizes for stop strings
         runner = ModelRunner(llm.model, llm.runner.kv.num_blocks, llm.runner.block_size)
         self.engine = Engine(runner, drafter=draft_spec, max_num_seqs=16)
         self.name = name
@@ -75,7 +78,12 @@ class Shadow:
         return h / float(1 << 64) < self.ratio
 
     def mirror(self, key: str, ids, params) -> None:
-        self._q.put((key, list(ids), replace(params, speculative=True)))
+        self._q.put(("add", key, list(ids), replace(params, speculative=True)))
+
+    def abort(self, key: str) -> None:
+        """The live request ``key`` was aborted (its client went away): drop its copy (queued
+        after the copy's ``mirror``, so it finds it however far it got)."""
+        self._q.put(("abort", key))
 
     def live_done(self, key: str, tpot: Optional[float]) -> None:
         if tpot is None:
@@ -94,8 +102,11 @@ class Shadow:
         self.m_speedup.set(self._speedup)
 
     def _run(self):
+        from pyspec.llm import _Track
+
         eng = self.engine
-        live: Dict[int, tuple] = {}  # engine id -> (key, t0, t_first)
+        live: Dict[int, list] = {}  # engine id -> [key, t0, t_first, stop-string tracker]
+        ids_of: Dict[str, int] = {}  # key -> engine id, for aborts
         while not self._stop:
             block = not live
             while True:
@@ -106,11 +117,20 @@ class Shadow:
                 block = False
                 if item is None:
                     return
-                key, ids, p = item
+                if item[0] == "abort":
+                    self._drop(live, ids_of, item[1])
+                    continue
+                _, key, ids, p = item
                 try:
-                    live[eng.add_request(ids, p)] = [key, time.perf_counter(), None]
+                    rid = eng.add_request(ids, p)
                 except ValueError as e:
                     log.warning("shadow: could not mirror a request: %s", e)
+                    continue
+                t0 = time.perf_counter()
+                # The engine knows stop tokens only; stop strings are the serving loop's, so the
+                # copy would otherwise run on to max_tokens past where its live request stopped.
+                live[rid] = [key, t0, None, _Track(self.llm, rid, p, t0) if p.stop else None]
+                ids_of[key] = rid
             if not live:
                 continue
             try:
@@ -121,6 +141,7 @@ class Shadow:
                     eng.abort(rid)
                     eng.result(rid, pop=True)
                 live.clear()
+                ids_of.clear()
                 continue
             now = time.perf_counter()
             for o in outs:
@@ -129,9 +150,17 @@ class Shadow:
                     continue
                 if o.new_tokens and ent[2] is None:
                     ent[2] = now
-                if o.finished:
+                track = ent[3]
+                stopped = False
+                if track is not None and not o.finished:
+                    track.push(o.new_tokens, False, None)
+                    stopped = track.finished
+                if o.finished or stopped:
+                    if stopped:
+                        eng.abort(o.request_id)
                     res = eng.result(o.request_id, pop=True)
                     del live[o.request_id]
+                    ids_of.pop(ent[0], None)
                     st = res.stats
                     self.m_requests.inc()
                     self.m_drafts.inc(st.drafts)
@@ -141,8 +170,19 @@ class Shadow:
                     self._accepted += st.accepted_tokens
                     if self._drafts:
                         self.m_al.set(1 + self._accepted / self._drafts)
-                    n = len(res.token_ids)
+                    # Tokens past a stop string (accepted in the same step) are not output.
+                    n = len(track.tokens) if stopped else len(res.token_ids)
                     if n > 1 and ent[2] is not None:
                         with self._lock:
                             self._shadow_tpot[ent[0]] = (now - ent[2]) / (n - 1)
                             self._pair(ent[0])
+
+    def _drop(self, live, ids_of, key) -> None:
+        rid = ids_of.pop(key, None)
+        if rid is not None and rid in live:
+            del live[rid]
+            self.engine.abort(rid)
+            self.engine.result(rid, pop=True)
+        with self._lock:  # an aborted live request is never paired
+            self._live_tpot.pop(key, None)
+            self._shadow_tpot.pop(key, None)

@@ -1,10 +1,13 @@
 """pyspec serve on 127.0.0.1 with a tiny random model, driven by the real `openai` client: chat and
 completions, streaming, stop sequences, 16 concurrent mixed requests each equal (greedy) to running
 it alone, a mid-stream disconnect freeing its KV, bad requests (4xx with an OpenAI error body) while
-the server keeps serving, config validation and the metrics endpoint."""
+the server keeps serving, config validation and the metrics endpoint; then non-streaming
+disconnects, body size limits, chat pre-checks, max_tokens defaults and shadow copies that end
+with their live request."""
 
 import concurrent.futures as cf
 import json
+import logging
 import socket
 import threading
 import time
@@ -471,3 +474,256 @@ def test_engine_counters_become_metric_deltas():
     assert get("pyspec_spec_decode_num_drafts_total") == 5
     assert get("pyspec_spec_decode_fallbacks_total", {"reason": "drafter_error"}) == 1
     assert get("pyspec_num_requests_running") == 1
+
+
+# ---- client disconnects, body limits, odd input (reviewed defects) ----
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A server with a 255-token context and a 4 KiB body limit."""
+    path = write_tiny_model(tmp_path_factory.mktemp("serve-small"))
+    llm = pyspec.LLM(path, draft="ngram", kv_cache_tokens=256)
+    app = create_app(llm, max_body_bytes=4096)
+    srv, th, base = _start(app)
+    yield dict(llm=llm, app=app, base=base, ctx=255)
+    srv.should_exit = True
+    th.join(timeout=10)
+
+
+def test_non_streaming_disconnect_aborts_request(server, monkeypatch, caplog):
+    """A non-streaming client that gives up: the request is aborted (not run to max_tokens),
+    quietly (no error logged)."""
+    base = server["base"]
+    eng = server["llm"].engine
+    real_step = eng.step
+
+    def slow_step():  # 900 tokens, at most 6 a step: > 7 s
+        time.sleep(0.05)
+        return real_step()
+
+    monkeypatch.setattr(eng, "step", slow_step)
+    aborted = metric_or_zero(base, 'pyspec_requests_total{finish_reason="abort"}')
+    uv = logging.getLogger("uvicorn.error")  # (does not propagate to the root logger)
+    uv.addHandler(caplog.handler)
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(base + "/v1/completions", timeout=1.0,
+                       json={"prompt": "abc abc", "max_tokens": 900, "temperature": 0,
+                             "ignore_eos": True, "n": 2})
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 4:
+            if metric(base, "pyspec_num_requests_running") == 0:
+                break
+            time.sleep(0.05)
+        time.sleep(0.2)  # (the handler's return after the abort)
+    finally:
+        uv.removeHandler(caplog.handler)
+    assert metric(base, "pyspec_num_requests_running") == 0
+    assert metric(base, 'pyspec_requests_total{finish_reason="abort"}') == aborted + 2
+    assert not [r for r in caplog.records if r.levelno >= 40], caplog.records
+
+
+def test_body_size_limit(small):
+    url = small["base"] + "/v1/completions"
+    ok = json.dumps({"prompt": "x", "max_tokens": 1, "pad": "x" * 3000}).encode()
+    assert httpx.post(url, content=ok).status_code == 200
+    big = json.dumps({"prompt": "x", "max_tokens": 1, "pad": "x" * 5000}).encode()
+    r = httpx.post(url, content=big)  # Content-Length says it: refused before reading
+    assert r.status_code == 413 and "4096" in r.json()["error"]["message"], r.text
+
+    def chunks():  # chunked: no Content-Length, counted while it arrives
+        for i in range(0, len(big), 1000):
+            yield big[i:i + 1000]
+
+    r = httpx.post(url, content=chunks())
+    assert r.status_code == 413 and "4096" in r.json()["error"]["message"], r.text
+    assert httpx.post(url, content=ok).status_code == 200
+
+
+def test_default_body_limit_and_large_bodies_parsed_off_the_loop(server, monkeypatch):
+    url = server["base"] + "/v1/completions"
+    r = httpx.post(url, content=b" " * (16 * 1024 * 1024 + 1),
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 413, r.text
+    on_loop = []
+    real = json.loads
+
+    def loads(s, *a, **k):
+        if len(s) > 256 * 1024:
+            import asyncio
+
+            try:
+                asyncio.get_running_loop()
+                on_loop.append(True)
+            except RuntimeError:
+                on_loop.append(False)
+        return real(s, *a, **k)
+
+    monkeypatch.setattr(json, "loads", loads)
+    body = json.dumps({"prompt": "x", "max_tokens": 1, "pad": "y" * (300 * 1024)})
+    r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert on_loop == [False]
+
+
+def test_many_chat_messages_refused_before_rendering(server, monkeypatch):
+    """The pre-check counts what the template renders (roles, text parts, per-message markup),
+    so many small messages are refused without rendering or tokenizing them."""
+    llm = server["llm"]
+    calls = []
+    monkeypatch.setattr(llm, "chat_prompt", lambda m: calls.append(1) or [1])
+    url = server["base"] + "/v1/chat/completions"
+    for msgs in ([{"role": "user", "content": ""}] * 600,  # < ctx_limit messages, empty
+                 [{"role": "user", "content": ""}] * 200000,
+                 [{"role": "user", "content": [{"type": "text", "text": "x" * 40}]}] * 400,
+                 [{"role": "assistant" * 20, "content": ""}] * 100):
+        t0 = time.perf_counter()
+        r = httpx.post(url, json={"messages": msgs, "max_tokens": 2}, timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "messages" and err["code"] == "context_length_exceeded", err
+        assert time.perf_counter() - t0 < 5
+    assert not calls
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", 400, None),
+    (b'{"prompt": "x", "other": [' + b"1" * 4301 + b"]}", 400, None),
+    (b'{"model": "\\ud800", "prompt": "x"}', 404, "model"),
+], ids=["int-max-tokens", "int-anywhere", "surrogate-model"])
+def test_huge_integers_and_surrogates_in_errors_get_4xx(server, body, status, param):
+    r = httpx.post(server["base"] + "/v1/completions", content=body,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"], err
+    if status == 400:
+        assert "digits" in err["message"]
+
+
+def test_chat_surrogate_role_is_a_400(server):
+    r = httpx.post(server["base"] + "/v1/chat/completions",
+                   content=b'{"messages": [{"role": "\\ud800", "content": "hi"}], '
+                           b'"max_tokens": 2}',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+
+
+def test_unknown_routes_and_methods_get_openai_errors(server):
+    base = server["base"]
+    for method, path, status in (("GET", "/nope", 404), ("POST", "/v1/nope", 404),
+                                 ("GET", "/v1/completions", 405), ("POST", "/health", 405)):
+        r = httpx.request(method, base + path)
+        assert r.status_code == status, (method, path, r.text)
+        err = r.json()["error"]
+        assert err["message"] and err["type"] == "invalid_request_error" and "param" in err
+    assert "POST" in httpx.get(base + "/v1/completions").headers["allow"]
+    r = httpx.head(base + "/health")
+    assert r.status_code == 200 and r.content == b""
+
+
+def test_max_tokens_defaults_and_context_errors(small):
+    """Chat with no max_tokens may fill the context (OpenAI's chat API has no default);
+    completions keep the legacy default of 16. A prompt past the context is named as such."""
+    base, ctx = small["base"], small["ctx"]
+    r = httpx.post(base + "/v1/chat/completions", timeout=60,
+                   json={"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    u = r.json()["usage"]
+    assert u["completion_tokens"] == ctx - u["prompt_tokens"]
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "ignore_eos": True})
+    assert r.json()["usage"]["completion_tokens"] == 16
+    long_text = "hello world " * 200  # > 255 tokens, < 255 * max_token_chars characters
+    assert len(small["llm"].tokenizer.encode(long_text)) > ctx
+    for path, body, param in (
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": long_text}]},
+             "messages"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": long_text}],
+                                      "max_tokens": 5}, "messages"),
+            ("/v1/completions", {"prompt": long_text, "max_tokens": 5}, "prompt"),
+            ("/v1/completions", {"prompt": "hi", "max_tokens": ctx}, "max_tokens")):
+        r = httpx.post(base + path, json=body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and err["code"] == "context_length_exceeded", (body, err)
+
+
+def _shadow_server(server, tmp_path):
+    import shutil
+
+    cand = str(tmp_path / "cand")
+    shutil.copytree(server["path"], cand)
+    llm = pyspec.LLM(server["path"], draft="none", kv_cache_tokens=4096)
+    app = create_app(llm, shadow_draft=cand, shadow_ratio=1.0)
+    srv, th, base = _start(app)
+    return llm, app, srv, th, base
+
+
+def test_shadow_copy_aborted_with_its_live_request(server, tmp_path, monkeypatch):
+    llm, app, srv, th, base = _shadow_server(server, tmp_path)
+    sh = app.state.shadow.engine
+    real = sh.step
+
+    def slow_step():  # the copies (everything accepted: ~6 tokens a step) run > 10 s
+        time.sleep(0.05)
+        return real()
+
+    monkeypatch.setattr(sh, "step", slow_step)
+    try:
+        with httpx.stream("POST", base + "/v1/completions",
+                          json={"prompt": "abc abc", "max_tokens": 900, "stream": True, "n": 2,
+                                "temperature": 0, "ignore_eos": True}) as r:
+            lines = r.iter_lines()  # (closing this iterator would close the connection)
+            while not next(lines).startswith("data: "):
+                pass
+            for _ in range(100):
+                if sh.scheduler.num_running == 2:
+                    break
+                time.sleep(0.02)
+            assert sh.scheduler.num_running == 2
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 3:
+            if sh.scheduler.num_running + sh.scheduler.num_waiting == 0:
+                break
+            time.sleep(0.05)
+        assert sh.scheduler.num_running + sh.scheduler.num_waiting == 0
+        assert metric(base, 'pyspec_shadow_requests_total{drafter="candidate"}') == 0
+    finally:
+        srv.should_exit = True
+        th.join(timeout=10)
+
+
+def test_shadow_copy_applies_stop_strings(server, tmp_path, monkeypatch):
+    llm, app, srv, th, base = _shadow_server(server, tmp_path)
+    sh = app.state.shadow.engine
+    real = sh.result
+    lengths = []
+
+    def result(rid, pop=False):
+        res = real(rid, pop=pop)
+        if pop:
+            lengths.append(len(res.token_ids))
+        return res
+
+    monkeypatch.setattr(sh, "result", result)
+    try:
+        body = {"prompt": "abc abc", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        text = httpx.post(base + "/v1/completions", json=body, timeout=30).json()[
+            "choices"][0]["text"]
+        stop = text[10:14]
+        assert len(stop) == 4
+        r = httpx.post(base + "/v1/completions", timeout=30,
+                       json={**body, "max_tokens": 600, "stop": stop}).json()
+        assert r["choices"][0]["finish_reason"] == "stop"
+        assert r["choices"][0]["text"] == text[:text.index(stop)]
+        for _ in range(200):
+            if len(lengths) == 2:
+                break
+            time.sleep(0.05)
+        assert len(lengths) == 2 and lengths[0] == 40
+        # (at most one step's tokens past the stop string; 600 without it)
+        assert lengths[1] <= r["usage"]["completion_tokens"] + sh.gamma + 1
+    finally:
+        srv.should_exit = True
+        th.join(timeout=10)
