@@ -29,6 +29,7 @@ to 256 on a generic kernel. The plan itself is always built from cpu metadata.
 from __future__ import annotations
 
 import math
+from numbers import Integral
 from typing import Optional, Sequence, Union
 
 import torch
@@ -89,6 +90,13 @@ def plan_attention(
     """
     if num_blocks is None:
         raise ValueError("'num_blocks' is required (the number of pages in the KV pool)")
+    for name, v in (("block_size", block_size), ("num_blocks", num_blocks),
+                    ("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads),
+                    ("num_threads", num_threads), ("min_kv_chunk", min_kv_chunk)):
+        # int(4.9) would silently plan with 4; a value past int32 gets pybind's signature dump
+        if v is not None and (not isinstance(v, Integral) or isinstance(v, bool)
+                              or not -(1 << 31) <= v < (1 << 31)):
+            raise ValueError(f"'{name}' must be an int (32-bit); got {v!r}")
     if (num_q_heads is None) != (num_kv_heads is None):
         raise ValueError("give both 'num_q_heads' and 'num_kv_heads' or neither")
     q_indptr = _index(q_indptr, "q_indptr")

@@ -51,7 +51,20 @@ def _int_tensor(x, name: str, dtype: torch.dtype, ndim: int) -> torch.Tensor:
         raise ValueError(f"'{name}' must have an integer dtype; got {x.dtype}")
     if x.dim() != ndim:
         raise ValueError(f"'{name}' must be {ndim}-D; got shape {list(x.shape)}")
+    _check_fits(x, name, dtype)
     return x.to(dtype).contiguous()
+
+
+def _check_fits(x: torch.Tensor, name: str, dtype: torch.dtype) -> None:
+    """ValueError when an integer tensor holds values ``dtype`` cannot (a cast would wrap them:
+    2^32 + 1 to 1, silently another token or another tree)."""
+    if x.dtype == dtype or x.numel() == 0 or dtype not in (torch.int32, torch.int64):
+        return
+    info = torch.iinfo(dtype)
+    lo, hi = int(x.min()), int(x.max())
+    if lo < info.min or hi > info.max:
+        raise ValueError(f"'{name}' holds {lo if lo < info.min else hi}, outside the "
+                         f"{dtype} range the kernel reads")
 
 
 def _per_row(value, n: int, name: str, dtype: torch.dtype, device, kind) -> torch.Tensor:
@@ -63,6 +76,8 @@ def _per_row(value, n: int, name: str, dtype: torch.dtype, device, kind) -> torc
             raise ValueError(f"'{name}' must be a scalar or have shape [{n}]; got {list(value.shape)}")
         if kind is Integral and value.is_floating_point():
             raise ValueError(f"'{name}' must have an integer dtype; got {value.dtype}")
+        if kind is Integral:
+            _check_fits(value, name, dtype)
         return value.to(device=device, dtype=dtype).contiguous()
     if kind is bool:
         if not isinstance(value, (bool, Integral)):
@@ -70,6 +85,9 @@ def _per_row(value, n: int, name: str, dtype: torch.dtype, device, kind) -> torc
         return torch.full((n,), bool(value), dtype=dtype, device=device)
     if not _is_scalar(value, kind):
         raise ValueError(f"'{name}' must be a number or a [{n}] tensor; got {type(value).__name__}")
+    limit = torch.iinfo(dtype) if kind is Integral else torch.finfo(dtype)
+    if not limit.min <= value <= limit.max:  # torch.full would raise an overflow RuntimeError
+        raise ValueError(f"'{name}' = {value!r} is outside the {dtype} range the kernel reads")
     return torch.full((n,), value, dtype=dtype, device=device)
 
 

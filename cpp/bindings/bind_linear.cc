@@ -37,6 +37,8 @@ bad argument; RuntimeError for CUDA tensors.)doc");
          py::handle v) {
         const TensorView a = ToView(qkv, "qkv"), c = ToView(cos, "cos"), s = ToView(sin, "sin");
         const TensorView qv = ToView(q, "q"), kv = ToView(k, "k"), vv = ToView(v, "v");
+        CheckNoOverlap({{&qv, "q"}, {&kv, "k"}, {&vv, "v"}},
+                       {{&a, "qkv"}, {&c, "cos"}, {&s, "sin"}});
         py::gil_scoped_release release;
         RotaryQKV(a, c, s, qv, kv, vv);
       },
@@ -51,6 +53,13 @@ rounding. Raises ValueError naming the bad argument; RuntimeError for CUDA tenso
         const TensorView xv = ToView(x, "x"), wv = ToView(w, "w"), ov = ToView(out, "out");
         std::optional<TensorView> bv;
         if (!bias.is_none()) bv = ToView(bias, "bias");
+        // `out` may be `x` (the kernel reads x into registers first) but not the weights or
+        // the bias, which are read while the output is written.
+        if (bv) {
+          CheckNoOverlap({{&ov, "out"}}, {{&wv, "w"}, {&*bv, "bias"}});
+        } else {
+          CheckNoOverlap({{&ov, "out"}}, {{&wv, "w"}});
+        }
         py::gil_scoped_release release;
         Linear(xv, wv, bv ? &*bv : nullptr, ov);
       },
@@ -58,7 +67,7 @@ rounding. Raises ValueError naming the bad argument; RuntimeError for CUDA tenso
       R"doc(Dense layer ``out = x @ w.T + bias``, written into ``out`` in place.
 
 x [M, K], w [N, K], bias [N] or None, out [M, N]: contiguous cpu tensors of one dtype (float32,
-bfloat16 or float16); fp32 accumulation, one rounding per output. Tuned for small M (decoding):
+bfloat16 or float16; out may be x, not w or bias); fp32 accumulation, one rounding per output. Tuned for small M (decoding):
 each weight row is read from memory once per call, output rows are split over the thread pool.
 Correct for any M, but for M above a few dozen a GEMM library is faster (pyspec.linear routes
 those to torch). Raises ValueError naming the bad argument; RuntimeError for CUDA tensors (not implemented

@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "pyspec/check.h"
 
@@ -153,6 +154,37 @@ TensorView ToView(py::handle obj, const char* name) {
     stride *= dl.shape[d];
   }
   return v;
+}
+
+// The bytes a view can touch, [lo, hi) (empty for a view without elements).
+std::pair<uintptr_t, uintptr_t> ByteSpan(const TensorView& v) {
+  int64_t lo = 0, hi = 0;
+  for (int d = 0; d < v.ndim; ++d) {
+    if (v.shape[d] == 0) return {0, 0};
+    const int64_t reach = (v.shape[d] - 1) * v.strides[d];
+    (reach < 0 ? lo : hi) += reach;
+  }
+  const int64_t size = DTypeSize(v.dtype);
+  const auto base = reinterpret_cast<uintptr_t>(v.data);
+  return {base + static_cast<uintptr_t>(lo * size), base + static_cast<uintptr_t>((hi + 1) * size)};
+}
+
+// The op writes its outputs while it still reads its inputs (and the GIL is released): an output
+// that shares memory with an input, or with another output, is refused.
+void CheckNoOverlap(std::initializer_list<std::pair<const TensorView*, const char*>> outs,
+                    std::initializer_list<std::pair<const TensorView*, const char*>> ins) {
+  std::vector<std::pair<const TensorView*, const char*>> seen(ins);
+  for (const auto& o : outs) {
+    const auto a = ByteSpan(*o.first);
+    for (const auto& i : seen) {
+      const auto b = ByteSpan(*i.first);
+      PYSPEC_CHECK(a.first == a.second || b.first == b.second || a.second <= b.first ||
+                       b.second <= a.first,
+                   "'", o.second, "' shares memory with '", i.second,
+                   "'; the outputs must be separate tensors");
+    }
+    seen.push_back(o);
+  }
 }
 
 }  // namespace bindings

@@ -3,6 +3,10 @@
 
 #include <pybind11/pybind11.h>
 
+#include <cstdint>
+#include <initializer_list>
+#include <utility>
+
 #include "pyspec/tensor_view.h"
 
 namespace pyspec {
@@ -11,6 +15,14 @@ namespace bindings {
 // Reads the tensor's DLPack description without copying data. The caller must keep `obj` alive while
 // the view is used (Python arguments are alive for the whole call). `name` is used in errors.
 TensorView ToView(pybind11::handle obj, const char* name);
+
+// The bytes a view can touch, [lo, hi) (empty for a view without elements).
+std::pair<uintptr_t, uintptr_t> ByteSpan(const TensorView& v);
+
+// For ops that write outputs while still reading inputs (with the GIL released): ValueError when
+// an output shares memory with an input or with another output.
+void CheckNoOverlap(std::initializer_list<std::pair<const TensorView*, const char*>> outs,
+                    std::initializer_list<std::pair<const TensorView*, const char*>> ins);
 
 }  // namespace bindings
 }  // namespace pyspec

@@ -557,3 +557,22 @@ def test_cuda_acceptance_equals_cpu_for_the_same_seeds():
         assert torch.equal(gpu.accepted_nodes.cpu(), cpu.accepted_nodes)
         assert torch.equal(gpu.emitted_tokens.cpu(), cpu.emitted_tokens)
         assert int(cpu.num_accepted.sum()) > b // 10
+
+
+def test_wrappers_refuse_values_a_cast_would_wrap():
+    """The Python wrappers cast index and top-k tensors to the kernels' int32: a value outside it
+    is refused, not wrapped into another valid token, parent or k (2^32 + 1 would read as 1)."""
+    tp = torch.zeros(2, 8)
+    tp[:, 1] = 1
+    good = dict(tokens=torch.tensor([0, 1]), parents=torch.tensor([-1, 0]),
+                tree_indptr=torch.tensor([0, 2]))
+    assert int(sampling.accept(tp, **good, greedy=True, seeds=0).num_accepted[0]) == 1
+    for key, bad in (("tokens", torch.tensor([0, 2 ** 32 + 1])),
+                     ("parents", torch.tensor([-1, 2 ** 32]))):
+        with pytest.raises(ValueError, match=key):
+            sampling.accept(tp, **{**good, key: bad}, greedy=True, seeds=0)
+    logits = torch.randn(1, 10)
+    for kw, key in (({"top_k": torch.tensor([-(2 ** 32) + 3])}, "top_k"),
+                    ({"top_k": -2 ** 40}, "top_k"), ({"temperature": 1e300}, "temperature")):
+        with pytest.raises(ValueError, match=key):
+            sampling.apply_sampling_filters(logits, **kw)

@@ -275,6 +275,16 @@ def test_run_bad_input(mutate, match):
                        out=c["out"], lse=c["lse"])
 
 
+def test_plan_sizes_must_be_ints():
+    args = ([0, 1], [0], torch.zeros(1, 1, dtype=torch.int32))
+    for kw, name in (({"block_size": 4.9}, "block_size"), ({"block_size": 2 ** 70}, "block_size"),
+                     ({"block_size": 4, "num_blocks": 1.5}, "num_blocks")):
+        kw.setdefault("num_blocks", 1)
+        with pytest.raises(ValueError, match=name):
+            plan_attention(*args, **kw)
+    assert plan_attention(*args, block_size=4, num_blocks=1).num_kv_heads >= 0
+
+
 def test_plan_head_mismatch_and_repr():
     c = _good_args()
     plan = plan_for(c, 8, 2)

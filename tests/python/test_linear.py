@@ -122,6 +122,18 @@ def test_core_zero_size_is_math_not_layout(m, n, k):
         torch.testing.assert_close(linear(x, w, bias), F.linear(x, w, bias))
 
 
+def test_out_may_be_x_but_not_the_weights_or_bias():
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    want = F.linear(x, w)
+    _C.linear(x, w, None, x)  # the kernel reads x before writing
+    torch.testing.assert_close(x, want)
+    with pytest.raises(ValueError, match="'out' shares memory with 'w'"):
+        _C.linear(torch.randn(4, 4), w, None, w)
+    out = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match="'out' shares memory with 'bias'"):
+        _C.linear(torch.randn(2, 8), torch.randn(8, 8), out[0], out)
+
+
 def test_bad_inputs_raise_value_error():
     x, w, out = torch.randn(2, 8), torch.randn(3, 8), torch.empty(2, 3)
     with pytest.raises(ValueError, match="'w'"):

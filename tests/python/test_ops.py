@@ -105,6 +105,16 @@ def test_rms_norm_core_matches_torch(dtype, rows):
         assert torch.equal(ops.rms_norm(x[r:r + 1].clone(), w, 1e-5), got[r:r + 1])
 
 
+def test_rotary_outputs_must_be_separate():
+    qkv, cs = torch.randn(2, 4 * 8), torch.zeros(2, 8)
+    q = torch.empty(2, 2, 8)
+    with pytest.raises(ValueError, match="shares memory"):
+        _C.rotary_qkv(qkv, cs, cs, q, q[:, :1], torch.empty(2, 1, 8))
+    with pytest.raises(ValueError, match="shares memory with 'qkv'"):
+        _C.rotary_qkv(qkv, cs, cs, qkv[:, :16].view(2, 2, 8), torch.empty(2, 1, 8),
+                      torch.empty(2, 1, 8))
+
+
 @pytest.mark.parametrize("shape", [(2, 0), (0, 4)])
 def test_rms_norm_zero_size(shape):
     """Rows without features or no rows at all: an empty result, not a contiguity error."""

@@ -250,3 +250,18 @@ def test_exit_during_a_background_build_is_clean(tmp_path):
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            timeout=120, cwd=str(tmp_path), env=env)
         assert p.returncode == 0, p.stderr[-500:]
+
+
+def test_index_refuses_floats_and_negative_context():
+    """Float tokens or offsets are refused, not truncated (1.9 read as 1); a negative context
+    token, which would match the index's document separator, is a ValueError."""
+    with pytest.raises(TypeError, match="tokens must hold integers"):
+        _C.SuffixIndex([0.9, 1.9, 2.5], [0, 1, 3])
+    with pytest.raises(TypeError, match="offsets must hold integers"):
+        _C.SuffixIndex([0, 1, 2], [0, 1.5, 3])
+    s = _C.SuffixIndex(np.array([1, 2, 3, 4], dtype=np.int32), [0, 2, 4])
+    assert s.num_documents == 2 and _C.SuffixIndex([], [0]).num_tokens == 0
+    assert s.longest_match([5, 3]) == (1, 1)  # "3" is continued (by 4)
+    for call in (lambda: s.longest_match([2, -1, 3]), lambda: s.propose([2, -1, 3], 4, 2)):
+        with pytest.raises(ValueError, match=r"context\[1\] = -1"):
+            call()
