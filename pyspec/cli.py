@@ -57,7 +57,7 @@ DEFAULT_PROMPT = ("Rewrite this Python function with clearer variable names and 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     import pyspec
-    from pyspec.engine import validate_params
+    from pyspec.engine import check_sampling_options
 
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1; got {args.max_tokens}")
@@ -67,13 +67,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     params = pyspec.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                    top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                                    seed=args.seed, ignore_eos=args.ignore_eos)
-    # Checked before the model loads (seconds to minutes): the messages name the field, which is
-    # the option's name with '-' for '_'. The vocabulary only bounds stop_token_ids (none here).
-    try:
-        validate_params(params, vocab=1)
-    except ValueError as e:
-        field, _, rest = str(e).partition(" ")
-        raise ValueError(f"--{field.replace('_', '-')} {rest}") from None
+    check_sampling_options(params)  # before the model loads (seconds to minutes)
     llm = pyspec.LLM(args.model, args.draft, spec, dtype=args.dtype)
     prompt = ([{"role": "user", "content": args.prompt}]
               if not args.no_chat and llm.tokenizer.chat_template else args.prompt)

@@ -294,6 +294,24 @@ def validate_params(p: SamplingParams, vocab: int) -> None:
                                  "surrogate): generated text can never contain it") from None
 
 
+def context_limit(cfg) -> int:
+    """The most tokens (prompt + new) a request may span on a model of config ``cfg``: the
+    sliding window, and the trained context unless dynamic RoPE scaling extends it."""
+    return min(cfg.sliding_window or (1 << 62), cfg.max_position_embeddings
+               if cfg.rope_scaling.rope_type != "dynamic" else (1 << 62))
+
+
+def check_sampling_options(params: SamplingParams) -> None:
+    """``validate_params`` for command-line values, before a model is loaded: the message names
+    the option (the field's name with '-' for '_'). The vocabulary only bounds stop_token_ids,
+    which the commands do not set."""
+    try:
+        validate_params(params, vocab=1)
+    except ValueError as e:
+        field, _, rest = str(e).partition(" ")
+        raise ValueError(f"--{field.replace('_', '-')} {rest}") from None
+
+
 def sample_seed(seed: int, k: int) -> int:
     """The seed of sample ``k`` of a request seeded ``seed`` (``n`` > 1): ``seed + k``, wrapped
     into the signed 64-bit range, so the largest valid seed stays valid."""
@@ -448,9 +466,7 @@ class Engine:
         validate_params(p, v)
         if p.top_k >= v:  # keeps every token: the same as off (and fits the filters' int32)
             p = replace(p, top_k=0)
-        window = self.runner.model.cfg.sliding_window
-        limit = min(window or (1 << 62), self.runner.model.cfg.max_position_embeddings
-                    if self.runner.model.cfg.rope_scaling.rope_type != "dynamic" else (1 << 62))
+        limit = context_limit(self.runner.model.cfg)
         if len(prompt) + int(p.max_tokens) > limit:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({p.max_tokens}) exceeds "
                              f"the model's context of {limit} tokens")

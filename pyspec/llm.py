@@ -17,15 +17,14 @@ distribution of plain sampling.
 from __future__ import annotations
 
 import collections
-import math
 import os
 import time
 from dataclasses import dataclass, field, replace
-from numbers import Integral, Real
+from numbers import Integral
 from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 from pyspec.engine import (Engine, RequestStats, Router, SamplingParams, StepError, _as_params,
-                           sample_seed)
+                           _is_int, _is_real, sample_seed)
 from pyspec.runner import ModelRunner
 
 __all__ = ["LLM", "SpecConfig", "GenerationOutput", "Completion", "StreamChunk", "generate"]
@@ -70,29 +69,24 @@ class SpecConfig:
     switch_below: float = 0.0
 
     def validate(self) -> None:
-        """ValueError naming the first bad field and what it allows."""
-        def is_int(v):
-            return isinstance(v, Integral) and not isinstance(v, bool)
-
-        def is_real(v):
-            return isinstance(v, Real) and not isinstance(v, bool) and math.isfinite(v)
-
+        """ValueError naming the first bad field and what it allows (NaN and infinities fail
+        the range checks)."""
         n = self.num_speculative_tokens
-        if n is not None and (not is_int(n) or not 0 <= n <= 255):
+        if n is not None and (not _is_int(n) or not 0 <= n <= 255):
             raise ValueError(f"num_speculative_tokens must be None or an int in [0, 255]; got "
                              f"{n!r}")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"adaptive must be a bool; got {self.adaptive!r}")
-        if not is_real(self.fallback_on_alpha_below) or \
+        if not _is_real(self.fallback_on_alpha_below) or \
                 not 0.0 <= self.fallback_on_alpha_below < 1.0:
             raise ValueError(f"fallback_on_alpha_below must be a number in [0, 1); got "
                              f"{self.fallback_on_alpha_below!r}")
-        if not is_int(self.ewma_window) or not 1 <= self.ewma_window <= 100_000:
+        if not _is_int(self.ewma_window) or not 1 <= self.ewma_window <= 100_000:
             raise ValueError(f"ewma_window must be an int in [1, 100000]; got {self.ewma_window!r}")
         for name in ("warmup_steps", "probe_interval", "spec_disable_batch_size",
                      "spec_token_budget"):
             v = getattr(self, name)
-            if not is_int(v) or not 0 <= v <= 1 << 30:
+            if not _is_int(v) or not 0 <= v <= 1 << 30:
                 raise ValueError(f"{name} must be an int >= 0; got {v!r}")
         if not isinstance(self.drafters, Mapping) or not all(
                 isinstance(k, str) and k for k in self.drafters):
@@ -101,7 +95,7 @@ class SpecConfig:
         if self.router is not None and not isinstance(self.router, Router):
             raise ValueError(f"router must be a pyspec.Router or None; got "
                              f"{type(self.router).__name__}")
-        if not is_real(self.switch_below) or not 0.0 <= self.switch_below <= 1.0:
+        if not _is_real(self.switch_below) or not 0.0 <= self.switch_below <= 1.0:
             raise ValueError(f"switch_below must be a number in [0, 1]; got {self.switch_below!r}")
 
 

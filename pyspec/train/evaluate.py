@@ -114,15 +114,6 @@ def sampling_params(max_tokens: int, temperature: float):
     return params
 
 
-def context_limit(cfg) -> int:
-    """The most tokens (prompt + new) a request may span on a model of config ``cfg``: the bound
-    Engine.add_request enforces (the sliding window, and the trained context unless dynamic RoPE
-    scaling extends it)."""
-    window = cfg.sliding_window or (1 << 62)
-    return min(window, cfg.max_position_embeddings
-               if cfg.rope_scaling.rope_type != "dynamic" else (1 << 62))
-
-
 def evaluate(target: Optional[str], drafts: Dict[str, str], prompts, *, max_tokens: int = 128,
              temperature: float = 0.0, dtype: str = "float32", adaptive: bool = True,
              progress: bool = True, where: Optional[List[str]] = None) -> dict:
@@ -138,6 +129,8 @@ def evaluate(target: Optional[str], drafts: Dict[str, str], prompts, *, max_toke
     enc = [base.chat_prompt([{"role": "user", "content": p}]) for _, p in prompts]
     # Every prompt is checked against the context before any is evaluated: one too long would
     # otherwise fail the run when evaluation reaches it.
+    from pyspec.engine import context_limit
+
     limit = context_limit(base.model.cfg)
     for i, ids in enumerate(enc):
         if len(ids) + max_tokens > limit:
@@ -348,11 +341,11 @@ def add_parser(sub):
 def _cmd(args) -> int:
     if args.max_tokens < 1:
         raise ValueError("--max-tokens must be >= 1")
-    try:  # before anything is loaded or written; the message names the field: the option's
-        sampling_params(args.max_tokens, args.temperature)
-    except ValueError as e:
-        field, _, rest = str(e).partition(" ")
-        raise ValueError(f"--{field.replace('_', '-')} {rest}") from None
+    from pyspec.engine import SamplingParams, check_sampling_options
+
+    # Before anything is loaded or written.
+    check_sampling_options(SamplingParams(max_tokens=args.max_tokens,
+                                          temperature=args.temperature, seed=0))
     for name, v in (("--limit", args.limit), ("--per-category", args.per_category)):
         if v is not None and v < 1:
             raise ValueError(f"{name} must be >= 1 (leave it out for all prompts); got {v}")
