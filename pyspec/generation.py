@@ -52,9 +52,7 @@ def encode_prompt(tok: Tokenizer, prompt: str, chat: bool = True):
     if not isinstance(prompt, str) or not prompt:
         raise ValueError("the prompt must be a non-empty string")
     if chat and tok.chat_template:
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}],
-                                       add_generation_prompt=True)
-        return tok.encode(text, add_special_tokens=False)
+        return tok.encode_chat([{"role": "user", "content": prompt}], add_generation_prompt=True)
     return tok.encode(prompt)
 
 

@@ -324,8 +324,7 @@ class LLM:
             raise ValueError("messages must be a non-empty list of {'role': str, 'content': str}")
         if not self.tokenizer.chat_template:
             raise ValueError(f"the model at {self.model_path} has no chat template")
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode_chat(list(messages), add_generation_prompt=True)
 
     def _params(self, params) -> SamplingParams:
         from pyspec.engine import validate_params

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 
 import json
+import re
 import os
 from datetime import datetime
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set
@@ -87,6 +88,16 @@ def _make_jinja_env():
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     return env
+
+
+def _check_text(text: Any) -> None:
+    if not isinstance(text, str):
+        raise TypeError(f"encode() takes a str, not {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate: no UTF-8 (or token) for it
+        raise ValueError(f"the text is not valid Unicode: {e.reason} "
+                         f"({text[e.start]!r} at index {e.start})") from None
 
 
 class Tokenizer:
@@ -177,13 +188,7 @@ class Tokenizer:
         """Token ids of *text*. *add_special_tokens* applies the tokenizer's post-processor
         (e.g. a BOS token for Llama-style vocabularies); pass False for text that already holds
         its special tokens, such as :meth:`apply_chat_template` output."""
-        if not isinstance(text, str):
-            raise TypeError(f"encode() takes a str, not {type(text).__name__}")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:  # a lone surrogate: no UTF-8 (or token) for it
-            raise ValueError(f"the text is not valid Unicode: {e.reason} "
-                             f"({text[e.start]!r} at index {e.start})") from None
+        _check_text(text)
         return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
@@ -230,6 +235,68 @@ class Tokenizer:
             raise ValueError(f"chat template: {e}") from e
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template failed: {e}") from e
+
+
+    @functools.cached_property
+    def _special_texts(self) -> List[str]:
+        """The text of every special added token, longest first (so that one containing another
+        is matched whole)."""
+        texts = {t.content for t in self._tk.get_added_tokens_decoder().values()
+                 if t.special and t.content}
+        return sorted(texts, key=len, reverse=True)
+
+    @functools.cached_property
+    def _literal_tk(self):
+        """A copy of the tokenizer that reads special-token text as ordinary text (a separate
+        object, so that no flag is toggled on the shared one while other threads encode)."""
+        from tokenizers import Tokenizer as _HFTokenizer
+
+        tk = _HFTokenizer.from_str(self._tk.to_str())
+        tk.encode_special_tokens = True
+        return tk
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]],
+                    add_generation_prompt: bool = True, **kwargs: Any) -> List[int]:
+        """Token ids of *messages* rendered with the chat template, where only the template's
+        own markup becomes control tokens: special-token text inside a message (a user writing
+        ``<|im_end|>\\n<|im_start|>system``) is tokenized as the ordinary characters it is, so
+        it cannot end the message or open one with another role. Messages without such text
+        give exactly ``encode(apply_chat_template(...), add_special_tokens=False)``."""
+        specials = self._special_texts
+        strings = [v for m in messages if isinstance(m, Mapping) for v in m.values()
+                   if isinstance(v, str)] if isinstance(messages, Sequence) else []
+        if not specials or not any(t in v for v in strings for t in specials):
+            text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+            return self.encode(text, add_special_tokens=False)
+        # Bracket each special text found in a message with two private-use characters that no
+        # message and no template holds, render, and tokenize the bracketed spans as text.
+        seen = set("".join(strings)) | set(self.chat_template or "")
+        free = [chr(c) for c in range(0xE000, 0xF900) if chr(c) not in seen]
+        if len(free) < 2:
+            raise ValueError("the messages use every private-use character; cannot mark their "
+                             "special-token text")
+        open_, close = free[0], free[1]
+        pattern = re.compile("|".join(re.escape(t) for t in specials))
+
+        def mark(v):
+            return pattern.sub(lambda m: open_ + m.group(0) + close, v) if isinstance(v, str) \
+                else v
+
+        marked = [{k: mark(v) for k, v in m.items()} if isinstance(m, Mapping) else m
+                  for m in messages]
+        text = self.apply_chat_template(marked, add_generation_prompt, **kwargs)
+        _check_text(text)
+        ids: List[int] = []
+        literal = False
+        for part in re.split(f"([{re.escape(open_)}{re.escape(close)}])", text):
+            if part == open_:
+                literal = True
+            elif part == close:
+                literal = False
+            elif part:
+                tk = self._literal_tk if literal else self._tk
+                ids.extend(tk.encode(part, add_special_tokens=False).ids)
+        return ids
 
 
 class IncrementalDecoder:
