@@ -20,7 +20,6 @@ import collections
 import os
 import time
 from dataclasses import dataclass, field, replace
-from numbers import Integral
 from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 from pyspec.engine import (Engine, RequestStats, Router, SamplingParams, StepError, _as_params,
@@ -254,11 +253,11 @@ class LLM:
         if not isinstance(block_size, int) or isinstance(block_size, bool) or \
                 not 1 <= block_size <= 1024:
             raise ValueError(f"block_size must be an int in [1, 1024]; got {block_size!r}")
-        if not _is_id(kv_cache_tokens) or kv_cache_tokens < block_size:
+        if not _is_int(kv_cache_tokens) or kv_cache_tokens < block_size:
             raise ValueError(f"kv_cache_tokens must be an int >= block_size; got {kv_cache_tokens!r}")
         for name, v in (("max_num_seqs", max_num_seqs),
                         ("max_num_batched_tokens", max_num_batched_tokens)):
-            if not _is_id(v) or v < 1:
+            if not _is_int(v) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1; got {v!r}")
         if not isinstance(enable_prefix_cache, bool):
             raise ValueError(f"enable_prefix_cache must be a bool; got {enable_prefix_cache!r}")
@@ -312,7 +311,7 @@ class LLM:
             if not prompt:
                 raise ValueError("a prompt must be a non-empty string or a list of token ids")
             return self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)) and all(_is_id(t) for t in prompt):
+        if isinstance(prompt, (list, tuple)) and all(_is_int(t) for t in prompt):
             return [int(t) for t in prompt]
         raise ValueError(f"a prompt must be a string or a list of token ids; got "
                          f"{type(prompt).__name__}")
@@ -420,7 +419,7 @@ class LLM:
         if not isinstance(prompts, (str, list, tuple)):
             raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; "
                              f"got {type(prompts).__name__}")
-        single = isinstance(prompts, str) or (bool(prompts) and all(_is_id(t) for t in prompts))
+        single = isinstance(prompts, str) or (bool(prompts) and all(_is_int(t) for t in prompts))
         plist_in = [prompts] if single else list(prompts)
         if not plist_in:
             raise ValueError("no prompts given")
@@ -504,7 +503,7 @@ def generate(prompt: Prompt, *, model: Optional[str] = None, draft="default",
     and return its :class:`GenerationOutput`. ``sampling``: :class:`SamplingParams` fields. Loads
     the model on every call: keep an :class:`LLM` to generate many times."""
     if not (isinstance(prompt, str) or isinstance(prompt, (list, tuple)) and prompt
-            and all(_is_id(t) for t in prompt)):
+            and all(_is_int(t) for t in prompt)):
         raise ValueError("generate() takes one prompt: a string or a list of token ids (for a "
                          "batch, keep an LLM and call its generate() with a list of prompts); got "
                          f"{type(prompt).__name__}" + (" of strings" if isinstance(prompt, (
@@ -515,7 +514,3 @@ def generate(prompt: Prompt, *, model: Optional[str] = None, draft="default",
         return llm.chat([{"role": "user", "content": prompt}], params)
     return llm.generate(prompt, params)[0]
 
-
-def _is_id(t) -> bool:
-    """A token id: any integer (numpy's too) but a bool."""
-    return isinstance(t, Integral) and not isinstance(t, bool)
