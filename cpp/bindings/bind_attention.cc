@@ -11,6 +11,7 @@
 #include "pyspec/attention.h"
 #include "pyspec/check.h"
 #include "registry.h"
+#include "uninitialized.h"
 #ifdef PYSPEC_WITH_CUDA
 #include "pyspec/cuda_ops.h"
 #endif
@@ -71,6 +72,7 @@ partition. Immutable; safe to share between threads.
           py::arg("request"),
            "True when the request's new tokens form a tree, False for a causal chunk.")
       .def("__repr__", &AttentionPlan::ToString);
+  RefuseUninitialized<AttentionPlan>();
 
   m.def(
       "plan_attention",
@@ -175,6 +177,7 @@ layer of the step. Device memory is allocated and freed stream-ordered on `strea
            py::arg("q_dtype"), py::arg("kv_dtype"),
            "Whether tensors of these dtypes ('bfloat16', 'float16', 'float32') take the "
            "tensor-core kernel.");
+  RefuseUninitialized<cuda::DeviceAttentionPlan>();
 
   m.def(
       "run_attention_cuda",

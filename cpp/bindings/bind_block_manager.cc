@@ -2,69 +2,21 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
-#include <limits>
 #include <string>
 #include <vector>
 
 #include "dlpack_view.h"
+#include "int_args.h"
 #include "pyspec/block_manager.h"
 #include "pyspec/check.h"
 #include "pyspec/tensor_view.h"
 #include "registry.h"
+#include "uninitialized.h"
 
 namespace py = pybind11;
 
 namespace pyspec {
 namespace bindings {
-namespace {
-
-// Token ids from a list/tuple of ints or a 1-D int32/int64 CPU tensor (copied: the manager keeps
-// its own copy of every request's tokens anyway).
-std::vector<int32_t> TokensArg(py::handle obj, const char* name) {
-  std::vector<int32_t> out;
-  if (py::hasattr(obj, "__dlpack__")) {
-    TensorView v = ToView(obj, name);
-    CheckDevice(v, name, DeviceType::kCPU);
-    CheckDType(v, name, {DType::kInt32, DType::kInt64});
-    PYSPEC_CHECK(v.ndim == 1, "'", name, "' must be 1-D; got shape ", v.ShapeString());
-    out.resize(static_cast<size_t>(v.shape[0]));
-    for (int64_t i = 0; i < v.shape[0]; ++i) {
-      int64_t t = v.dtype == DType::kInt32 ? v.ptr<int32_t>()[i * v.strides[0]]
-                                           : v.ptr<int64_t>()[i * v.strides[0]];
-      PYSPEC_CHECK(t >= std::numeric_limits<int32_t>::min() &&
-                       t <= std::numeric_limits<int32_t>::max(),
-                   "'", name, "'[", i, "] = ", t, " does not fit in int32");
-      out[i] = static_cast<int32_t>(t);
-    }
-    return out;
-  }
-  PYSPEC_CHECK(py::isinstance<py::sequence>(obj) && !py::isinstance<py::str>(obj), "'", name,
-               "' must be a list of ints or a 1-D int32/int64 tensor; got ",
-               std::string(py::str(py::type::of(obj).attr("__name__"))));
-  py::sequence seq = py::reinterpret_borrow<py::sequence>(obj);
-  out.reserve(seq.size());
-  for (size_t i = 0; i < seq.size(); ++i) {
-    py::object item = seq[i];
-    PyObject* index = py::isinstance<py::bool_>(item) ? nullptr : PyNumber_Index(item.ptr());
-    if (index == nullptr) {
-      PyErr_Clear();
-      throw ValueError(detail::StrCat("'", name, "'[", i, "] must be an int; got ",
-                                      std::string(py::str(py::type::of(item).attr("__name__")))));
-    }
-    int overflow = 0;
-    long long t = PyLong_AsLongLongAndOverflow(index, &overflow);
-    Py_DECREF(index);
-    if (PyErr_Occurred()) PyErr_Clear();
-    PYSPEC_CHECK(overflow == 0 && t >= std::numeric_limits<int32_t>::min() &&
-                     t <= std::numeric_limits<int32_t>::max(),
-                 "'", name, "'[", i, "] = ", std::string(py::str(item)), " does not fit in int32");
-    out.push_back(static_cast<int32_t>(t));
-  }
-  return out;
-}
-
-}  // namespace
-
 void RegisterBlockManager(py::module_& m) {
   using BM = BlockManager;
   py::class_<BM>(m, "BlockManager", R"doc(
@@ -187,6 +139,7 @@ False); bad arguments raise ValueError naming the argument.
                               ", free=", bm.num_free_blocks(), ", cached=", bm.num_cached_blocks(),
                               ", requests=", bm.num_requests(), ")");
       });
+  RefuseUninitialized<BM>();
 }
 
 }  // namespace bindings

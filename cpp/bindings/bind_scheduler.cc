@@ -2,32 +2,21 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
-#include <limits>
 #include <string>
 #include <vector>
 
+#include "int_args.h"
 #include "pyspec/check.h"
 #include "pyspec/request.h"
 #include "pyspec/scheduler.h"
 #include "registry.h"
+#include "uninitialized.h"
 
 namespace py = pybind11;
 
 namespace pyspec {
 namespace bindings {
 namespace {
-
-std::vector<int32_t> ToInt32(const std::vector<int64_t>& v, const char* name) {
-  std::vector<int32_t> out;
-  out.reserve(v.size());
-  for (size_t i = 0; i < v.size(); ++i) {
-    PYSPEC_CHECK(v[i] >= std::numeric_limits<int32_t>::min() &&
-                     v[i] <= std::numeric_limits<int32_t>::max(),
-                 "'", name, "'[", i, "] = ", v[i], " does not fit in int32");
-    out.push_back(static_cast<int32_t>(v[i]));
-  }
-  return out;
-}
 
 std::vector<std::string> KindNames(const std::vector<StepKind>& kinds) {
   std::vector<std::string> out;
@@ -104,6 +93,7 @@ void RegisterScheduler(py::module_& m) {
         for (RequestState s : r.history) out.emplace_back(RequestStateName(s));
         return out;
       });
+  RefuseUninitialized<Request>();
 
   py::class_<ScheduleOutput>(m, "ScheduleOutput", R"doc(
 One step's batch, flattened with indptr arrays. Entry i is request ids[i]:
@@ -136,6 +126,7 @@ pending_copies (src_block, dst_block) must be copied before the forward.)doc")
       .def("block_table_of", &ScheduleOutput::BlockTableOf, py::arg("i"),
            "Block table of entry i.")
       .def("slots_of", &ScheduleOutput::SlotsOf, py::arg("i"), "KV slots of entry i.");
+  RefuseUninitialized<ScheduleOutput>();
 
   py::class_<StepResult>(m, "StepResult", R"doc(
 The runner's results for the last ScheduleOutput: add_prefill(id, num_computed) for each prefill
@@ -145,23 +136,30 @@ accepted drafts + the bonus/recovered token).)doc")
       .def("__len__", [](const StepResult& r) { return r.entries.size(); })
       .def(
           "add_prefill",
-          [](StepResult& r, int64_t request_id, int64_t num_computed) {
-            r.AddPrefill(request_id, num_computed);
+          [](StepResult& r, py::handle request_id, py::handle num_computed) {
+            r.AddPrefill(IntArg(request_id, "request_id"), IntArg(num_computed, "num_computed"));
           },
           py::arg("request_id"), py::arg("num_computed"),
-          "A prefill chunk whose KV (num_computed tokens) is now in the pages.")
+          "A prefill chunk whose KV (num_computed tokens) is now in the pages. Ints; a bad "
+          "argument raises ValueError naming it.")
       .def(
           "add_decode",
-          [](StepResult& r, int64_t request_id, const std::vector<int64_t>& tokens,
-             int64_t num_drafted, py::object num_accepted) {
-            int64_t acc = num_accepted.is_none() ? static_cast<int64_t>(tokens.size()) - 1
-                                                 : num_accepted.cast<int64_t>();
-            r.AddDecode(request_id, ToInt32(tokens, "tokens"), num_drafted, acc);
+          [](StepResult& r, py::handle request_id, py::handle tokens, py::handle num_drafted,
+             py::handle num_accepted) {
+            const int64_t id = IntArg(request_id, "request_id");
+            std::vector<int32_t> t = TokensArg(tokens, "tokens");
+            const int64_t drafted = IntArg(num_drafted, "num_drafted");
+            const int64_t acc = num_accepted.is_none()
+                                    ? static_cast<int64_t>(t.size()) - 1
+                                    : IntArg(num_accepted, "num_accepted", "an int or None");
+            r.AddDecode(id, std::move(t), drafted, acc);
           },
           py::arg("request_id"), py::arg("tokens"), py::arg("num_drafted") = 0,
           py::arg("num_accepted") = py::none(),
-          "A decode/speculative result: emitted tokens (>= 1), drafts verified, drafts accepted "
-          "(default len(tokens) - 1).");
+          "A decode/speculative result: emitted tokens (>= 1; a list of ints or a 1-D int "
+          "tensor), drafts verified, drafts accepted (default len(tokens) - 1). A bad argument "
+          "raises ValueError naming it.");
+  RefuseUninitialized<StepResult>();
 
   py::class_<Scheduler>(m, "Scheduler", R"doc(
 Continuous-batching scheduler over an owned BlockManager: chunked prefill, preemption by recompute,
@@ -225,16 +223,18 @@ that do not match the last step) raise ValueError.)doc")
            "relative to one plain decode step).")
       .def(
           "add_request",
-          [](Scheduler& s, int64_t request_id, const std::vector<int64_t>& prompt,
-             int64_t max_tokens, const std::vector<int64_t>& stop_token_ids, bool speculative) {
+          [](Scheduler& s, py::handle request_id, py::handle prompt, py::handle max_tokens,
+             py::handle stop_token_ids, bool speculative) {
+            const int64_t id = IntArg(request_id, "request_id");
+            std::vector<int32_t> tokens = TokensArg(prompt, "prompt");
             SamplingParams p;
-            p.max_tokens = max_tokens;
-            p.stop_token_ids = ToInt32(stop_token_ids, "stop_token_ids");
+            p.max_tokens = IntArg(max_tokens, "max_tokens");
+            p.stop_token_ids = TokensArg(stop_token_ids, "stop_token_ids");
             p.speculative = speculative;
-            s.AddRequest(request_id, ToInt32(prompt, "prompt"), std::move(p));
+            s.AddRequest(id, std::move(tokens), std::move(p));
           },
           py::arg("request_id"), py::arg("prompt"), py::kw_only(), py::arg("max_tokens") = 16,
-          py::arg("stop_token_ids") = std::vector<int64_t>{}, py::arg("speculative") = true,
+          py::arg("stop_token_ids") = py::list(), py::arg("speculative") = true,
           "Queue a request (WAITING). ValueError for a duplicate id, an empty prompt or "
           "max_tokens < 1.")
       .def("abort", &Scheduler::Abort, py::arg("request_id"),
@@ -296,6 +296,7 @@ that do not match the last step) raise ValueError.)doc")
       .def_property_readonly("num_total_blocks", [](const Scheduler& s) {
         return s.block_manager().num_total_blocks();
       });
+  RefuseUninitialized<Scheduler>();
 }
 
 }  // namespace bindings

@@ -9,6 +9,7 @@
 
 #include "pyspec/suffix_index.h"
 #include "registry.h"
+#include "uninitialized.h"
 
 namespace py = pybind11;
 
@@ -102,6 +103,7 @@ ordered by its first 32 tokens); the datastore of corpus drafting.
           "(tokens, parents, scores, match_length): a draft tree grown best first by path "
           "frequency after the longest matching suffix of ``context``; parents are -1 for the "
           "root's children, else indices into tokens.");
+  RefuseUninitialized<SuffixIndex>();
 }
 
 }  // namespace bindings

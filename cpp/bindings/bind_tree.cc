@@ -7,6 +7,7 @@
 
 #include "pyspec/tree.h"
 #include "registry.h"
+#include "uninitialized.h"
 
 namespace py = pybind11;
 
@@ -65,6 +66,7 @@ Build it from parent indices (``TokenTree(parents, tokens=None)``) or a template
           "is i or an ancestor of i.")
       .def("__len__", &TokenTree::num_nodes)
       .def("__repr__", &TokenTree::ToString);
+  RefuseUninitialized<TokenTree>();
 }
 
 }  // namespace bindings

@@ -70,6 +70,7 @@ bool IsInstanceOfLoaded(py::handle obj, const char* module, const char* cls) {
 struct TorchHooks {
   PyObject* tensor_type = nullptr;
   PyObject* to_dlpack = nullptr;
+  PyObject* is_neg = nullptr;  // torch.Tensor.is_neg
 };
 
 const TorchHooks& Hooks() {
@@ -82,7 +83,9 @@ const TorchHooks& Hooks() {
     py::handle t(torch);
     py::object tensor = t.attr("Tensor");
     py::object fn = t.attr("_C").attr("_to_dlpack");
+    py::object is_neg = tensor.attr("is_neg");
     hooks.tensor_type = tensor.release().ptr();
+    hooks.is_neg = is_neg.release().ptr();
     hooks.to_dlpack = fn.release().ptr();
   } catch (py::error_already_set&) {
     // An unexpected torch: torch tensors then go through __dlpack__.
@@ -93,6 +96,32 @@ const TorchHooks& Hooks() {
 bool IsTorchTensor(py::handle obj, const TorchHooks& h) {
   return h.tensor_type != nullptr &&
          PyObject_TypeCheck(obj.ptr(), reinterpret_cast<PyTypeObject*>(h.tensor_type));
+}
+
+// torch's negative bit (Tensor.is_neg(): torch._neg_view, the .imag of a conjugate view) is a lazy
+// negation that DLPack does not carry: the exported data lacks the sign, so an op would read (or
+// write) the values negated. Refused for inputs and outputs alike. (The conjugate bit exists only
+// on complex tensors, whose dtype ToDType refuses.)
+void CheckNoNegBit(py::handle obj, const TorchHooks& hooks, const char* name) {
+  py::object neg;
+  try {
+    if (hooks.is_neg != nullptr) {
+      PyObject* r = PyObject_CallOneArg(hooks.is_neg, obj.ptr());
+      if (r == nullptr) throw py::error_already_set();
+      neg = py::reinterpret_steal<py::object>(r);
+    } else {
+      if (!py::hasattr(obj, "is_neg")) return;
+      neg = obj.attr("is_neg")();
+    }
+  } catch (py::error_already_set& e) {
+    throw ValueError(detail::StrCat("'", name, "': is_neg() failed: ", e.what()));
+  }
+  if (PyObject_IsTrue(neg.ptr()) == 1) {
+    throw ValueError(detail::StrCat(
+        "'", name, "' has torch's negative bit set (a lazy negation, e.g. torch._neg_view or the "
+        ".imag of a conjugate view), which DLPack drops: its values would be used without the "
+        "sign; pass a tensor without it (`", name, ".resolve_neg()` returns a resolved copy)"));
+  }
 }
 
 }  // namespace
@@ -112,6 +141,7 @@ TensorView ToView(py::handle obj, const char* name) {
     throw ValueError(detail::StrCat("'", name, "' must be a torch.Tensor or numpy.ndarray; got ",
                                     std::string(py::str(py::type::of(obj).attr("__name__")))));
   }
+  if (torch_tensor) CheckNoNegBit(obj, hooks, name);
   py::object capsule;
   try {
     if (torch_tensor && hooks.to_dlpack != nullptr) {

@@ -14,6 +14,7 @@ namespace bindings {
 
 // Reads the tensor's DLPack description without copying data. The caller must keep `obj` alive while
 // the view is used (Python arguments are alive for the whole call). `name` is used in errors.
+// A torch tensor with its negative bit set (a lazy negation DLPack drops) is refused.
 TensorView ToView(pybind11::handle obj, const char* name);
 
 // The bytes a view can touch, [lo, hi) (empty for a view without elements).
