@@ -931,7 +931,12 @@ class Engine:
         limit = self.scheduler.memory_bound_tokens
         if (0 < limit <= self._last_batch
                 and self._undrafted_steps >= self._probe_interval):
-            self.scheduler.set_memory_bound_tokens(0)
+            # Lift it to twice the batch (at least 8 more tokens), not away: unlimited, every
+            # request would verify a full tree, steps of many times the batch's tokens that cost
+            # far more than the plain steps they replace (8 requests x 16 nodes = 136 tokens), and
+            # the fit would learn the cost of those instead of the next few tokens'.
+            b = self._last_batch
+            self.scheduler.set_memory_bound_tokens(max(2 * b, b + 8))
             self._undrafted_steps = 0
             self._probe_interval = min(2 * self._probe_interval, BUDGET_PROBE_STEPS)
             self.stats.budget_probes += 1
