@@ -515,6 +515,34 @@ def test_batch_aware_budget_from_measured_step_times(model):
         s.set_memory_bound_tokens(-1)
 
 
+def test_draft_costs_count_every_request_of_the_batch(model):
+    """A request's draft and verify tokens lengthen the step of the whole batch while its accepted
+    tokens are its own, so the costs the scheduler weighs them with (relative to a plain step of
+    the batch) are b times a lone request's: the same fit at batch 4 gives 4x the costs, and a
+    drafter that pays alone (40% per token at 0.12 of a step per level) stops paying."""
+    from pyspec._C import optimal_draft_length
+
+    def costs(batch):
+        runner = ModelRunner(model, num_blocks=16, block_size=8)
+        eng = Engine(runner, drafter="ngram")
+        for tokens in (4, 8, 12, 16, 20, 24, 28, 32):  # t = 10 ms + 1 ms per token
+            eng._observe_step_time(batch, tokens, 0.010 + 0.001 * tokens)
+        eng._last_batch = batch
+        eng._draft_time = {"ngram": [0.0014 * 10, 10.0]}  # 1.4 ms per draft level
+        eng._update_cost_model()
+        return eng.stats.draft_cost, eng.stats.verify_cost
+
+    d1, v1 = costs(1)
+    d4, v4 = costs(4)
+    plain1, plain4 = 0.010 + 0.001 * 1, 0.010 + 0.001 * 4
+    assert d1 == pytest.approx(0.0014 / plain1) and d4 == pytest.approx(4 * 0.0014 / plain4)
+    assert v1 > 0 and v4 == pytest.approx(4 * v1 * plain1 / plain4)
+    alpha = 0.4
+    _, gain1 = optimal_draft_length(alpha, 0.0, 0.12, 8)
+    _, gain4 = optimal_draft_length(alpha, 0.0, 4 * 0.12, 8)
+    assert gain1 > 1 > gain4
+
+
 def test_a_budget_that_stops_every_draft_is_probed_again(model):
     """A step-time fit that puts the memory-bound limit at or below the batch stops every draft,
     and so the step-size spread the fit would need to correct it: after BUDGET_PROBE_FIRST decode
