@@ -11,8 +11,8 @@ from __future__ import annotations
 import functools
 
 import json
-import re
 import os
+import re
 from datetime import datetime
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set
 
@@ -236,14 +236,13 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template failed: {e}") from e
 
-
     @functools.cached_property
-    def _special_texts(self) -> List[str]:
-        """The text of every special added token, longest first (so that one containing another
-        is matched whole)."""
-        texts = {t.content for t in self._tk.get_added_tokens_decoder().values()
-                 if t.special and t.content}
-        return sorted(texts, key=len, reverse=True)
+    def _special_pattern(self) -> Optional["re.Pattern[str]"]:
+        """Matches the text of any special added token (longest first, so that one containing
+        another is matched whole); None when the vocabulary has none."""
+        texts = sorted({t.content for t in self._tk.get_added_tokens_decoder().values()
+                        if t.special and t.content}, key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, texts))) if texts else None
 
     @functools.cached_property
     def _literal_tk(self):
@@ -262,21 +261,20 @@ class Tokenizer:
         ``<|im_end|>\\n<|im_start|>system``) is tokenized as the ordinary characters it is, so
         it cannot end the message or open one with another role. Messages without such text
         give exactly ``encode(apply_chat_template(...), add_special_tokens=False)``."""
-        specials = self._special_texts
+        pattern = self._special_pattern
         strings = [v for m in messages if isinstance(m, Mapping) for v in m.values()
                    if isinstance(v, str)] if isinstance(messages, Sequence) else []
-        if not specials or not any(t in v for v in strings for t in specials):
+        if pattern is None or not any(pattern.search(v) for v in strings):
             text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
             return self.encode(text, add_special_tokens=False)
         # Bracket each special text found in a message with two private-use characters that no
         # message and no template holds, render, and tokenize the bracketed spans as text.
         seen = set("".join(strings)) | set(self.chat_template or "")
-        free = [chr(c) for c in range(0xE000, 0xF900) if chr(c) not in seen]
-        if len(free) < 2:
+        free = (chr(c) for c in range(0xE000, 0xF900) if chr(c) not in seen)
+        open_, close = next(free, None), next(free, None)
+        if close is None:
             raise ValueError("the messages use every private-use character; cannot mark their "
                              "special-token text")
-        open_, close = free[0], free[1]
-        pattern = re.compile("|".join(re.escape(t) for t in specials))
 
         def mark(v):
             return pattern.sub(lambda m: open_ + m.group(0) + close, v) if isinstance(v, str) \
