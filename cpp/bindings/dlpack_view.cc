@@ -130,7 +130,7 @@ TensorView ToView(py::handle obj, const char* name) {
   if (obj.is_none()) throw ValueError(detail::StrCat("'", name, "' is None; expected a tensor"));
   if (!py::hasattr(obj, "__dlpack__")) {
     throw ValueError(detail::StrCat("'", name, "' must be a tensor (torch.Tensor or numpy array); got ",
-                                    std::string(py::str(py::type::of(obj).attr("__name__")))));
+                                    TypeName(obj)));
   }
   // The view outlives the capsule, so the data must be owned by `obj` itself. torch tensors and
   // numpy arrays export their own storage (never a private copy); other producers may hand out a
@@ -139,7 +139,7 @@ TensorView ToView(py::handle obj, const char* name) {
   const bool torch_tensor = IsTorchTensor(obj, hooks) || IsInstanceOfLoaded(obj, "torch", "Tensor");
   if (!torch_tensor && !IsInstanceOfLoaded(obj, "numpy", "ndarray")) {
     throw ValueError(detail::StrCat("'", name, "' must be a torch.Tensor or numpy.ndarray; got ",
-                                    std::string(py::str(py::type::of(obj).attr("__name__")))));
+                                    TypeName(obj)));
   }
   if (torch_tensor) CheckNoNegBit(obj, hooks, name);
   py::object capsule;

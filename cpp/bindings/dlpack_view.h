@@ -5,12 +5,18 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <string>
 #include <utility>
 
 #include "pyspec/tensor_view.h"
 
 namespace pyspec {
 namespace bindings {
+
+// The name of obj's type, for error messages ("float", "Tensor").
+inline std::string TypeName(pybind11::handle obj) {
+  return std::string(pybind11::str(pybind11::type::of(obj).attr("__name__")));
+}
 
 // Reads the tensor's DLPack description without copying data. The caller must keep `obj` alive while
 // the view is used (Python arguments are alive for the whole call). `name` is used in errors.

@@ -16,10 +16,6 @@
 namespace pyspec {
 namespace bindings {
 
-inline std::string TypeName(pybind11::handle obj) {
-  return std::string(pybind11::str(pybind11::type::of(obj).attr("__name__")));
-}
-
 // `obj` as an integer: a Python int or anything with __index__ (numpy, torch integer scalars);
 // not a bool or a float. False when it is not an int; *overflow when it does not fit in int64.
 inline bool AsInt64(pybind11::handle obj, int64_t* value, bool* overflow) {
