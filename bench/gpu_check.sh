@@ -39,6 +39,12 @@ run_step() {  # name, cap seconds, command...
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
 
+# CMake finds nvcc through CUDACXX or PATH; the toolkit's usual place where neither names it.
+if [ -z "${CUDACXX:-}" ] && ! command -v nvcc > /dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export CUDACXX=/usr/local/cuda/bin/nvcc
+fi
+echo "nvcc: ${CUDACXX:-$(command -v nvcc || echo none)}"; "${CUDACXX:-nvcc}" --version | tail -2 || true
+
 cd "$ROOT"
 run_step build 200 env PYSPEC_ENABLE_CUDA=ON PYSPEC_CUDA_ARCHS=${PYSPEC_CUDA_ARCHS:-90} \
   "$PY" -m pip install -q --no-build-isolation --no-deps . \
