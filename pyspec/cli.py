@@ -17,6 +17,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
     reason = _C.cuda_unavailable_reason()
     print(f"CUDA devices: {_C.cuda_device_count()}" + (f" ({reason})" if reason else ""))
     print(f"CPU op threads: {_C.num_threads()}")
+    print("dense layer kernels: " + ", ".join(
+        f"{dt} {_C._linear_kernel(dt)}" for dt in ("float32", "bfloat16", "float16")))
     return 0
 
 

@@ -74,10 +74,11 @@ those to torch). Raises ValueError naming the bad argument; RuntimeError for CUD
 on CUDA). Tensors that require grad are read as is (no autograd).)doc");
 
   m.def("_linear_isa", &detail::LinearIsa,
-        "Instruction set of the CPU linear kernel in use ('generic', 'avx2' or 'avx512').");
+        "Instruction set of the CPU linear kernel in use ('generic', 'avx2', 'avx512' or 'amx').");
   m.def("_set_linear_isa", &detail::SetLinearIsa, py::arg("isa"),
-        "Force the CPU linear kernel: 'auto', 'generic', 'avx2' or 'avx512' (tests and "
-        "benchmarks). Returns the kernel now in use.");
+        "Force the CPU linear kernel: 'auto', 'generic', 'avx2', 'avx512' (no AMX) or 'amx' "
+        "(AMX tiles for bfloat16; ValueError where the CPU or OS has none). For tests and "
+        "benchmarks. Returns the ISA now in use.");
   m.def(
       "_linear_kernel",
       [](const std::string& dtype) {

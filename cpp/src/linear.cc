@@ -24,6 +24,7 @@
 
 #include "cpu_isa.h"
 #include "half.h"
+#include "linear_amx.h"
 #include "pyspec/check.h"
 #include "pyspec/thread_pool.h"
 
@@ -450,6 +451,16 @@ bool CpuHasAvx512Bf16() {
 using BlocksFn = void (*)(const Ctx&, int64_t, int64_t);
 
 detail::IsaSelector g_isa(detail::IsaSelector::kAvx512);  // process-wide: which build of the kernel runs (tests override it)
+// bfloat16 on AMX tiles: -1 where available (with the AVX-512 build in use), 0 never, 1 always
+// (set through SetLinearIsa: "amx" forces it, a named vector ISA turns it off).
+std::atomic<int> g_amx{-1};
+
+bool UseAmx(DType dtype) {
+  if (dtype != DType::kBFloat16) return false;
+  const int mode = g_amx.load(std::memory_order_relaxed);
+  if (mode >= 0) return mode == 1;
+  return g_isa.Resolved() >= detail::IsaSelector::kAvx512 && detail::AmxBf16Available();
+}
 
 // The kernel for a dtype, and its input layout: 16-bit inputs widened in groups of `step16`
 // (2 x its float lanes), or, for `dot`, kept as bf16.
@@ -518,11 +529,23 @@ void CheckArg(const TensorView& t, const char* name, DType dtype,
 
 namespace detail {
 
-std::string SetLinearIsa(const std::string& isa) { return g_isa.Set(isa, "linear"); }
+std::string SetLinearIsa(const std::string& isa) {
+  if (isa == "amx") {
+    PYSPEC_CHECK(AmxBf16Available(), "this CPU, OS or build has no AMX-BF16 linear kernel; use "
+                 "auto, generic, avx2 or avx512");
+    g_isa.Set("avx512", "linear");
+    g_amx.store(1);
+    return LinearIsa();
+  }
+  g_isa.Set(isa, "linear");
+  g_amx.store(isa == "auto" ? -1 : 0);
+  return LinearIsa();
+}
 
-std::string LinearIsa() { return g_isa.Name(); }
+std::string LinearIsa() { return UseAmx(DType::kBFloat16) ? "amx" : g_isa.Name(); }
 
 std::string LinearKernel(DType dtype) {
+  if (UseAmx(dtype)) return "amx-bf16";
   const Kernel k = SelectKernel(dtype);
   if (k.dot) return "avx512-bf16";
 #ifdef PYSPEC_X86
@@ -556,10 +579,6 @@ void Linear(const TensorView& x, const TensorView& w, const TensorView* bias,
   // Widened, padded inputs and fp32 bias, shared read-only by the workers. Thread-local so
   // concurrent callers do not share them, and reused across calls.
   thread_local std::vector<float> xbuf, bbuf;
-  const Kernel kernel = SelectKernel(x.dtype);
-  const int64_t ldx = RoundUp(std::max<int64_t>(K, 1), kPad);
-  if (static_cast<int64_t>(xbuf.size()) < M * ldx) xbuf.resize(M * ldx);
-  WidenRows(x, M, K, ldx, kernel, xbuf.data());
   const float* bias_f = nullptr;
   if (bias != nullptr) {
     if (bias->dtype == DType::kFloat32) {
@@ -574,6 +593,35 @@ void Linear(const TensorView& x, const TensorView& w, const TensorView* bias,
       bias_f = bbuf.data();
     }
   }
+  ThreadPool& tp = pool != nullptr ? *pool : ThreadPool::Default();
+
+  // The AMX path depends on the dtype and the layer's shape only, never on M, so every row of a
+  // layer is computed by one kernel whatever the rows beside it.
+  if (UseAmx(x.dtype) && detail::AmxShapeOk(N, K)) {
+    thread_local std::vector<uint16_t> packed;
+    const int64_t elems = detail::AmxPackedElems(M, K);
+    if (static_cast<int64_t>(packed.size()) < elems) packed.resize(elems);
+    detail::AmxPackInputs(x.ptr<uint16_t>(), M, K, packed.data());
+    const uint16_t* pk = packed.data();
+    const uint16_t* wp = w.ptr<uint16_t>();
+    uint16_t* op = static_cast<uint16_t*>(out.data);
+    const int64_t blocks = N / 16;
+    const int64_t grain = std::max<int64_t>(1, kMinChunkBytes / (16 * K * 2));
+    auto run = [&](int64_t b0, int64_t b1) {
+      detail::AmxLinearBlocks(pk, wp, bias_f, op, M, N, K, b0, b1);
+    };
+    if (blocks <= grain) {
+      run(0, blocks);
+    } else {
+      tp.ParallelFor(blocks, grain, run);
+    }
+    return;
+  }
+
+  const Kernel kernel = SelectKernel(x.dtype);
+  const int64_t ldx = RoundUp(std::max<int64_t>(K, 1), kPad);
+  if (static_cast<int64_t>(xbuf.size()) < M * ldx) xbuf.resize(M * ldx);
+  WidenRows(x, M, K, ldx, kernel, xbuf.data());
 
   Ctx c{xbuf.data(), w.data, bias_f, out.data, M, N, K, ldx, x.dtype};
   const BlocksFn fn = kernel.fn;
@@ -584,7 +632,6 @@ void Linear(const TensorView& x, const TensorView& w, const TensorView* bias,
     fn(c, 0, blocks);
     return;
   }
-  ThreadPool& tp = pool != nullptr ? *pool : ThreadPool::Default();
   tp.ParallelFor(blocks, grain, [&](int64_t b0, int64_t b1) { fn(c, b0, b1); });
 }
 

@@ -92,7 +92,9 @@ class LinearIsaTest : public ::testing::TestWithParam<std::string> {
 TEST_P(LinearIsaTest, MatchesNaiveLoop) {
   for (DType dt : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
     for (int64_t M : {1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 16, 40}) {
-      for (auto nk : {std::pair<int64_t, int64_t>{7, 5}, {33, 19}, {61, 100}, {129, 576}}) {
+      // (48, 96) and (32, 576) are shapes the AMX kernel takes (N % 16 == 0, K % 32 == 0).
+      for (auto nk : {std::pair<int64_t, int64_t>{7, 5}, {33, 19}, {61, 100}, {129, 576},
+                      {48, 96}, {32, 576}}) {
         for (bool bias : {false, true}) Check({M, nk.first, nk.second, bias, dt});
       }
     }
@@ -121,28 +123,65 @@ TEST_P(LinearIsaTest, LargeLayerIsSplitOverThreads) {
 // call, a plain step has one row; the two must agree bit for bit for greedy decoding to be
 // lossless): row m of an M-row call equals the same row computed alone, for every dtype and M.
 TEST_P(LinearIsaTest, RowsAreIndependentOfM) {
-  for (DType dt : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
-    const int64_t N = 37, K = 611, Mmax = 20;
-    std::mt19937 rng(5);
-    Buf x(dt, Mmax * K, &rng, 1.0f), w(dt, N * K, &rng, 0.1f);
-    Buf single(dt, N, &rng, 1.0f);
-    for (int64_t M : {2, 5, 6, 7, 13, 20}) {
-      Buf out(dt, M * N, &rng, 1.0f);
-      Linear(x.View({M, K}), w.View({N, K}), nullptr, out.View({M, N}));
-      for (int64_t m = 0; m < M; ++m) {
-        const void* row = static_cast<const char*>(x.data()) + m * K * DTypeSize(dt);
-        Linear(TensorView::Contiguous(const_cast<void*>(row), dt, {1, K}), w.View({N, K}), nullptr,
-               single.View({1, N}));
-        for (int64_t n = 0; n < N; ++n) {
-          ASSERT_EQ(single.at(n), out.at(m * N + n))
-              << DTypeName(dt) << " M=" << M << " m=" << m << " n=" << n;
+  // (48, 96) is a shape the AMX kernel takes, (37, 611) one it leaves to the vector kernels.
+  for (auto nk : {std::pair<int64_t, int64_t>{37, 611}, {48, 96}}) {
+    for (DType dt : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+      const int64_t N = nk.first, K = nk.second, Mmax = 70;
+      std::mt19937 rng(5);
+      Buf x(dt, Mmax * K, &rng, 1.0f), w(dt, N * K, &rng, 0.1f);
+      Buf single(dt, N, &rng, 1.0f);
+      for (int64_t M : {2, 5, 6, 7, 13, 20, 33, 70}) {
+        Buf out(dt, M * N, &rng, 1.0f);
+        Linear(x.View({M, K}), w.View({N, K}), nullptr, out.View({M, N}));
+        for (int64_t m = 0; m < M; ++m) {
+          const void* row = static_cast<const char*>(x.data()) + m * K * DTypeSize(dt);
+          Linear(TensorView::Contiguous(const_cast<void*>(row), dt, {1, K}), w.View({N, K}),
+                 nullptr, single.View({1, N}));
+          for (int64_t n = 0; n < N; ++n) {
+            ASSERT_EQ(single.at(n), out.at(m * N + n))
+                << DTypeName(dt) << " N=" << N << " M=" << M << " m=" << m << " n=" << n;
+          }
         }
       }
     }
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Isa, LinearIsaTest, ::testing::Values("generic", "avx2", "avx512"),
+// The AMX kernel's own cases (bf16, N % 16 == 0, K % 32 == 0): input rows in 1-9 chunks of 16
+// (one to three passes of four C tiles over a weight block), partial last chunks, K of one to 48
+// tile steps, layers split over threads.
+TEST_P(LinearIsaTest, AmxShapes) {
+  ThreadPool pool(3);
+  for (int64_t M : {1, 15, 16, 17, 33, 64, 65, 130}) {
+    for (auto nk : {std::pair<int64_t, int64_t>{16, 32}, {48, 96}, {64, 1536}, {1024, 576}}) {
+      for (bool bias : {false, true}) Check({M, nk.first, nk.second, bias, DType::kBFloat16},
+                                            &pool);
+    }
+  }
+}
+
+TEST_P(LinearIsaTest, Bf16Specials) {
+  // NaN and Inf in a weight reach their outputs; every kernel sums from +0.0, so a row of -0.0
+  // products gives +0.0 (as torch's matmul does) whichever kernel runs.
+  const int64_t N = 16, K = 32;
+  std::vector<uint16_t> x(K, half::FloatToBF16(1.0f)), w(N * K, half::FloatToBF16(0.0f));
+  w[0] = 0x7fc0u;                       // NaN in row 0
+  w[K] = 0x7f80u;                       // +Inf in row 1
+  for (int64_t k = 0; k < K; ++k) w[2 * K + k] = 0x8000u;  // -0.0 row 2
+  w[3 * K + 5] = half::FloatToBF16(-2.5f);
+  std::vector<uint16_t> out(N, 0x1234u);
+  Linear(TensorView::Contiguous(x.data(), DType::kBFloat16, {1, K}),
+         TensorView::Contiguous(w.data(), DType::kBFloat16, {N, K}), nullptr,
+         TensorView::Contiguous(out.data(), DType::kBFloat16, {1, N}));
+  EXPECT_TRUE(std::isnan(half::BF16ToFloat(out[0])));
+  EXPECT_EQ(half::BF16ToFloat(out[1]), INFINITY);
+  EXPECT_EQ(out[2], 0u);
+  EXPECT_EQ(half::BF16ToFloat(out[3]), -2.5f);
+  for (int64_t n = 4; n < N; ++n) EXPECT_EQ(out[n], 0u) << n;
+}
+
+INSTANTIATE_TEST_SUITE_P(Isa, LinearIsaTest,
+                         ::testing::Values("generic", "avx2", "avx512", "amx"),
                          [](const auto& info) { return info.param; });
 
 TEST(Linear, ZeroSizesAndZeroK) {

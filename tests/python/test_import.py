@@ -34,6 +34,8 @@ def test_cli_info_runs():
                          check=True, cwd="/")
     assert f"pyspec {pyspec.__version__}" in out.stdout
     assert "built with CUDA" in out.stdout
+    kernels = {dt: pyspec._C._linear_kernel(dt) for dt in ("float32", "bfloat16", "float16")}
+    assert "dense layer kernels: " + ", ".join(f"{d} {k}" for d, k in kernels.items()) in out.stdout
 
 
 def test_two_imports_share_nothing_mutable():

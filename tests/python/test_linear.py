@@ -11,7 +11,7 @@ TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1e-2), torch.float16:
 def _isas():
     isas = ["generic"]
     prev = _C._linear_isa()
-    for isa in ("avx2", "avx512"):
+    for isa in ("avx2", "avx512", "amx"):
         try:
             _C._set_linear_isa(isa)
             isas.append(isa)
@@ -36,7 +36,8 @@ def _ref(x, w, b):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 8, 13, 16, 31])
-@pytest.mark.parametrize("nk", [(7, 5), (111, 99), (1001, 577)])
+# (48, 96) and (320, 576): shapes the AMX kernel takes in bfloat16 (N % 16 == 0, K % 32 == 0).
+@pytest.mark.parametrize("nk", [(7, 5), (111, 99), (1001, 577), (48, 96), (320, 576)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_torch(isa, dtype, m, nk, with_bias):
     n, k = nk
@@ -64,18 +65,19 @@ def test_large_m_core_is_correct_and_wrapper_falls_back():
 def test_row_limits_name_the_kernel_in_use():
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         kernel = _C._linear_kernel(str(dtype).removeprefix("torch."))
-        assert kernel in ("generic", "avx2", "avx512", "avx512-bf16")
+        assert kernel in ("generic", "avx2", "avx512", "avx512-bf16", "amx-bf16")
         assert 8 <= max_fast_rows(dtype) <= MAX_FAST_ROWS
     with pytest.raises(ValueError, match="dtype must be"):
         _C._linear_kernel("float64")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_tree_rows_score_like_single_rows(dtype):
+@pytest.mark.parametrize("n", [301, 320])  # 320: the AMX kernel's shape where it runs bfloat16
+def test_tree_rows_score_like_single_rows(dtype, n):
     # Verification scores a draft tree's rows in one call; plain decoding one row at a time. Up to
     # the wrapper's row limit both take the core kernel, whose rows never depend on each other.
     g = torch.Generator().manual_seed(3)
-    w = (torch.randn(301, 576, generator=g) / 24).to(dtype)
+    w = (torch.randn(n, 576, generator=g) / 24).to(dtype)
     m = max_fast_rows(dtype)
     x = torch.randn(m, 576, generator=g).to(dtype)
     together = linear(x, w)
@@ -169,3 +171,35 @@ def test_cuda_not_implemented():
     with pytest.raises(RuntimeError, match="not implemented on CUDA"):
         _C.linear(x, w, None, torch.empty(2, 3, device="cuda"))
     torch.testing.assert_close(linear(x, w), F.linear(x, w))  # the wrapper routes to torch
+
+
+def test_amx_kernel_where_the_cpu_has_it():
+    """bfloat16 on AMX tiles (Intel CPUs with AMX-BF16): where it can be selected, it is what
+    "auto" picks for bfloat16, it agrees with the AVX-512 kernel to one rounding, and forcing it on
+    a CPU without it is a clear error."""
+    try:
+        assert _C._set_linear_isa("amx") == "amx"
+    except ValueError as e:
+        assert "no AMX-BF16" in str(e)
+        assert _C._linear_kernel("bfloat16") != "amx-bf16"
+        pytest.skip(f"this CPU has no AMX-BF16: {e}")
+    try:
+        assert _C._linear_kernel("bfloat16") == "amx-bf16"
+        assert _C._linear_kernel("float32") == "avx512"  # AMX is for bfloat16 only
+        g = torch.Generator().manual_seed(7)
+        x = torch.randn(37, 576, generator=g).bfloat16()
+        w = (torch.randn(960, 576, generator=g) / 24).bfloat16()
+        b = torch.randn(960, generator=g).bfloat16()
+        amx = torch.empty(37, 960, dtype=torch.bfloat16)
+        _C.linear(x, w, b, amx)
+        _C._set_linear_isa("avx512")
+        assert _C._linear_kernel("bfloat16") == "avx512-bf16"
+        vec = torch.empty_like(amx)
+        _C.linear(x, w, b, vec)
+        ulp = (vec.float().abs() * 2.0 ** -7).clamp_min(1e-30)
+        assert ((amx.float() - vec.float()).abs() <= ulp).all()
+        torch.testing.assert_close(amx, _ref(x, w, b), rtol=1e-2, atol=1e-2)
+        _C._set_linear_isa("auto")
+        assert _C._linear_isa() == "amx" and _C._linear_kernel("bfloat16") == "amx-bf16"
+    finally:
+        _C._set_linear_isa("auto")

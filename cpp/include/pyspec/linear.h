@@ -9,6 +9,9 @@
 // rows while it computes. It is compiled for the x86-64 baseline (SSE2), AVX2+FMA and AVX-512 and
 // picks one at run time (bfloat16 on AVX-512 needs AVX512_BF16, whose vdpbf16ps multiplies bf16
 // pairs directly; without it bf16 runs the AVX2 build); output rows are split over the thread pool.
+// On CPUs with AMX-BF16 (and an OS that grants the tile state), bfloat16 layers whose N is a
+// multiple of 16 and K of 32 run on AMX tiles instead: 16 weight rows x 32 k per tile against up
+// to 64 input rows, so a 16-64 row draft tree costs about what one row costs (src/linear_amx.h).
 //
 // Any M is computed correctly (input rows are tiled), and a row's result never depends on M or on
 // the other rows, so a draft tree verified in one call agrees bit for bit with the same rows
@@ -38,12 +41,13 @@ void Linear(const TensorView& x, const TensorView& w, const TensorView* bias,
 
 namespace detail {
 // Which instruction set the kernel uses: "auto" (best the CPU supports), "generic" (SSE2), "avx2"
-// (AVX2+FMA) or "avx512". Process-wide, for tests and benchmarks. Returns the kernel now in use.
-// Throws ValueError for unknown names or an ISA this CPU lacks.
+// (AVX2+FMA), "avx512" (no AMX) or "amx" (AVX-512, and AMX tiles for bfloat16). Process-wide, for
+// tests and benchmarks. Returns the ISA now in use. Throws ValueError for unknown names or an ISA
+// this CPU lacks.
 std::string SetLinearIsa(const std::string& isa);
 std::string LinearIsa();
-// The build that runs layers of `dtype` now: "generic", "avx2", "avx512" or "avx512-bf16" (bf16
-// through vdpbf16ps).
+// The build that runs layers of `dtype` now: "generic", "avx2", "avx512", "avx512-bf16" (bf16
+// through vdpbf16ps) or "amx-bf16" (bf16 on AMX tiles, for the shapes it takes).
 std::string LinearKernel(DType dtype);
 }  // namespace detail
 

@@ -1,0 +1,36 @@
+// bfloat16 dense layer on Intel AMX tiles (internal to linear.cc; see pyspec/linear.h).
+//
+// out[m, n] = sum_k x[m, k] * w[n, k] + bias[n] with the weights read in place: a tile of 16 weight
+// rows x 32 k (row-major w, no repacking) is the A operand of TDPBF16PS, and the inputs, repacked
+// once per call into AMX's pair-interleaved layout (16 rows per tile, zero-padded), are the B
+// operand, so a C tile holds 16 outputs x 16 input rows in fp32. Every weight byte is read once per
+// call for up to 64 input rows (four C tiles), and the tile units do 16 x 16 x 32 products per
+// instruction, so up to a few dozen rows cost about what one row costs: the read of the weights.
+// Each output is accumulated in fp32 in one fixed order (k ascending in chunks of 32) that does not
+// depend on M or on the other rows, and is rounded once to bfloat16.
+#pragma once
+
+#include <cstdint>
+
+namespace pyspec {
+namespace detail {
+
+// True when the CPU has AMX-TILE and AMX-BF16, the build can emit them, and the OS granted this
+// process the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM); asked once, cached.
+bool AmxBf16Available();
+
+// The layer shapes the AMX kernel takes: K a multiple of 32 and N of 16 (others run elsewhere).
+inline bool AmxShapeOk(int64_t N, int64_t K) { return K > 0 && K % 32 == 0 && N % 16 == 0; }
+
+// Elements (uint16) of the packed inputs for M rows of K.
+inline int64_t AmxPackedElems(int64_t M, int64_t K) { return (M + 15) / 16 * 16 * K; }
+
+// x [M, K] bf16 bits -> packed [M/16 chunks][K/32][16 pairs][16 rows][2], rows past M zero.
+void AmxPackInputs(const uint16_t* x, int64_t M, int64_t K, uint16_t* packed);
+
+// Output blocks [b0, b1) of 16 weight rows each: out [M, N] bf16 bits, bias [N] fp32 or nullptr.
+void AmxLinearBlocks(const uint16_t* packed, const uint16_t* w, const float* bias, uint16_t* out,
+                     int64_t M, int64_t N, int64_t K, int64_t b0, int64_t b1);
+
+}  // namespace detail
+}  // namespace pyspec
