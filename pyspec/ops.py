@@ -6,9 +6,27 @@ in a build or on a machine without CUDA raises ``RuntimeError`` saying why.
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
+
 from pyspec import _C
 
 __all__ = ["cuda_available", "materialize_kv", "rms_norm", "rotary_qkv"]
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """Run the block with torch's intra-op thread count set to ``n`` (restored after)."""
+    prev = torch.get_num_threads()
+    if prev == n:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
 
 
 def cuda_available() -> bool:

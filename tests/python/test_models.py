@@ -252,3 +252,37 @@ def test_config_validation():
         ModelConfig.from_dict(dict(BASE, model_type="llama", num_hidden_layers=0))
     cfg = ModelConfig.from_dict(dict(BASE, model_type="qwen2"))
     assert cfg.attention_bias and cfg.head_dim == 32
+
+
+def test_decode_sized_steps_run_torch_ops_on_one_thread(tmp_path, monkeypatch):
+    """Steps of up to the core kernel's row limit run torch's glue ops on one thread (its OpenMP
+    workers would spin against the core's thread pool), larger steps keep torch's threads, and the
+    thread count is restored after either, also when the step raises."""
+    from pyspec.linear import max_fast_rows
+    _, path = _hf_model("llama", tmp_path)
+    model, runner = _ours(path, num_blocks=64)
+    seen = []
+    silu = torch.nn.functional.silu
+    monkeypatch.setattr(torch.nn.functional, "silu",
+                        lambda x: (seen.append(torch.get_num_threads()), silu(x))[1])
+    prev = torch.get_num_threads()
+    if prev < 2:
+        torch.set_num_threads(2)
+    try:
+        threads = torch.get_num_threads()
+        limit = max_fast_rows(torch.float32)
+        assert model._serial_rows == limit
+        runner.step([SeqStep(list(range(5)), 0, list(range(3)), None, "last")])
+        assert seen and set(seen) == {1}
+        assert torch.get_num_threads() == threads
+        seen.clear()
+        big = limit + 1
+        runner.step([SeqStep([i % 111 for i in range(big)], 0, list(range(-(-big // 4))), None,
+                             "last")])
+        assert seen and set(seen) == {threads}
+        monkeypatch.setattr(torch.nn.functional, "silu", lambda x: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            runner.step([SeqStep([1, 2], 0, [0], None, "last")])
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(prev)
