@@ -19,6 +19,7 @@
 #include <cstring>
 #include <limits>
 #include <sstream>
+#include <vector>
 
 #include "cpu_isa.h"
 #include "half.h"
@@ -504,13 +505,16 @@ PYSPEC_INLINE void ProcessItemImpl(const RunCtx& c, const AttentionPlan::WorkIte
   s.mp = s.narrow ? 8 : RoundUp(s.m, kPad);
   s.m_rows = RoundUp(s.m, 4);  // <= mp; computed with blocks of kMr, then 4, then 1 rows
   const int64_t mp = s.mp;
-  float* base = ThreadWorkspace().Get(D * mp + mp * dp + kTileKeys * (mp + D + dp) + 4 * mp + D);
+  // A tree's tiles hold the last partial tile of the prefix and up to every node (see below).
+  const bool tree_item = w.with_new && c.is_tree[w.request] != 0;
+  const int64_t cap = tree_item ? kTileKeys + kMaskWords * 64 : kTileKeys;
+  float* base = ThreadWorkspace().Get(D * mp + mp * dp + cap * (mp + D + dp) + 4 * mp + D);
   s.qt = base;
   s.o = s.qt + D * mp;
   s.st = s.o + mp * dp;
-  s.kt = s.st + kTileKeys * mp;
-  s.vt = s.kt + kTileKeys * D;
-  s.run_max = s.vt + kTileKeys * dp;
+  s.kt = s.st + cap * mp;
+  s.vt = s.kt + cap * D;
+  s.run_max = s.vt + cap * dp;
   s.run_sum = s.run_max + mp;
   s.alpha = s.run_sum + mp;
   s.sub = s.alpha + mp;
@@ -526,7 +530,7 @@ PYSPEC_INLINE void ProcessItemImpl(const RunCtx& c, const AttentionPlan::WorkIte
     }
   }
   std::fill(s.o, s.o + mp * dp, 0.0f);
-  std::fill(s.vt, s.vt + kTileKeys * dp, 0.0f);  // padding columns stay zero
+  std::fill(s.vt, s.vt + cap * dp, 0.0f);  // padding columns stay zero
   std::fill(s.run_max, s.run_max + mp, kNegInf);
   std::fill(s.run_sum, s.run_sum + mp, 0.0f);
 
@@ -535,17 +539,81 @@ PYSPEC_INLINE void ProcessItemImpl(const RunCtx& c, const AttentionPlan::WorkIte
   const int32_t* pages = c.pages + c.page_indptr[w.request];
   const int64_t bs = c.block_size;
   auto all = [](int64_t, int64_t) { return true; };
-  for (int64_t kv = w.kv_begin; kv < w.kv_end; kv += kTileKeys) {
+  // A tree item leaves the prefix's last partial tile to the tree tiles below.
+  const int64_t prefix_end =
+      tree_item ? std::max(w.kv_begin, w.kv_end / kTileKeys * kTileKeys) : w.kv_end;
+  auto load_prefix_key = [&](int64_t pos, int64_t t) {
+    const int64_t slot = static_cast<int64_t>(pages[pos / bs]) * bs + pos % bs;
+    LoadRow(c.kp + slot * kv_row + head_off, c.kv_dtype, s.kt + t * D, D);
+    LoadRow(c.vp + slot * kv_row + head_off, c.kv_dtype, s.vt + t * dp, D);
+  };
+  for (int64_t kv = w.kv_begin; kv < prefix_end; kv += kTileKeys) {
     const int64_t n = std::min(kTileKeys, w.kv_end - kv);
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t pos = kv + t;
-      const int64_t slot = static_cast<int64_t>(pages[pos / bs]) * bs + pos % bs;
-      LoadRow(c.kp + slot * kv_row + head_off, c.kv_dtype, s.kt + t * D, D);
-      LoadRow(c.vp + slot * kv_row + head_off, c.kv_dtype, s.vt + t * dp, D);
-    }
+    for (int64_t t = 0; t < n; ++t) load_prefix_key(kv + t, t);
     ProcessTile<Isa>(c, s, n, all, false);
   }
-  if (w.with_new) {
+  if (tree_item) {
+    // Tree nodes are scored exactly as decoding them one at a time would score them: a node at
+    // depth d sits at position P + d (P = prefix length), and decoding it alone would walk its
+    // prefix and ancestors in tiles of kTileKeys positions aligned to position 0, then its own
+    // key as a tile of one. So the tiles here are those same position ranges: tile u holds the
+    // prefix keys of [base + 64u, P) (u = 0 only) and every node whose position falls in
+    // [base + 64u, base + 64u + 64), in node order (parents before children, so each row meets
+    // its ancestors in position order), each row seeing the prefix keys and its strict
+    // ancestors; a last tile holds each row's own key, seen by that row alone. The keys a row
+    // does not see score -inf and add exact zeros, so every row's sums, maxima and rescalings
+    // are the single-row decode's, bit for bit (given the same split of the prefix).
+    const int64_t P = w.kv_end;
+    const int64_t q0 = c.q_indptr[w.request];
+    const int64_t first = w.q_begin - q0, last = w.q_end - 1 - q0;  // request-local rows
+    const uint64_t* masks = c.masks + q0 * kMaskWords;
+    const int64_t tile0 = prefix_end;
+    // Each node's depth, then each tile slot's node (-1 for a prefix key).
+    static thread_local std::vector<int32_t> tree_ints;
+    tree_ints.resize(static_cast<size_t>(last + 1 + cap));
+    int32_t* depth_of = tree_ints.data();
+    int64_t max_depth = 0;
+    for (int64_t j = 0; j <= last; ++j) {
+      int64_t bits = 0;
+      for (int64_t wd = 0; wd < kMaskWords; ++wd) {
+        bits += __builtin_popcountll(masks[j * kMaskWords + wd]);
+      }
+      depth_of[j] = static_cast<int32_t>(bits - 1);
+      max_depth = std::max<int64_t>(max_depth, bits - 1);
+    }
+    int32_t* tile_node = depth_of + (last + 1);
+    for (int64_t lo = tile0; lo <= P + max_depth; lo += kTileKeys) {
+      int64_t n = 0;
+      if (lo == tile0) {
+        for (int64_t pos = tile0; pos < P; ++pos, ++n) {
+          load_prefix_key(pos, n);
+          tile_node[n] = -1;
+        }
+      }
+      for (int64_t j = 0; j <= last; ++j) {
+        const int64_t pos = P + depth_of[j];
+        if (pos < lo || pos >= lo + kTileKeys) continue;
+        LoadRow(c.kn + (q0 + j) * kv_row + head_off, c.kv_dtype, s.kt + n * D, D);
+        LoadRow(c.vn + (q0 + j) * kv_row + head_off, c.kv_dtype, s.vt + n * dp, D);
+        tile_node[n++] = static_cast<int32_t>(j);
+      }
+      if (n == 0) continue;
+      auto visible = [&](int64_t t, int64_t m) {
+        const int64_t j = tile_node[t];
+        if (j < 0) return true;
+        const int64_t i = first + m / G;
+        return j != i && ((masks[i * kMaskWords + (j >> 6)] >> (j & 63)) & 1u) != 0;
+      };
+      ProcessTile<Isa>(c, s, n, visible, true);
+    }
+    const int64_t n = last + 1 - first;
+    for (int64_t t = 0; t < n; ++t) {
+      LoadRow(c.kn + (q0 + first + t) * kv_row + head_off, c.kv_dtype, s.kt + t * D, D);
+      LoadRow(c.vn + (q0 + first + t) * kv_row + head_off, c.kv_dtype, s.vt + t * dp, D);
+    }
+    auto own = [&](int64_t t, int64_t m) { return t == m / G; };
+    ProcessTile<Isa>(c, s, n, own, n > 1);
+  } else if (w.with_new) {
     const int64_t q0 = c.q_indptr[w.request];
     const int64_t first = w.q_begin - q0, last = w.q_end - 1 - q0;  // request-local rows
     const bool tree = c.is_tree[w.request] != 0;

@@ -5,7 +5,8 @@ A batch changes how the target's rows are computed: a step runs every request's 
 chunks, decode roots, draft trees) through one forward, and ``pyspec.linear`` sends more than
 ``max_fast_rows`` rows to torch's GEMM instead of the core kernel, so a request's logits differ
 from the single-request ones by float rounding (so does attention, which sums a request's
-committed prefix and its new rows separately: chunk boundaries and trees move that split). Measured on the default model (8 MT-bench first
+committed prefix and a prefill chunk's rows separately: chunk boundaries move that split; a draft
+tree's nodes are scored exactly as single-token decode steps, see test_tree_exactness.py). Measured on the default model (8 MT-bench first
 turns x 32 tokens through the engine): at most 6e-5 in logits of magnitude ~10-30, against a
 smallest top-2 gap of 1.8e-3 over 20 x 128 greedy tokens, and no divergence in 20 x 128 tokens
 as a batch of 20 vs alone, plain and with the default and ngram drafters. The rule:

@@ -16,6 +16,11 @@
 // processed together, so every K/V row is read and converted once per KV head and query tile. Long
 // contexts are split into KV chunks processed in parallel and merged with log-sum-exp
 // (FlashDecoding, split-KV). The CPU implementation is the oracle of the CUDA kernel.
+//
+// On the CPU, a tree node's output is bit for bit what a one-token decode step of that node
+// computes once its ancestors are committed to the pool (same prefix split): the node's prefix
+// and ancestors are walked in the same position-aligned tiles, then its own key alone. A draft
+// tree verified in one step then scores every node exactly as plain decoding of its path would.
 #pragma once
 
 #include <cstdint>
