@@ -452,7 +452,8 @@ using BlocksFn = void (*)(const Ctx&, int64_t, int64_t);
 
 detail::IsaSelector g_isa(detail::IsaSelector::kAvx512);  // process-wide: which build of the kernel runs (tests override it)
 // bfloat16 on AMX tiles: -1 where available (with the AVX-512 build in use), 0 never, 1 always
-// (set through SetLinearIsa: "amx" forces it, a named vector ISA turns it off).
+// (set through SetLinearIsa: "amx" forces it, a named vector ISA turns it off). Like g_isa, a test
+// and benchmark knob: change it while no Linear call runs (the two settings are stored apart).
 std::atomic<int> g_amx{-1};
 
 bool UseAmx(DType dtype) {

@@ -104,12 +104,11 @@ void AmxPackInputs(const uint16_t* x, int64_t M, int64_t K, uint16_t* packed) {
   std::memset(packed, 0, static_cast<size_t>(chunks * 16 * K) * sizeof(uint16_t));
   // One 32-bit pair (k = 2p, 2p + 1) of row m goes to [chunk][kc][p % 16][m % 16].
   for (int64_t m = 0; m < M; ++m) {
-    uint32_t* dst = reinterpret_cast<uint32_t*>(packed + (m / 16) * kcn * 512) + (m % 16);
+    uint16_t* dst = packed + (m / 16) * kcn * 512 + 2 * (m % 16);
     const uint16_t* src = x + m * K;
+    // Pair p lands at pair slot (kc * 16 + p % 16) * 16 == p * 16 (kc = p / 16).
     for (int64_t p = 0; p < K / 2; ++p) {
-      uint32_t pair;
-      std::memcpy(&pair, src + 2 * p, sizeof(pair));
-      dst[p * 16] = pair;  // (kc * 16 + p % 16) * 16 == p * 16 since kc = p / 16
+      std::memcpy(dst + 32 * p, src + 2 * p, 2 * sizeof(uint16_t));
     }
   }
 }

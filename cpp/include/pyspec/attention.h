@@ -18,9 +18,13 @@
 // (FlashDecoding, split-KV). The CPU implementation is the oracle of the CUDA kernel.
 //
 // On the CPU, a tree node's output is bit for bit what a one-token decode step of that node
-// computes once its ancestors are committed to the pool (same prefix split): the node's prefix
-// and ancestors are walked in the same position-aligned tiles, then its own key alone. A draft
-// tree verified in one step then scores every node exactly as plain decoding of its path would.
+// computes once its ancestors are committed to the pool: the node's prefix and ancestors are
+// walked in the same position-aligned tiles, then its own key alone. A draft tree verified in one
+// step then scores every node exactly as plain decoding of its path would. One condition: the two
+// steps must split the prefix into the same KV chunks. Prefixes shorter than two `min_kv_chunk`s
+// (1,024 keys by default) are never split; longer ones are cut by the prefix length and the step's
+// work, which can differ between the tree step and the one-token step (results then agree to
+// rounding, not bit for bit).
 #pragma once
 
 #include <cstdint>
