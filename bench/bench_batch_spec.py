@@ -2,7 +2,8 @@
 together (greedy, ``ignore_eos``, the same length each), per drafter, in one process, with the
 engine's cost-model state after the run (memory-bound draft limit, budget probes).
 
-    python bench/bench_batch_spec.py --prompts 8 --max-tokens 128 --drafters none,default
+    python bench/bench_batch_spec.py --prompts 8 --max-tokens 128 --drafters none,default \
+        [--dtype float32|bfloat16|float16]
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--drafters", default="none,default")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = ap.parse_args(argv)
     if args.prompts < 1 or args.max_tokens < 1:
         ap.error("--prompts and --max-tokens must be >= 1")
@@ -33,7 +35,7 @@ def main(argv=None):
     params = pyspec.SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     plain = None
     for d in args.drafters.split(","):
-        llm = pyspec.LLM(args.model, draft=d)
+        llm = pyspec.LLM(args.model, draft=d, dtype=args.dtype)
         ids = [llm.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
         llm.generate(ids[:1], pyspec.SamplingParams(max_tokens=4, temperature=0))  # warm-up
         t = time.perf_counter()
