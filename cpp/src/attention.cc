@@ -215,8 +215,14 @@ AttentionPlan PlanAttention(const TensorView& q_indptr, const TensorView& prefix
     int64_t splits = std::min(want < 1e18 ? static_cast<int64_t>(want) : int64_t{1} << 60,
                               std::max<int64_t>(1, p / min_chunk));
     splits = std::max<int64_t>(splits, 1);
-    const int64_t chunk =
-        splits > 1 ? RoundUp(CeilDiv(p, splits), kTileKeys) : std::max<int64_t>(p, 1);
+    // Chunks are min_chunk * 2^k keys, the smallest such that `splits` of them pass p: their
+    // boundaries then stay put while the prefix grows by a few tokens (a draft tree's nodes are
+    // scored with the split their own one-token steps get, except across p = 2^k * min_chunk).
+    int64_t chunk = std::max<int64_t>(p, 1);
+    if (splits > 1) {
+      chunk = min_chunk;
+      while (chunk * splits <= p) chunk *= 2;
+    }
     splits = std::max<int64_t>(1, CeilDiv(p, chunk));
     const int64_t rows = t.q_end - t.q_begin;
     if (splits > 1) {

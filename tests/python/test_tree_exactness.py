@@ -4,8 +4,10 @@ whatever the rows beside it, and the CPU attention walks a tree node's prefix an
 same position-aligned tiles as a single-token decode step (then its own key alone). Greedy
 speculative output is then plain greedy output exactly, not up to rounding.
 
-Contexts around the attention's 64-key tile boundaries (63, 64, 65) and past several tiles (nodes
-then cross a tile boundary at different depths); trees of up to the dense kernel's row limit.
+Contexts around the attention's 64-key tile boundaries (63, 64, 65), past several tiles (nodes
+then cross a tile boundary at different depths) and long enough for split-KV (1,150: a tree step
+and its nodes' one-token steps once cut the prefix at different places; 2,100); trees of up to the
+dense kernel's row limit.
 """
 
 import random
@@ -35,7 +37,7 @@ def _path(parents, j):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("ctx_len", [5, 40, 63, 64, 65, 200, 250])
+@pytest.mark.parametrize("ctx_len", [5, 40, 63, 64, 65, 200, 250, 1150, 2100])
 def test_tree_rows_equal_decoding_their_paths(model_dir, dtype, ctx_len):
     model = LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype)
     bs = 16

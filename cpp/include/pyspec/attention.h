@@ -22,9 +22,10 @@
 // walked in the same position-aligned tiles, then its own key alone. A draft tree verified in one
 // step then scores every node exactly as plain decoding of its path would. One condition: the two
 // steps must split the prefix into the same KV chunks. Prefixes shorter than two `min_kv_chunk`s
-// (1,024 keys by default) are never split; longer ones are cut by the prefix length and the step's
-// work, which can differ between the tree step and the one-token step (results then agree to
-// rounding, not bit for bit).
+// (1,024 keys by default) are never split; longer ones into chunks of min_kv_chunk * 2^k keys,
+// which stay put as the prefix grows, except where it crosses 2^k * min_kv_chunk keys (1,024,
+// 2,048, 4,096, ...) between the two steps, or where the batch beside a request changes how many
+// pieces it is cut into; results then agree to rounding, not bit for bit.
 #pragma once
 
 #include <cstdint>
