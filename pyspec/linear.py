@@ -30,8 +30,8 @@ __all__ = ["linear", "max_fast_rows", "MAX_FAST_ROWS"]
 # 58.4 vs 49.7 in two runs at 32), but widened to fp32 (AVX2) only up to 8; float16 (widened)
 # ahead from 8 rows on. bfloat16 on AMX tiles (Intel Xeon with AMX, 2 threads; torch's GEMM also
 # uses AMX there): 11.0 / 12.7 / 25.2 ms at 1 / 16 / 64 rows against torch's 21.4 / 23.2 / 30.1,
-# behind it from 96 rows (38.7 vs 36.3). Up to the limit every row is computed alike, so a draft tree of that many
-# nodes is scored exactly as plain decoding scores its rows.
+# behind it from 96 rows (38.7 vs 36.3). Up to the limit every row is computed alike, so a draft
+# tree of that many nodes is scored exactly as plain decoding scores its rows.
 _ROW_LIMITS = {("float32", "avx512"): 64, ("float32", "avx2"): 64, ("float32", "generic"): 16,
                ("bfloat16", "amx-bf16"): 64, ("bfloat16", "avx512-bf16"): 32,
                ("bfloat16", "avx2"): 8, ("bfloat16", "generic"): 8,
@@ -47,6 +47,11 @@ def max_fast_rows(dtype) -> int:
 
 _MAX_ROWS = {dt: max_fast_rows(dt) for dt in _DTYPE_NAMES}  # for this process's CPU
 MAX_FAST_ROWS = max(_MAX_ROWS.values())
+
+
+def fast_rows(dtype) -> int:
+    """``max_fast_rows(dtype)`` for this process's CPU, 0 for a dtype the core kernel lacks."""
+    return _MAX_ROWS.get(dtype, 0)
 
 _FAST_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
 _core_linear = _C.linear

@@ -558,6 +558,13 @@ PYSPEC_INLINE void ProcessItemImpl(const RunCtx& c, const AttentionPlan::WorkIte
     for (int64_t t = 0; t < n; ++t) load_prefix_key(kv + t, t);
     ProcessTile<Isa>(c, s, n, all, false);
   }
+  // Rows of this step's new tokens (flattened) -> tile slot t.
+  auto load_new_key = [&](int64_t row, int64_t t) {
+    LoadRow(c.kn + row * kv_row + head_off, c.kv_dtype, s.kt + t * D, D);
+    LoadRow(c.vn + row * kv_row + head_off, c.kv_dtype, s.vt + t * dp, D);
+  };
+  const int64_t q0 = c.q_indptr[w.request];
+  const int64_t first = w.q_begin - q0, last = w.q_end - 1 - q0;  // request-local rows
   if (tree_item) {
     // Tree nodes are scored exactly as decoding them one at a time would score them: a node at
     // depth d sits at position P + d (P = prefix length), and decoding it alone would walk its
@@ -570,8 +577,6 @@ PYSPEC_INLINE void ProcessItemImpl(const RunCtx& c, const AttentionPlan::WorkIte
     // does not see score -inf and add exact zeros, so every row's sums, maxima and rescalings
     // are the single-row decode's, bit for bit (given the same split of the prefix).
     const int64_t P = w.kv_end;
-    const int64_t q0 = c.q_indptr[w.request];
-    const int64_t first = w.q_begin - q0, last = w.q_end - 1 - q0;  // request-local rows
     const uint64_t* masks = c.masks + q0 * kMaskWords;
     const int64_t tile0 = prefix_end;
     // Each node's depth, then each tile slot's node (-1 for a prefix key).
@@ -599,8 +604,7 @@ PYSPEC_INLINE void ProcessItemImpl(const RunCtx& c, const AttentionPlan::WorkIte
       for (int64_t j = 0; j <= last; ++j) {
         const int64_t pos = P + depth_of[j];
         if (pos < lo || pos >= lo + kTileKeys) continue;
-        LoadRow(c.kn + (q0 + j) * kv_row + head_off, c.kv_dtype, s.kt + n * D, D);
-        LoadRow(c.vn + (q0 + j) * kv_row + head_off, c.kv_dtype, s.vt + n * dp, D);
+        load_new_key(q0 + j, n);
         tile_node[n++] = static_cast<int32_t>(j);
       }
       if (n == 0) continue;
@@ -613,31 +617,16 @@ PYSPEC_INLINE void ProcessItemImpl(const RunCtx& c, const AttentionPlan::WorkIte
       ProcessTile<Isa>(c, s, n, visible, true);
     }
     const int64_t n = last + 1 - first;
-    for (int64_t t = 0; t < n; ++t) {
-      LoadRow(c.kn + (q0 + first + t) * kv_row + head_off, c.kv_dtype, s.kt + t * D, D);
-      LoadRow(c.vn + (q0 + first + t) * kv_row + head_off, c.kv_dtype, s.vt + t * dp, D);
-    }
+    for (int64_t t = 0; t < n; ++t) load_new_key(q0 + first + t, t);
     auto own = [&](int64_t t, int64_t m) { return t == m / G; };
     ProcessTile<Isa>(c, s, n, own, n > 1);
   } else if (w.with_new) {
-    const int64_t q0 = c.q_indptr[w.request];
-    const int64_t first = w.q_begin - q0, last = w.q_end - 1 - q0;  // request-local rows
-    const bool tree = c.is_tree[w.request] != 0;
-    const uint64_t* masks = c.masks + q0 * kMaskWords;
+    // A causal chunk: key j is visible to row i when j <= i.
     for (int64_t j0 = 0; j0 <= last; j0 += kTileKeys) {
       const int64_t n = std::min(kTileKeys, last + 1 - j0);
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t row = q0 + j0 + t;
-        LoadRow(c.kn + row * kv_row + head_off, c.kv_dtype, s.kt + t * D, D);
-        LoadRow(c.vn + row * kv_row + head_off, c.kv_dtype, s.vt + t * dp, D);
-      }
-      // Causal: key j is visible to row i when j <= i. Tree: when bit j of row i's ancestor mask.
-      auto visible = [&](int64_t t, int64_t m) {
-        const int64_t i = first + m / G, j = j0 + t;
-        if (!tree) return j <= i;
-        return ((masks[i * kMaskWords + (j >> 6)] >> (j & 63)) & 1u) != 0;
-      };
-      ProcessTile<Isa>(c, s, n, visible, tree || j0 + n - 1 > first);
+      for (int64_t t = 0; t < n; ++t) load_new_key(q0 + j0 + t, t);
+      auto visible = [&](int64_t t, int64_t m) { return j0 + t <= first + m / G; };
+      ProcessTile<Isa>(c, s, n, visible, j0 + n - 1 > first);
     }
   }
 

@@ -34,7 +34,8 @@ namespace {
 
 #define PYSPEC_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw")))
 
-constexpr int64_t kChunkPairs = 16;  // k pairs per tile row group: 32 k per tile
+// Elements of one packed input tile (16 k pairs x 16 rows x 2), i.e. 32 k of a 16-row chunk.
+constexpr int64_t kTileElems = 512;
 
 struct alignas(64) TileConfig {
   uint8_t palette_id;
@@ -53,7 +54,7 @@ PYSPEC_AMX_TARGET inline __attribute__((always_inline)) void Accumulate(
     const uint16_t* wb, int64_t ldw_bytes, const uint16_t* xg, int64_t chunk_elems, int64_t kcn) {
   for (int64_t kc = 0; kc < kcn; ++kc) {
     _tile_loadd(4, wb + kc * 32, ldw_bytes);
-    const uint16_t* xb = xg + kc * 512;
+    const uint16_t* xb = xg + kc * kTileElems;
     _tile_loadd(5, xb, 64);
     _tile_dpbf16ps(0, 4, 5);
     if constexpr (NM > 1) {
@@ -104,7 +105,7 @@ void AmxPackInputs(const uint16_t* x, int64_t M, int64_t K, uint16_t* packed) {
   std::memset(packed, 0, static_cast<size_t>(chunks * 16 * K) * sizeof(uint16_t));
   // One 32-bit pair (k = 2p, 2p + 1) of row m goes to [chunk][kc][p % 16][m % 16].
   for (int64_t m = 0; m < M; ++m) {
-    uint16_t* dst = packed + (m / 16) * kcn * 512 + 2 * (m % 16);
+    uint16_t* dst = packed + (m / 16) * kcn * kTileElems + 2 * (m % 16);
     const uint16_t* src = x + m * K;
     // Pair p lands at pair slot (kc * 16 + p % 16) * 16 == p * 16 (kc = p / 16).
     for (int64_t p = 0; p < K / 2; ++p) {
@@ -124,13 +125,12 @@ PYSPEC_AMX_TARGET void AmxLinearBlocks(const uint16_t* packed, const uint16_t* w
     cfg.colsb[t] = 64;
   }
   _tile_loadconfig(&cfg);
-  const int64_t kcn = K / 32, chunks = (M + 15) / 16, chunk_elems = kcn * 512;
+  const int64_t kcn = K / 32, chunks = (M + 15) / 16, chunk_elems = kcn * kTileElems;
   const int64_t ldw_bytes = K * static_cast<int64_t>(sizeof(uint16_t));
   alignas(64) float cbuf[4][256];
   const __m512i column = _mm512_mullo_epi32(
       _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
       _mm512_set1_epi32(16));
-  static_assert(kChunkPairs * 32 == 512, "a packed tile is 16 pairs x 16 rows x 2");
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t n0 = b * 16;
     const uint16_t* wb = w + n0 * K;

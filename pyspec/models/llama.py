@@ -9,6 +9,7 @@ rows it keeps (accepted draft paths, prefill chunks) into the pages.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import Dict, Optional, Tuple
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from pyspec import ops
 from pyspec.attention import tree_attention
 from pyspec.linear import linear as core_linear
-from pyspec.linear import max_fast_rows
+from pyspec.linear import fast_rows
 from pyspec.models.config import ModelConfig
 from pyspec.models.loader import load_weights, resolve_dtype
 
@@ -79,9 +80,6 @@ def feature_layers(spec, num_layers: int) -> Tuple[int, ...]:
     return taps
 
 
-_FAST_ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
 class LlamaForCausalLM:
     """Inference-only Llama/Mistral/Qwen2 with fused QKV and gate/up projections."""
 
@@ -97,8 +95,7 @@ class LlamaForCausalLM:
         # workers, which spin for a while after each parallel op, would compete with it for the
         # cores (on 2 cores a 32-node float32 verify step took 97 ms with them, 71 ms without;
         # bench/bench_verify_cost.py). Larger steps (prefill) keep torch's threads for its GEMMs.
-        self._serial_rows = (max_fast_rows(dtype) if self.linear is core_linear
-                             and dtype in _FAST_ROW_DTYPES else 0)
+        self._serial_rows = fast_rows(dtype) if self.linear is core_linear else 0
         self.dtype = dtype
         self.device = torch.device(device)
         self.embed = weights.pop("model.embed_tokens.weight")
@@ -230,13 +227,10 @@ class LlamaForCausalLM:
         Returns:
             float32 logits ``[R, vocab]`` (and the hidden states when asked).
         """
-        t = input_ids.shape[0]
-        if t <= self._serial_rows and self.device.type == "cpu":
-            with ops.torch_threads(1):
-                return self._forward(input_ids, positions, plan, k_pages, v_pages, k_new, v_new,
-                                     logits_rows, return_hidden, rope_lens, inputs_embeds)
-        return self._forward(input_ids, positions, plan, k_pages, v_pages, k_new, v_new,
-                             logits_rows, return_hidden, rope_lens, inputs_embeds)
+        serial = input_ids.shape[0] <= self._serial_rows and self.device.type == "cpu"
+        with ops.torch_threads(1) if serial else contextlib.nullcontext():
+            return self._forward(input_ids, positions, plan, k_pages, v_pages, k_new, v_new,
+                                 logits_rows, return_hidden, rope_lens, inputs_embeds)
 
     def _forward(self, input_ids, positions, plan, k_pages, v_pages, k_new, v_new, logits_rows,
                  return_hidden, rope_lens, inputs_embeds):
