@@ -25,7 +25,6 @@ void MaterializeKV(const TensorView& scratch, const TensorView& pages, const Ten
                    const TensorView& dst_slots, void* stream_ptr) {
   CheckDevice(scratch, "scratch", DeviceType::kCUDA);
   const auto s = detail::CheckMaterializeArgs(scratch, pages, src_rows, dst_slots);
-  PYSPEC_CHECK(src_rows.dtype == dst_slots.dtype, "'src_rows' and 'dst_slots' must share a dtype");
   RequireDevice("materialize_kv");
   DeviceGuard guard(scratch.device.index);
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
@@ -37,7 +36,27 @@ void MaterializeKV(const TensorView& scratch, const TensorView& pages, const Ten
     PYSPEC_CHECK(dst[i] >= 0 && dst[i] < s.slots, "dst_slots[", i, "] = ", dst[i],
                  " is out of range [0, ", s.slots, ") (num_blocks * block_size)");
   }
+  if (s.n == 0) return;
   cudaError_t err;
+  if (src_rows.dtype != dst_slots.dtype) {
+    // Mixed int32/int64 indices (allowed, as on the CPU): launch on int64 copies of the indices
+    // checked above. The pageable source is staged before cudaMemcpyAsync returns.
+    std::vector<int64_t> both(src);
+    both.insert(both.end(), dst.begin(), dst.end());
+    int64_t* dev = nullptr;
+    const size_t bytes = sizeof(int64_t) * both.size();
+    PYSPEC_CUDA_CALL(cudaMallocAsync(reinterpret_cast<void**>(&dev), bytes, stream));
+    err = cudaMemcpyAsync(dev, both.data(), bytes, cudaMemcpyHostToDevice, stream);
+    if (err == cudaSuccess) {
+      err = kernels::LaunchMaterialize<int64_t>(scratch.data, pages.data, dev, dev + s.n, s.n,
+                                                s.layers, s.scratch_rows, s.slots, s.row_bytes,
+                                                stream);
+    }
+    const cudaError_t freed = cudaFreeAsync(dev, stream);
+    PYSPEC_CUDA_CALL(err);
+    PYSPEC_CUDA_CALL(freed);
+    return;
+  }
   if (src_rows.dtype == DType::kInt64) {
     err = kernels::LaunchMaterialize<int64_t>(scratch.data, pages.data, src_rows.ptr<int64_t>(),
                                               dst_slots.ptr<int64_t>(), s.n, s.layers, s.scratch_rows,

@@ -18,7 +18,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <sstream>
 #include <vector>
 
 #include "cpu_isa.h"
@@ -253,13 +252,12 @@ AttentionPlan PlanAttention(const TensorView& q_indptr, const TensorView& prefix
 std::string AttentionPlan::ToString() const {
   int64_t trees = 0;
   for (uint8_t t : is_tree_) trees += t;
-  std::ostringstream os;
-  os << "AttentionPlan(batch=" << batch_size() << ", queries=" << num_queries()
-     << ", trees=" << trees << ", block_size=" << block_size_ << ", num_blocks=" << num_blocks_
-     << ", work_items=" << items_.size() << ", split_tiles=" << merges_.size();
-  if (num_kv_heads_ > 0) os << ", heads=" << num_q_heads_ << "/" << num_kv_heads_;
-  os << ")";
-  return os.str();
+  std::string s = detail::StrCat("AttentionPlan(batch=", batch_size(), ", queries=", num_queries(),
+                                 ", trees=", trees, ", block_size=", block_size_,
+                                 ", num_blocks=", num_blocks_, ", work_items=", items_.size(),
+                                 ", split_tiles=", merges_.size());
+  if (num_kv_heads_ > 0) detail::AppendAll(s, ", heads=", num_q_heads_, "/", num_kv_heads_);
+  return s + ")";
 }
 
 // ---------------------------------------------------------------------------------------------

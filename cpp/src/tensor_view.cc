@@ -1,6 +1,5 @@
 #include "pyspec/tensor_view.h"
 
-#include <sstream>
 
 #include "pyspec/check.h"
 
@@ -73,22 +72,19 @@ bool TensorView::is_contiguous() const {
 }
 
 std::string TensorView::ShapeString() const {
-  std::ostringstream os;
-  os << "[";
-  for (int d = 0; d < ndim; ++d) os << (d ? ", " : "") << shape[d];
-  os << "]";
-  return os.str();
+  std::string s = "[";
+  for (int d = 0; d < ndim; ++d) detail::AppendAll(s, d ? ", " : "", shape[d]);
+  return s + "]";
 }
 
 void CheckDType(const TensorView& t, const char* name, std::initializer_list<DType> allowed) {
   for (DType d : allowed) {
     if (t.dtype == d) return;
   }
-  std::ostringstream os;
-  os << "'" << name << "' has dtype " << DTypeName(t.dtype) << "; allowed: ";
+  std::string s = detail::StrCat("'", name, "' has dtype ", DTypeName(t.dtype), "; allowed: ");
   int i = 0;
-  for (DType d : allowed) os << (i++ ? ", " : "") << DTypeName(d);
-  throw ValueError(os.str());
+  for (DType d : allowed) detail::AppendAll(s, i++ ? ", " : "", DTypeName(d));
+  throw ValueError(s);
 }
 
 void CheckShape(const TensorView& t, const char* name, std::initializer_list<int64_t> dims) {
@@ -100,15 +96,13 @@ void CheckShape(const TensorView& t, const char* name, std::initializer_list<int
     ++i;
   }
   if (ok) return;
-  std::ostringstream os;
-  os << "'" << name << "' has shape " << t.ShapeString() << "; expected [";
+  std::string s = detail::StrCat("'", name, "' has shape ", t.ShapeString(), "; expected [");
   i = 0;
   for (int64_t d : dims) {
-    os << (i++ ? ", " : "");
-    if (d >= 0) os << d; else os << "*";
+    s += i++ ? ", " : "";
+    if (d >= 0) detail::AppendOne(s, d); else s += "*";
   }
-  os << "]";
-  throw ValueError(os.str());
+  throw ValueError(s + "]");
 }
 
 void CheckContiguous(const TensorView& t, const char* name) {

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <map>
-#include <sstream>
 
 #include "pyspec/check.h"
 
@@ -98,9 +97,9 @@ TokenTree TokenTree::FromPaths(const std::vector<std::vector<int32_t>>& paths) {
       std::vector<int32_t> prefix(path.begin(), path.end() - 1);
       auto it = index.find(prefix);
       if (it == index.end()) {
-        std::ostringstream os;
-        for (size_t i = 0; i < path.size(); ++i) os << (i ? "," : "") << path[i];
-        throw ValueError("path [" + os.str() + "] has no parent path listed; every proper prefix "
+        std::string listed;
+        for (size_t i = 0; i < path.size(); ++i) detail::AppendAll(listed, i ? "," : "", path[i]);
+        throw ValueError("path [" + listed + "] has no parent path listed; every proper prefix "
                          "of a path must be in the choices");
       }
       parent = it->second;
@@ -146,11 +145,10 @@ void TokenTree::SetTokens(std::vector<int32_t> tokens) {
 }
 
 std::string TokenTree::ToString() const {
-  std::ostringstream os;
-  os << "TokenTree(num_nodes=" << num_nodes() << ", max_depth=" << max_depth_ << ", parents=[";
-  for (int i = 0; i < num_nodes(); ++i) os << (i ? ", " : "") << parents_[i];
-  os << "])";
-  return os.str();
+  std::string s =
+      detail::StrCat("TokenTree(num_nodes=", num_nodes(), ", max_depth=", max_depth_, ", parents=[");
+  for (int i = 0; i < num_nodes(); ++i) detail::AppendAll(s, i ? ", " : "", parents_[i]);
+  return s + "])";
 }
 
 void ValidateTreeBatch(const int32_t* parents, const int64_t* tree_indptr, int64_t batch,

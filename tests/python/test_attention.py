@@ -173,7 +173,7 @@ def test_split_kv_and_kernels(device, isa):
         plan = plan_for(c, num_threads=64, min_kv_chunk=64)
         assert plan.num_split_tiles > 0
         out = torch.full_like(c["q"], float("nan"))
-        lse = torch.empty(c["q"].shape[:2])
+        lse = torch.empty(c["q"].shape[:2], device=c["q"].device)
         tree_attention(plan, c["q"], c["k_pages"], c["v_pages"], c["k_new"], c["v_new"], out=out,
                        lse=lse)
         check(c, out, lse, F32, 1 / 8)

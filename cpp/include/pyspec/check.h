@@ -5,9 +5,12 @@
 //   PYSPEC_DCHECK(cond, msg...)  like ICHECK, compiled only in debug builds.
 #pragma once
 
-#include <sstream>
+#include <charconv>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <type_traits>
 
 namespace pyspec {
 
@@ -25,19 +28,52 @@ class RuntimeError : public std::runtime_error {
 
 namespace detail {
 
-inline void AppendAll(std::ostringstream&) {}
+// Messages are built by appending to a std::string, without iostreams: on a CUDA machine's image
+// (torch 2.11+cu130, H200) the extension segfaulted inside std::ostream's number formatting, both in
+// nvcc-compiled host code and in the core's own files, the first time an error message carried a
+// number; and <sstream> is a heavy include for every file of the core. .ci/run refuses iostreams
+// in the library. Formatting follows std::ostream's defaults (integers in decimal, floating point
+// as "%g", bool as 0/1, char as the character), except that 8-bit integers print as numbers.
+inline void AppendOne(std::string& s, std::string_view v) { s.append(v.data(), v.size()); }
+inline void AppendOne(std::string& s, const std::string& v) { s += v; }
+inline void AppendOne(std::string& s, const char* v) { s += v != nullptr ? v : "(null)"; }
+inline void AppendOne(std::string& s, char c) { s += c; }
+inline void AppendOne(std::string& s, bool b) { s += b ? '1' : '0'; }
+inline void AppendOne(std::string& s, const void* p) {
+  char buf[32];
+  const int n = std::snprintf(buf, sizeof(buf), "%p", p);
+  s.append(buf, n > 0 ? static_cast<size_t>(n) : 0);
+}
+template <typename T>
+std::enable_if_t<std::is_arithmetic_v<T> || std::is_enum_v<T>> AppendOne(std::string& s, T v) {
+  if constexpr (std::is_enum_v<T>) {
+    AppendOne(s, static_cast<std::underlying_type_t<T>>(v));
+  } else if constexpr (std::is_floating_point_v<T>) {
+    char buf[64];
+    const int n = std::snprintf(buf, sizeof(buf), "%g", static_cast<double>(v));
+    s.append(buf, n > 0 ? static_cast<size_t>(n) : 0);
+  } else {
+    // signed/unsigned char print as numbers (ostream would print them as characters).
+    using Wide = std::conditional_t<std::is_signed_v<T>, long long, unsigned long long>;
+    char buf[24];
+    const auto r = std::to_chars(buf, buf + sizeof(buf), static_cast<Wide>(v));
+    s.append(buf, r.ptr);
+  }
+}
+
+inline void AppendAll(std::string&) {}
 template <typename T, typename... Rest>
-void AppendAll(std::ostringstream& os, const T& first, const Rest&... rest) {
-  os << first;
-  AppendAll(os, rest...);
+void AppendAll(std::string& s, const T& first, const Rest&... rest) {
+  AppendOne(s, first);
+  AppendAll(s, rest...);
 }
 
 inline std::string StrCat() { return std::string(); }
 template <typename... Args>
 std::string StrCat(const Args&... args) {
-  std::ostringstream os;
-  AppendAll(os, args...);
-  return os.str();
+  std::string s;
+  AppendAll(s, args...);
+  return s;
 }
 
 [[noreturn]] void FailInternal(const char* file, int line, const char* cond, const std::string& msg);
