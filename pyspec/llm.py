@@ -233,7 +233,9 @@ class LLM:
             present, else n-gram), "ngram", "none", "layer-skip:L", a drafter folder (EAGLE /
             Medusa heads), a draft-model folder (same vocabulary), or a Drafter.
         spec: a :class:`SpecConfig`.
-        device: "cpu" (the CUDA model path is not available yet: ValueError).
+        device: "cpu", or "cuda" / "cuda:N" in a CUDA build with a usable GPU: the model's
+            forward and KV pool then run there; acceptance, sampling and the drafters stay on
+            the host (see ``pyspec.models.llama.resolve_device``).
         dtype: "float32" | "bfloat16" | "float16".
         kv_cache_tokens: KV pool size in tokens (shared by all requests).
     """

@@ -174,12 +174,18 @@ class ModelRunner:
                                  rope_lens=torch.cat(rope_lens).to(self.model.device)
                                  if dynamic else None, inputs_embeds=inputs_embeds)
         logits, hidden = out if isinstance(out, tuple) else (out, None)
+        if logits.device.type != "cpu":
+            # A model on a GPU: acceptance, sampling and the drafters run on the host; the step's
+            # K/V scratch stays on the device for commit_kv.
+            logits = logits.cpu()
+            hidden = hidden.cpu() if hidden is not None else None
         return StepOutput(logits, logits_indptr, row_indptr, k_new, v_new, hidden)
 
     def commit_kv(self, out: StepOutput, seq_index: int, local_rows, slots) -> None:
         """Materialize request ``seq_index``'s new-token rows ``local_rows`` into flat ``slots``."""
         base = out.row_indptr[seq_index]
-        rows = torch.as_tensor(local_rows, dtype=torch.int64) + base
-        slots = torch.as_tensor(slots, dtype=torch.int64)
+        dev = self.kv.k.device
+        rows = torch.as_tensor(local_rows, dtype=torch.int64).to(dev) + base
+        slots = torch.as_tensor(slots, dtype=torch.int64).to(dev)
         ops.materialize_kv(out.k_new, self.kv.k, rows, slots)
         ops.materialize_kv(out.v_new, self.kv.v, rows, slots)

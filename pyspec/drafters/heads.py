@@ -145,6 +145,10 @@ class MedusaDrafter(Drafter):
         if not isinstance(num_heads, int) or not 1 <= num_heads <= 16:
             raise ValueError(f"num_heads must be an int in [1, 16]; got {num_heads!r}")
         self.target = m
+        # The heads run on the host (like every drafter): host copies of the target's final norm
+        # and lm_head when the target is on a GPU (no copy for a CPU target).
+        self.norm_w = m.norm.cpu()
+        self.lm_head = m.lm_head.cpu()
         self.w = torch.stack([_shape(weights, f"heads.{k}.weight", (h, h))
                               for k in range(num_heads)]).to(m.dtype)
         self.b = torch.stack([_shape(weights, f"heads.{k}.bias", (h,))
@@ -182,11 +186,11 @@ class MedusaDrafter(Drafter):
         ranked = {}
         if have:
             m = self.target
-            h = rms_norm(torch.stack([self._last[r.request_id] for r in have]), m.norm,
+            h = rms_norm(torch.stack([self._last[r.request_id] for r in have]), self.norm_w,
                          m.cfg.rms_norm_eps)  # [B, H]
             z = torch.einsum("bh,koh->bko", h, self.w) + self.b  # [B, K, H]
             hk = h[:, None, :] + F.silu(z)
-            logits = m.linear(hk.reshape(-1, h.shape[-1]), m.lm_head).float()
+            logits = m.linear(hk.reshape(-1, h.shape[-1]), self.lm_head).float()
             top = logits.topk(self.max_rank, dim=-1).indices.view(len(have), self.num_heads, -1)
             for r, t in zip(have, top.tolist()):
                 ranked[r.request_id] = t
@@ -263,7 +267,10 @@ class EagleDrafter(Drafter):
         if self.fc_b is not None:
             self.fc_b = _shape(weights, "fc.bias", (h,)).to(tm.dtype)
         self.vocab_map = None
-        lm_head = tm.lm_head
+        # The head runs on the host (like every drafter), on host copies of the target's
+        # embedding and lm_head when the target is on a GPU (no copy for a CPU target).
+        self.embed_w = tm.embed.cpu()
+        lm_head = self.embed_w if tm.lm_head is tm.embed else tm.lm_head.cpu()
         if "lm_head.weight" in weights:
             if "draft_vocab" not in weights:
                 raise ValueError("a drafter with its own lm_head.weight needs draft_vocab (its "
@@ -273,7 +280,7 @@ class EagleDrafter(Drafter):
                 raise ValueError(f"draft_vocab must be 1-D target ids in [0, {tc.vocab_size})")
             lm_head = _shape(weights, "lm_head.weight", (dv.numel(), h)).to(tm.dtype)
             self.vocab_map = dv
-        w = {"model.embed_tokens.weight": tm.embed, "lm_head.weight": lm_head,
+        w = {"model.embed_tokens.weight": self.embed_w, "lm_head.weight": lm_head,
              "model.norm.weight": _shape(weights, "norm.weight", (h,)).to(tm.dtype)}
         shapes = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
                   "self_attn.q_proj.weight": (nh * hd, h), "self_attn.k_proj.weight": (nkv * hd, h),
@@ -282,7 +289,7 @@ class EagleDrafter(Drafter):
                   "mlp.down_proj.weight": (h, inter)}
         for k, s in shapes.items():
             w["model.layers.0." + k] = _shape(weights, "layer." + k, s).to(tm.dtype)
-        self.head = LlamaForCausalLM(cfg, w, tm.dtype, str(tm.device))
+        self.head = LlamaForCausalLM(cfg, w, tm.dtype, "cpu")
         self.target = tm
         self.vocab_size = tc.vocab_size
         self.block_size = target_runner.block_size
@@ -359,7 +366,7 @@ class EagleDrafter(Drafter):
             d.pop(request_id, None)
 
     def _embed(self, tokens: List[int], feats: torch.Tensor) -> torch.Tensor:
-        e = F.embedding(torch.tensor(tokens, dtype=torch.int64), self.target.embed)
+        e = F.embedding(torch.tensor(tokens, dtype=torch.int64), self.embed_w)
         # The core's dense kernel, like every layer of the head: torch's GEMM here would wake
         # its own thread team while the core's workers still poll for their next job.
         return linear(torch.cat([e, feats.to(e.dtype)], dim=-1), self.fc_w, self.fc_b)

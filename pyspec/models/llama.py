@@ -80,6 +80,42 @@ def feature_layers(spec, num_layers: int) -> Tuple[int, ...]:
     return taps
 
 
+def resolve_device(device) -> torch.device:
+    """The torch device a model may run on: ``"cpu"``, or ``"cuda"`` / ``"cuda:N"`` where pyspec
+    was built with CUDA and that GPU is usable. Anything else is a ValueError saying why.
+
+    On a CUDA device the model's forward (dense layers, norms and rotary through torch, tree
+    attention and KV materialization through pyspec's kernels) and its KV pool live on the GPU;
+    the step's logits and hidden states come back to the host, where acceptance, sampling and the
+    drafters run.
+    """
+    from pyspec import _C
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N'; got {device!r}") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N'; got {device!r} (no "
+                         f"{dev.type} kernels)")
+    if not getattr(_C, "built_with_cuda", False):
+        raise ValueError(f"device {device!r}: this pyspec build has no CUDA kernels (rebuild with "
+                         "PYSPEC_ENABLE_CUDA=ON on a machine with nvcc)")
+    reason = _C.cuda_unavailable_reason()
+    if reason:
+        raise ValueError(f"device {device!r}: no usable CUDA device ({reason})")
+    count = _C.cuda_device_count()
+    index = 0 if dev.index is None else dev.index
+    if not 0 <= index < count:
+        raise ValueError(f"device {device!r}: there are {count} CUDA device(s)")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: this torch build ({torch.__version__}) has no CUDA "
+                         "support")
+    return torch.device("cuda", index)
+
+
 class LlamaForCausalLM:
     """Inference-only Llama/Mistral/Qwen2 with fused QKV and gate/up projections."""
 
@@ -127,16 +163,7 @@ class LlamaForCausalLM:
     def from_pretrained(cls, path: str, dtype="float32", device: str = "cpu") -> "LlamaForCausalLM":
         if not os.path.isdir(path):
             raise ValueError(f"model path {path!r} is not a directory")
-        try:
-            kind = torch.device(device).type
-        except (RuntimeError, TypeError):
-            raise ValueError(f"device must be a torch device string such as 'cpu'; got "
-                             f"{device!r}") from None
-        if kind != "cpu":
-            # Weights load anywhere, but the forward needs tree attention on that device, and the
-            # CUDA kernel does not exist yet: fail at load, not at the first step.
-            raise ValueError(f"device {device!r} is not supported yet: the model forward runs on "
-                             "the CPU only (CUDA tree attention is not implemented)")
+        device = str(resolve_device(device))
         cfg = ModelConfig.from_file(path)
         dt = resolve_dtype(dtype)
         m = cls(cfg, load_weights(path, cfg, dt, device), dt, device)
@@ -161,6 +188,20 @@ class LlamaForCausalLM:
                 w[name] = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
         w = {k: v.to(dtype) for k, v in w.items()}
         return cls(cfg, w, dtype)
+
+    def to(self, device) -> "LlamaForCausalLM":
+        """Move the weights to ``device`` (see :func:`resolve_device`), in place; returns self.
+        KV pools and runners made before the move stay where they were: make them after."""
+        dev = resolve_device(device)
+        mv = lambda t: None if t is None else t.to(dev)  # noqa: E731
+        tied = self.lm_head is self.embed
+        self.embed = mv(self.embed)
+        self.lm_head = self.embed if tied else mv(self.lm_head)
+        self.norm = mv(self.norm)
+        self.layers = [{k: mv(v) for k, v in layer.items()} for layer in self.layers]
+        self._inv_freq = self._inv_freq.to(dev)
+        self.device = dev
+        return self
 
     # ---- forward ----------------------------------------------------------------------------------
 

@@ -196,8 +196,8 @@ def test_loading_errors_are_clear(tmp_path):
         LlamaForCausalLM.from_pretrained(str(p / "nope"))
     with pytest.raises(ValueError, match="dtype"):
         LlamaForCausalLM.from_pretrained(str(p), dtype="int8")
-    with pytest.raises(ValueError, match="CPU only"):
-        LlamaForCausalLM.from_pretrained(str(p), device="cuda")
+    with pytest.raises(ValueError, match="device must be 'cpu', 'cuda' or 'cuda:N'"):
+        LlamaForCausalLM.from_pretrained(str(p), device="tpu")
 
     _write_config(p, architectures=["GPT2LMHeadModel"], model_type="gpt2")
     with pytest.raises(ValueError, match="unsupported architecture"):

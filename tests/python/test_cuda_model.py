@@ -1,0 +1,108 @@
+"""The model on a CUDA device (``device="cuda"``): its forward against the same model on the CPU,
+and greedy speculative decoding through the engine equal to plain greedy decoding on that device
+(up to measured near-ties: the CUDA tree kernel is not bitwise equal to one-token decode steps)
+for every kind of drafter: host-side ones (prompt lookup, corpus), heads reading the target's
+hidden states (EAGLE, Medusa: they run on the host), a separate draft model on the host, and
+layer skipping, which runs the target's first layers on its own KV pages on the device.
+
+The device argument's errors run everywhere; the rest is ``cuda``-marked."""
+
+import pytest
+import torch
+
+from helpers import assert_equal_up_to_near_ties
+from pyspec import TokenTree
+from pyspec.engine import Engine, SamplingParams
+from pyspec.models.llama import LlamaForCausalLM, resolve_device
+from pyspec.runner import ModelRunner, SeqStep
+from pyspec.smoke import tiny_config
+from test_drafters import MAX_TOKENS, _drafter, prompts
+
+
+def _cuda_usable() -> bool:
+    try:
+        resolve_device("cuda")
+        return True
+    except ValueError:
+        return False
+
+
+def test_device_argument_errors(tmp_path):
+    for bad in ("mps", "not a device", "meta"):
+        with pytest.raises(ValueError, match="device must be 'cpu', 'cuda' or 'cuda:N'"):
+            resolve_device(bad)
+    # The model path is checked first, then the device, before any file is read.
+    with pytest.raises(ValueError, match="device must be"):
+        LlamaForCausalLM.from_pretrained(str(tmp_path), device="mps")
+    with pytest.raises(ValueError, match="device must be"):
+        LlamaForCausalLM.random(tiny_config()).to("mps")
+    assert resolve_device("cpu") == torch.device("cpu")
+    if not _cuda_usable():
+        # A CPU-only machine or build says which of the two it is.
+        with pytest.raises(ValueError, match=r"device 'cuda'.*(no CUDA kernels|no usable CUDA "
+                                             r"device|no CUDA support)"):
+            resolve_device("cuda")
+        with pytest.raises(ValueError, match="device 'cuda:0'"):
+            LlamaForCausalLM.from_pretrained(str(tmp_path), device="cuda:0")
+    else:
+        n = torch.cuda.device_count()
+        with pytest.raises(ValueError, match="CUDA device"):
+            resolve_device(f"cuda:{n + 3}")
+
+
+def _models(dtype):
+    cpu = LlamaForCausalLM.random(tiny_config(), seed=0, dtype=dtype)
+    gpu = LlamaForCausalLM.random(tiny_config(), seed=0, dtype=dtype).to("cuda")
+    return cpu, gpu
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_on_cuda_matches_the_cpu(dtype):
+    cpu, gpu = _models(dtype)
+    assert gpu.device.type == "cuda" and gpu.embed.is_cuda and gpu.layers[0]["wqkv"].is_cuda
+    prompt = prompts()[3]
+    tree = TokenTree.from_paths([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    tree_tokens = [prompt[-1], 5, 9, 17, 3, 40, 22]
+    logits = []
+    for m in (cpu, gpu):
+        r = ModelRunner(m, num_blocks=16, block_size=8)
+        n = len(prompt) - 1
+        out = r.step([SeqStep(prompt[:-1], 0, list(range(16)), None, "all")])
+        r.commit_kv(out, 0, range(n), list(range(n)))
+        tree_out = r.step([SeqStep(tree_tokens, n, list(range(16)), tree, "all")])
+        assert out.logits.device.type == "cpu" and tree_out.logits.device.type == "cpu"
+        assert out.k_new.device == m.device  # the scratch K/V stays with the model
+        logits.append(torch.cat([out.logits, tree_out.logits]))
+    ref, got = logits
+    scale = float(ref.abs().max())
+    tol = 2e-3 if dtype == torch.float32 else 0.08
+    diff = float((got - ref).abs().max())
+    assert diff <= tol * max(scale, 1.0), f"{dtype}: max |cuda - cpu| = {diff:.3e} (scale {scale:.2f})"
+
+
+KINDS = ["ngram", "suffix", "layer-skip", "draft-model", "medusa", "eagle", "ngram|eagle"]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_speculation_on_cuda_equals_plain(kind, dtype, tmp_path):
+    model = LlamaForCausalLM.random(tiny_config(), seed=0, dtype=dtype).to("cuda")
+    ps = prompts()
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    plain_eng = Engine(ModelRunner(model, num_blocks=64, block_size=8), drafter=None,
+                       max_num_seqs=8, max_num_batched_tokens=80, max_prefill_chunk=16)
+    plain = [r.token_ids for r in plain_eng.generate(ps, params)]
+    runner = ModelRunner(model, num_blocks=64, block_size=8)
+    eng = Engine(runner, drafter=_drafter(kind, runner, model, str(tmp_path), plain),
+                 max_num_seqs=8, max_num_batched_tokens=80, max_prefill_chunk=16, adaptive=False)
+    res = eng.generate(ps, params)
+    for i, r in enumerate(res):
+        assert not r.stats.fallbacks.get("drafter_error"), f"{kind} failed on request {i}"
+    assert sum(r.stats.draft_tokens for r in res) > 0
+    near_tie = 1e-3 if dtype == torch.float32 else 0.0625
+    assert_equal_up_to_near_ties(model, ps, [r.token_ids for r in res], plain, near_tie,
+                                 f"{kind} {dtype} on cuda: ")
+    s = eng.scheduler
+    assert s.num_free_blocks == s.num_total_blocks
