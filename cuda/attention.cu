@@ -1,6 +1,7 @@
 // Host op of CUDA tree attention: uploads a plan's metadata and GPU work partition once per step,
 // validates each layer's tensors and dispatches to the tensor-core or the generic kernel.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -54,7 +55,19 @@ size_t Append(std::vector<unsigned char>& image, const T* src, size_t n) {
 
 bool Aligned16(const TensorView& t) { return reinterpret_cast<uintptr_t>(t.data) % 16 == 0; }
 
+// The tensor-core kernel variant RunAttention launches (SetTcAttentionVariant).
+std::atomic<bool> g_tc_pipelined{false};
+
 }  // namespace
+
+std::string SetTcAttentionVariant(const std::string& name) {
+  PYSPEC_CHECK(name == "simple" || name == "pipelined", "unknown CUDA attention variant '", name,
+               "'; allowed: 'simple', 'pipelined'");
+  const bool was = g_tc_pipelined.exchange(name == "pipelined");
+  return was ? "pipelined" : "simple";
+}
+
+std::string TcAttentionVariant() { return g_tc_pipelined.load() ? "pipelined" : "simple"; }
 
 DeviceAttentionPlan::DeviceAttentionPlan(const AttentionPlan& plan, int device,
                                          int64_t num_q_heads, int64_t num_kv_heads,
@@ -140,21 +153,40 @@ int64_t DeviceAttentionPlan::kv_chunk() const { return impl_->part.kv_chunk; }
 
 namespace {
 
-template <typename T, int D>
-cudaError_t LaunchTc(const kernels::AttnStep& s, int64_t items, const TensorView& q,
-                     const TensorView& kp, const TensorView& vp, const TensorView& kn,
-                     const TensorView& vn, const TensorView& out, float* lse,
-                     cudaStream_t stream) {
-  constexpr size_t smem = kernels::TcSmemBytes<D>();
-  auto kernel = kernels::TreeAttentionTC<T, D>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem));
+template <typename T, int D, bool kPipe>
+cudaError_t LaunchTcVariant(const kernels::AttnStep& s, int64_t items, const TensorView& q,
+                            const TensorView& kp, const TensorView& vp, const TensorView& kn,
+                            const TensorView& vn, const TensorView& out, float* lse,
+                            cudaStream_t stream) {
+  constexpr size_t smem = kernels::TcSmemBytes<D, kPipe>();
+  auto kernel = kernels::TreeAttentionTC<T, D, kPipe>;
+  // Once per kernel instantiation and device is enough; the attribute call is cheap but not free.
+  static std::atomic<unsigned> configured{0};  // bit per device (devices 0..31)
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
+  const unsigned bit = dev < 32 ? 1u << dev : 0u;
+  if (bit == 0 || (configured.load() & bit) == 0) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+    configured.fetch_or(bit);
+  }
   dim3 grid(static_cast<unsigned>(items), static_cast<unsigned>(s.hkv));
   kernel<<<grid, kernels::tc::kThreads, smem, stream>>>(
       s, q.ptr<const T>(), kp.ptr<const T>(), vp.ptr<const T>(), kn.ptr<const T>(),
       vn.ptr<const T>(), out.ptr<T>(), lse);
   return cudaGetLastError();
+}
+
+template <typename T, int D>
+cudaError_t LaunchTc(const kernels::AttnStep& s, int64_t items, const TensorView& q,
+                     const TensorView& kp, const TensorView& vp, const TensorView& kn,
+                     const TensorView& vn, const TensorView& out, float* lse,
+                     cudaStream_t stream) {
+  return g_tc_pipelined.load(std::memory_order_relaxed)
+             ? LaunchTcVariant<T, D, true>(s, items, q, kp, vp, kn, vn, out, lse, stream)
+             : LaunchTcVariant<T, D, false>(s, items, q, kp, vp, kn, vn, out, lse, stream);
 }
 
 template <typename QT, typename KT>

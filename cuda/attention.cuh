@@ -74,9 +74,10 @@ constexpr int kOLd = 16 + 4;             // per-warp 16x16 fp32 staging
 template <int D>
 constexpr int TcKvLd() { return D + 8; }  // padded K/V/Q row stride (16-bit elements)
 
-template <int D>
+// kPipe: two K/V stages (the next tile loads while this one is computed).
+template <int D, bool kPipe = false>
 constexpr size_t TcSmemBytes() {
-  return sizeof(uint16_t) * 2 * tc::kN * TcKvLd<D>()     // K and V tiles (Q staged in K first)
+  return sizeof(uint16_t) * 2 * tc::kN * TcKvLd<D>() * (kPipe ? 2 : 1)  // K/V tiles (Q staged in K)
          + sizeof(float) * tc::kM * tc::kSLd             // S (fp32), P aliases it
          + sizeof(float) * tc::kWarps * 16 * tc::kOLd    // per-warp PV staging
          + sizeof(float) * tc::kM * 3;                   // running max, sum, rescale
@@ -102,10 +103,70 @@ __device__ __forceinline__ void LoadKvTile(const AttnStep& s, T* tile, const T* 
   }
 }
 
-// grid: (items, Hkv); block: tc::kThreads; dynamic shared memory TcSmemBytes<D>().
+// 16-byte asynchronous global -> shared copy (sm_80+); `valid` false writes zeros instead
+// (src-size 0: nothing is read from `gmem`, which must still be a valid address).
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool valid) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
+               "r"(bytes));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Where the tile's 64 keys live, one thread per key (threads 0..63): the element offset of the
+// key's row for KV head h in the pages (>= 0), -2 - its offset in the new tokens' K/V, or -1 past
+// `key_end`. Staged in shared memory so that the copies below need no dependent global load.
+template <int D>
+__device__ __forceinline__ void TileRowOffsets(const AttnStep& s, int64_t* offs, int64_t b,
+                                               int64_t prefix_len, int64_t q_first, int64_t h,
+                                               int64_t key0, int64_t key_end) {
+  if (threadIdx.x < tc::kN) {
+    const int64_t key = key0 + threadIdx.x;
+    int64_t v = -1;
+    if (key < key_end) {
+      if (key < prefix_len) {
+        const int32_t page = s.pages[s.page_indptr[b] + key / s.block_size];
+        const int64_t slot = static_cast<int64_t>(page) * s.block_size + key % s.block_size;
+        v = (slot * s.hkv + h) * D;
+      } else {
+        v = -2 - ((q_first + key - prefix_len) * s.hkv + h) * D;
+      }
+    }
+    offs[threadIdx.x] = v;
+  }
+}
+
+// Issues the cp.async copies of one K and one V tile from the staged row offsets (zeros past the
+// keys' end); the caller commits and waits.
+template <typename T, int D>
+__device__ __forceinline__ void IssueKvTile(T* k_tile, T* v_tile, const int64_t* offs,
+                                            const T* k_pages, const T* v_pages, const T* k_new,
+                                            const T* v_new) {
+  constexpr int kVecsPerRow = D / 8;  // 16-byte vectors of 16-bit elements
+  for (int i = threadIdx.x; i < tc::kN * kVecsPerRow; i += tc::kThreads) {
+    const int r = i / kVecsPerRow, c = (i % kVecsPerRow) * 8;
+    const int64_t o = offs[r];
+    const bool valid = o != -1, is_new = o < -1;
+    const int64_t e = (is_new ? -2 - o : (valid ? o : 0)) + c;  // invalid: a valid address
+    CpAsync16(k_tile + r * TcKvLd<D>() + c, (is_new ? k_new : k_pages) + e, valid);
+    CpAsync16(v_tile + r * TcKvLd<D>() + c, (is_new ? v_new : v_pages) + e, valid);
+  }
+}
+
+// grid: (items, Hkv); block: tc::kThreads; dynamic shared memory TcSmemBytes<D, kPipe>().
+// kPipe = false: one K/V stage, loaded synchronously; every warp computes all 16 of its rows.
+// kPipe = true: two stages through cp.async (tile t + 1 loads while tile t is computed), and a
+// warp whose 16 query vectors are all past the item's `vectors` skips the tile's math (a decode
+// step of group G fills G of the 64 vectors: with G = 4, three of four warps idle), as do the
+// rows past it inside a warp.
 // Preconditions (checked by the host op): T is __half or __nv_bfloat16, D in {64, 128},
 // group <= 64, rows per item <= 64 / group, q/k/v/out contiguous, 16-byte aligned rows.
-template <typename T, int D>
+template <typename T, int D, bool kPipe = false>
 __global__ void __launch_bounds__(tc::kThreads)
     TreeAttentionTC(AttnStep s, const T* __restrict__ q, const T* __restrict__ k_pages,
                     const T* __restrict__ v_pages, const T* __restrict__ k_new,
@@ -114,9 +175,13 @@ __global__ void __launch_bounds__(tc::kThreads)
   constexpr int kLd = TcKvLd<D>();
   constexpr int kFrags = D / 16;
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  T* ks = reinterpret_cast<T*>(smem_raw);
-  T* vs = ks + tc::kN * kLd;
-  float* ss = reinterpret_cast<float*>(vs + tc::kN * kLd);
+  constexpr int kStages = kPipe ? 2 : 1;
+  T* const k_stage0 = reinterpret_cast<T*>(smem_raw);
+  T* const v_stage0 = k_stage0 + kStages * tc::kN * kLd;
+  T* ks = k_stage0;
+  T* vs = v_stage0;
+  float* ss = reinterpret_cast<float*>(v_stage0 + kStages * tc::kN * kLd);
+  __shared__ int64_t tile_offs[kPipe ? tc::kN : 1];  // kPipe: the next tile's row offsets
   T* ps = reinterpret_cast<T*>(ss);
   float* ostage = ss + tc::kM * tc::kSLd;
   float* row_max = ostage + tc::kWarps * 16 * tc::kOLd;
@@ -133,6 +198,8 @@ __global__ void __launch_bounds__(tc::kThreads)
   const int64_t G = s.group;
   const int64_t vectors = rows * G;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // kPipe: whether any of the warp's 16 vectors is a real one (warp-uniform).
+  const bool warp_active = !kPipe || warp * 16 < vectors;
 
   // Stage the tile's query vectors (vector m = local row m / G, head h * G + m % G) in the K
   // buffer and keep them as A fragments for the whole item.
@@ -169,14 +236,51 @@ __global__ void __launch_bounds__(tc::kThreads)
   const int64_t new_keys = it.with_new ? it.q_end - q_first : 0;
   const int64_t prefix_tiles = gpu_plan::CeilDiv(it.kv_end - it.kv_begin, tc::kN);
   const int64_t num_tiles = prefix_tiles + gpu_plan::CeilDiv(new_keys, tc::kN);
+  // Tile t's first key and key bound (prefix tiles, then the new tokens' tiles).
+  auto tile_keys = [&](int64_t t, int64_t* key0, int64_t* key_end) {
+    const bool pre = t < prefix_tiles;
+    *key0 = pre ? it.kv_begin + t * tc::kN : prefix_len + (t - prefix_tiles) * tc::kN;
+    *key_end = pre ? it.kv_end : prefix_len + new_keys;
+  };
+  if constexpr (kPipe) {
+    // Prologue: tile 0 into stage 0 (the Q staged there is already in fragments, and the
+    // __syncthreads above ordered those reads before these writes).
+    if (num_tiles > 0) {
+      int64_t k0, ke;
+      tile_keys(0, &k0, &ke);
+      TileRowOffsets<D>(s, tile_offs, b, prefix_len, q_first, h, k0, ke);
+      __syncthreads();
+      IssueKvTile<T, D>(k_stage0, v_stage0, tile_offs, k_pages, v_pages, k_new, v_new);
+    }
+    CpAsyncCommit();
+  }
   for (int64_t tile = 0; tile < num_tiles; ++tile) {
     const bool in_prefix = tile < prefix_tiles;
-    const int64_t key0 = in_prefix ? it.kv_begin + tile * tc::kN
-                                   : prefix_len + (tile - prefix_tiles) * tc::kN;
-    const int64_t key_end = in_prefix ? it.kv_end : prefix_len + new_keys;
-    LoadKvTile<T, D>(s, ks, k_pages, k_new, b, prefix_len, q_first, h, key0, key_end);
-    LoadKvTile<T, D>(s, vs, v_pages, v_new, b, prefix_len, q_first, h, key0, key_end);
-    __syncthreads();
+    int64_t key0, key_end;
+    tile_keys(tile, &key0, &key_end);
+    if constexpr (kPipe) {
+      const int stage = static_cast<int>(tile & 1);
+      ks = k_stage0 + stage * tc::kN * kLd;
+      vs = v_stage0 + stage * tc::kN * kLd;
+      if (tile + 1 < num_tiles) {  // block-uniform
+        // The other stage and tile_offs were last read in iteration tile - 1 (or the
+        // prologue), which ended with __syncthreads.
+        int64_t k0, ke;
+        tile_keys(tile + 1, &k0, &ke);
+        TileRowOffsets<D>(s, tile_offs, b, prefix_len, q_first, h, k0, ke);
+        __syncthreads();
+        IssueKvTile<T, D>(k_stage0 + (stage ^ 1) * tc::kN * kLd,
+                          v_stage0 + (stage ^ 1) * tc::kN * kLd, tile_offs, k_pages, v_pages,
+                          k_new, v_new);
+      }
+      CpAsyncCommit();   // possibly empty: one group per iteration keeps the count uniform
+      CpAsyncWait<1>();  // this tile's group has landed (only the next one may be in flight)
+    } else {
+      LoadKvTile<T, D>(s, ks, k_pages, k_new, b, prefix_len, q_first, h, key0, key_end);
+      LoadKvTile<T, D>(s, vs, v_pages, v_new, b, prefix_len, q_first, h, key0, key_end);
+    }
+    __syncthreads();  // the tile is visible to every warp
+    if (warp_active) {
 
     // S = Q K^T for the warp's 16 vectors x 64 keys.
 #pragma unroll
@@ -199,6 +303,13 @@ __global__ void __launch_bounds__(tc::kThreads)
 #pragma unroll 1
     for (int r = 0; r < 16; ++r) {
       const int m = warp * 16 + r;
+      if (kPipe && m >= vectors) {
+        // No query here: a zero P row (its O row is never written; the MMAs need it finite).
+        ps[m * tc::kPLd + lane] = FromF<T>(0.0f);
+        ps[m * tc::kPLd + lane + 32] = FromF<T>(0.0f);
+        if (lane == 0) row_alpha[m] = 1.0f;
+        continue;
+      }
       const int64_t i = it.q_begin + m / G - q_first;  // request-local query index
       float sv[2];
 #pragma unroll
@@ -261,6 +372,7 @@ __global__ void __launch_bounds__(tc::kThreads)
       }
       __syncwarp();
     }
+    }  // warp_active
     __syncthreads();  // K/V tiles are overwritten by the next iteration
   }
 

@@ -197,6 +197,11 @@ layer of the step. Device memory is allocated and freed stream-ordered on `strea
       py::arg("plan"), py::arg("q"), py::arg("k_pages"), py::arg("v_pages"), py::arg("k_new"),
       py::arg("v_new"), py::arg("out"), py::arg("lse") = py::none(), py::arg("scale") = py::none(),
       py::arg("stream") = 0, "run_attention for CUDA tensors with an uploaded CudaAttentionPlan.");
+  m.def("_set_cuda_attention_variant", &cuda::SetTcAttentionVariant, py::arg("name"),
+        "Force the CUDA tensor-core attention kernel: 'simple' (default) or 'pipelined' (tests "
+        "and benchmarks). Returns the previous one.");
+  m.def("_cuda_attention_variant", &cuda::TcAttentionVariant,
+        "The CUDA tensor-core attention kernel in use ('simple' or 'pipelined').");
 #endif
 
   m.def("_attention_isa", &detail::AttentionIsa,

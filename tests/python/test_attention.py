@@ -318,3 +318,41 @@ def test_cuda_llama_layout_split_kv_and_plan_cache(dtype, d):
     out2 = tree_attention(plan, *args)
     assert len([k for k in plan.__dict__ if isinstance(k, tuple)]) == 1
     torch.testing.assert_close(out2, out, atol=0, rtol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", ["simple", "pipelined"])
+@pytest.mark.parametrize("case", ["llama-bf16-128", "llama-f16-64", "gqa3-bf16-128",
+                                  "page1-bf16-64", "decode-only-bf16-128"])
+def test_cuda_tensor_core_variants(variant, case):
+    """Both tensor-core kernels (one synchronously loaded K/V stage; two cp.async stages with idle
+    warps skipping the math) against the dense reference: trees up to 256 nodes, long decodes split
+    across the device, prefill chunks, GQA groups 3/4, pages of 1 and 16 tokens."""
+    rng = random.Random(11)
+    if case.startswith("llama"):
+        dtype, d = (BF16, 128) if "bf16" in case else (F16, 64)
+        reqs = [(3000, 64, random_parents(64, rng)), (8191, 1, None), (0, 100, None),
+                (517, 16, random_parents(16, rng)), (70, 256, random_parents(256, rng)),
+                (65, 3, random_parents(3, rng))]
+        c, hq, hkv = make_step(reqs, 16, 32, 8, d, dtype, "cuda", 7), 32, 8
+    elif case == "decode-only-bf16-128":  # group 4: one warp of four holds the query vectors
+        dtype, d = BF16, 128
+        c, hq, hkv = make_step([(n, 1, None) for n in (1, 63, 64, 65, 700, 5000)], 16, 32, 8,
+                               d, dtype, "cuda", 8), 32, 8
+    else:
+        seed, batch, bs, hq, hkv, d, dtype = (
+            (7, 17, 16, 9, 3, 128, BF16) if case == "gqa3-bf16-128" else (8, 11, 1, 4, 1, 64, BF16))
+        c = make_batch(seed, batch, bs, hq, hkv, d, dtype, "cuda")
+    prev = _C._set_cuda_attention_variant(variant)
+    try:
+        assert _C._cuda_attention_variant() == variant
+        plan = plan_for(c, hq, hkv)
+        out, lse = tree_attention(plan, c["q"], c["k_pages"], c["v_pages"], c["k_new"],
+                                  c["v_new"], return_lse=True)
+        dplan = next(v for k, v in plan.__dict__.items() if isinstance(k, tuple))
+        assert dplan.uses_tensor_cores(str(dtype).split(".")[-1], str(dtype).split(".")[-1])
+    finally:
+        _C._set_cuda_attention_variant(prev)
+    check(c, out, lse, dtype, 1 / math.sqrt(d))
+    with pytest.raises(ValueError, match="allowed: 'simple', 'pipelined'"):
+        _C._set_cuda_attention_variant("fast")

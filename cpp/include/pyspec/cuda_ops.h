@@ -94,5 +94,11 @@ void RunAttention(const DeviceAttentionPlan& plan, const TensorView& q, const Te
                   const TensorView& v_pages, const TensorView& k_new, const TensorView& v_new,
                   const TensorView& out, const TensorView* lse, float scale, void* stream);
 
+// The tensor-core kernel RunAttention launches (process-wide; tests and benchmarks): "simple" (the
+// default: one K/V stage loaded synchronously) or "pipelined" (two cp.async stages, and warps
+// holding no query skip the math). Returns the previous one; another name is a ValueError.
+std::string SetTcAttentionVariant(const std::string& name);
+std::string TcAttentionVariant();
+
 }  // namespace cuda
 }  // namespace pyspec
