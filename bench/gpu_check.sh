@@ -4,7 +4,8 @@
 #   2. runs the cuda-marked tests (the CPU tests' cases on CUDA against the CPU oracle),
 #   3. runs compute-sanitizer memcheck on a short CUDA smoke program (skipped, and said so, where
 #      the tool cannot attach, e.g. under gVisor),
-#   4. runs the kernel benchmarks (bench/bench_gpu_kernels.py).
+#   4. runs the kernel benchmarks (bench/bench_gpu_kernels.py),
+#   5. runs the model on the GPU (bench/bench_gpu_model.py: verify cost, engine tokens/s).
 # Writes $OUT/gpu_check.json (what ran, pass/fail, timings) and $OUT/gpu_check.log, plus the
 # benchmark JSON and the pytest report. Exit status 0 only if build, tests and benchmarks passed
 # and memcheck reported no error where it ran. Budget: BUDGET seconds (450 by default).
@@ -82,15 +83,21 @@ if [ "${status[build]}" -eq 0 ]; then
   (cd /tmp && run_step bench 200 "$PY" "$ROOT/bench/bench_gpu_kernels.py" \
       --out "$OUT/gpu_kernels.json" --budget 90; echo "${status[bench]}" > "$OUT/.bench_rc")
   status[bench]=$(cat "$OUT/.bench_rc" 2>/dev/null || echo 1)
+
+  # The whole model on the GPU (random ~1B Llama, bf16): tree verify cost vs a decode step, and
+  # the engine's plain vs prompt-lookup tokens/s in one run.
+  (cd /tmp && run_step model_bench 150 "$PY" "$ROOT/bench/bench_gpu_model.py" --device cuda \
+      --out "$OUT/gpu_model.json"; echo "${status[model_bench]}" > "$OUT/.model_bench_rc")
+  status[model_bench]=$(cat "$OUT/.model_bench_rc" 2>/dev/null || echo 1)
 fi
 
 total=$(( $(date +%s) - start ))
 "$PY" - "$OUT" "$total" "${status[build]:-x}" "${status[cuda_tests]:-x}" "${status[memcheck]:-x}" \
-  "${status[bench]:-x}" <<'PYEOF'
+  "${status[bench]:-x}" "${status[model_bench]:-x}" <<'PYEOF'
 import json, os, sys
-out, total, build, tests, memcheck, bench = sys.argv[1:]
+out, total, build, tests, memcheck, bench, model_bench = sys.argv[1:]
 summary = {"seconds": int(total), "build_rc": build, "cuda_tests_rc": tests,
-           "memcheck_rc": memcheck, "bench_rc": bench}
+           "memcheck_rc": memcheck, "bench_rc": bench, "model_bench_rc": model_bench}
 xml = os.path.join(out, "cuda_tests.xml")
 if os.path.exists(xml):
     import xml.etree.ElementTree as ET
@@ -104,7 +111,8 @@ json.dump(summary, open(os.path.join(out, "gpu_check.json"), "w"), indent=1)
 print(json.dumps(summary, indent=1))
 PYEOF
 ok=0
-[ "${status[build]:-1}" = 0 ] && [ "${status[cuda_tests]:-1}" = 0 ] && [ "${status[bench]:-1}" = 0 ] || ok=1
+[ "${status[build]:-1}" = 0 ] && [ "${status[cuda_tests]:-1}" = 0 ] && [ "${status[bench]:-1}" = 0 ] \
+  && [ "${status[model_bench]:-1}" = 0 ] || ok=1
 case "${status[memcheck]:-1}" in 0|skipped) ;; *) ok=1 ;; esac
 echo "gpu_check: $([ $ok = 0 ] && echo PASSED || echo FAILED) in ${total}s"
 exit $ok

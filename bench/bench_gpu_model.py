@@ -1,0 +1,143 @@
+"""The whole model on a device (random weights; no download): what a target step costs over a
+draft tree of N nodes against a one-token decode step (speculation pays only where acceptance
+length > verify step / plain step + draft cost), and the engine's plain and speculative decoding
+speed on the same prompts in one run.
+
+    python bench/bench_gpu_model.py --device cuda --out results.json      # ~1B-parameter Llama
+    python bench/bench_gpu_model.py --device cpu --config tiny             # a smoke run
+
+Random weights make acceptance meaningless (the prompts are repetitive so that prompt lookup has
+something to find); the step times, their ratios and the engine's tokens/s are what this
+measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+CONFIGS = {
+    # ~1.1B parameters, Llama-3.2-1B-like shapes with a 32k vocabulary.
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, vocab_size=32000),
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=111),
+}
+
+
+def _sync(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--config", default="1b", choices=sorted(CONFIGS))
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--contexts", default="512,2048")
+    ap.add_argument("--nodes", default="1,4,8,16,32,64")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--batch", default="1,8", help="engine batch sizes")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from pyspec import TokenTree
+    from pyspec.engine import Engine, SamplingParams
+    from pyspec.models.config import ModelConfig
+    from pyspec.models.llama import LlamaForCausalLM, resolve_device
+    from pyspec.models.loader import resolve_dtype
+    from pyspec.runner import ModelRunner, SeqStep
+    from pyspec.smoke import default_prompt
+
+    device = resolve_device(args.device)
+    c = CONFIGS[args.config]
+    cfg = ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5,
+                                     max_position_embeddings=8192, tie_word_embeddings=False, **c),
+                                source=args.config)
+    t0 = time.perf_counter()
+    model = LlamaForCausalLM.random(cfg, seed=0, dtype=resolve_dtype(args.dtype)).to(device)
+    params = sum(p.numel() for p in [model.embed, model.lm_head, model.norm]) + sum(
+        v.numel() for layer in model.layers for v in layer.values() if v is not None)
+    info = {"device": str(device), "config": args.config, "dtype": args.dtype,
+            "parameters": params, "init_s": round(time.perf_counter() - t0, 1)}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    info["torch"] = torch.__version__
+    print(json.dumps(info), flush=True)
+
+    # ---- verify cost: one request, a chain-shaped tree of N nodes after C tokens ----------------
+    verify = []
+    bs = 16
+    for ctx in (int(x) for x in args.contexts.split(",")):
+        runner = ModelRunner(model, num_blocks=(ctx + 128) // bs + 2, block_size=bs)
+        table = list(range(runner.kv.num_blocks))
+        g = torch.Generator().manual_seed(ctx)
+        prompt = torch.randint(0, cfg.vocab_size, (ctx,), generator=g).tolist()
+        out = runner.step([SeqStep(prompt, 0, table, None, "none" if ctx > 1 else "last")])
+        runner.commit_kv(out, 0, range(ctx), list(range(ctx)))
+        base = None
+        for n in (int(x) for x in args.nodes.split(",")):
+            tree = TokenTree([-1] + list(range(n - 1))) if n > 1 else None
+            step = SeqStep(prompt[:n], ctx, table, tree, "all" if n > 1 else "last")
+            for _ in range(3):
+                runner.step([step])
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(args.repeats):
+                runner.step([step])  # logits come back to the host: each step ends synchronized
+            ms = (time.perf_counter() - t0) / args.repeats * 1000
+            base = ms if n == 1 else base
+            row = {"context": ctx, "nodes": n, "step_ms": round(ms, 3),
+                   "vs_plain": round(ms / base, 3) if base else None}
+            verify.append(row)
+            print(json.dumps(row), flush=True)
+        del runner
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ---- engine: plain vs prompt-lookup speculation, same prompts, one run -----------------------
+    engine = []
+    for b in (int(x) for x in args.batch.split(",")):
+        prompts = [default_prompt(cfg.vocab_size, length=96, seed=s) for s in range(b)]
+        sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+        row = {"batch": b, "max_tokens": args.max_tokens}
+        outs = {}
+        for name, drafter in (("plain", None), ("ngram", "ngram")):
+            runner = ModelRunner(model, num_blocks=b * (96 + args.max_tokens + 64) // bs + 8,
+                                 block_size=bs)
+            eng = Engine(runner, drafter=drafter, max_num_seqs=max(b, 1),
+                         max_num_batched_tokens=4096)
+            eng.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+            _sync(device)
+            t0 = time.perf_counter()
+            res = eng.generate(prompts, sp)
+            _sync(device)
+            s = time.perf_counter() - t0
+            toks = sum(len(r.token_ids) for r in res)
+            outs[name] = [r.token_ids for r in res]
+            row[f"{name}_tok_s"] = round(toks / s, 1)
+            if drafter:
+                row[f"{name}_acceptance_length"] = round(
+                    sum(r.stats.acceptance_length for r in res) / len(res), 3)
+            del eng, runner
+        row["speedup"] = round(row["ngram_tok_s"] / row["plain_tok_s"], 3)
+        row["identical"] = sum(a == p for a, p in zip(outs["ngram"], outs["plain"]))
+        engine.append(row)
+        print(json.dumps(row), flush=True)
+
+    result = {"info": info, "verify": verify, "engine": engine}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
