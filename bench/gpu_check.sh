@@ -2,8 +2,8 @@
 # One-command GPU check, run from the repository root on a machine with a CUDA GPU:
 #   1. builds and installs the extension for sm_90 (pip install --no-build-isolation --no-deps .),
 #   2. runs the cuda-marked tests (the CPU tests' cases on CUDA against the CPU oracle),
-#   3. runs compute-sanitizer memcheck on a short CUDA smoke program (skipped, and said so, where
-#      the tool cannot attach, e.g. under gVisor),
+#   3. runs compute-sanitizer memcheck on a short CUDA smoke program, then racecheck and synccheck
+#      on its attention kernels (skipped, and said so, where the tool cannot attach, e.g. gVisor),
 #   4. runs the kernel benchmarks (bench/bench_gpu_kernels.py),
 #   5. runs the model on the GPU (bench/bench_gpu_model.py: verify cost, engine tokens/s).
 # Writes $OUT/gpu_check.json (what ran, pass/fail, timings) and $OUT/gpu_check.log, plus the
@@ -56,7 +56,7 @@ if [ "${status[build]}" -eq 0 ]; then
   # e.g. the server's); from outside the checkout so the installed package is imported.
   mapfile -t CUDA_TEST_FILES < <(grep -l "mark.cuda\|devices()" "$ROOT"/tests/python/test_*.py)
   echo "cuda test files: ${CUDA_TEST_FILES[*]}"
-  (cd /tmp && run_step cuda_tests 150 "$PY" -m pytest -q -p no:cacheprovider -m cuda \
+  (cd /tmp && run_step cuda_tests 240 "$PY" -m pytest -q -p no:cacheprovider -m cuda \
       --rootdir="$ROOT" -c "$ROOT/pyproject.toml" --junitxml="$OUT/cuda_tests.xml" \
       "${CUDA_TEST_FILES[@]}"; echo "${status[cuda_tests]}" > "$OUT/.cuda_tests_rc")
   status[cuda_tests]=$(cat "$OUT/.cuda_tests_rc" 2>/dev/null || echo 1)
@@ -76,6 +76,15 @@ if [ "${status[build]}" -eq 0 ]; then
        grep -q -i "unable to\|not supported\|failed to\|Target application" "$OUT/memcheck.log"; then
       echo "compute-sanitizer could not attach here; memcheck not run"; status[memcheck]=skipped
     fi
+    # Shared-memory races and barrier misuse in the attention kernels (cp.async stages).
+    if [ "${status[memcheck]}" != skipped ]; then
+      for tool in racecheck synccheck; do
+        (cd /tmp && run_step $tool 90 bash -c "'$SANITIZER' --tool $tool --error-exitcode 3 \
+            '$PY' '$ROOT/bench/gpu_memcheck_smoke.py' --attention-only 2>&1 | tee '$OUT/$tool.log'; \
+            exit \${PIPESTATUS[0]}"; echo "${status[$tool]}" > "$OUT/.${tool}_rc")
+        status[$tool]=$(cat "$OUT/.${tool}_rc" 2>/dev/null || echo 1)
+      done
+    fi
   else
     echo "compute-sanitizer not found; memcheck not run"; status[memcheck]=skipped
   fi
@@ -93,11 +102,13 @@ fi
 
 total=$(( $(date +%s) - start ))
 "$PY" - "$OUT" "$total" "${status[build]:-x}" "${status[cuda_tests]:-x}" "${status[memcheck]:-x}" \
-  "${status[bench]:-x}" "${status[model_bench]:-x}" <<'PYEOF'
+  "${status[bench]:-x}" "${status[model_bench]:-x}" "${status[racecheck]:-x}" \
+  "${status[synccheck]:-x}" <<'PYEOF'
 import json, os, sys
-out, total, build, tests, memcheck, bench, model_bench = sys.argv[1:]
+out, total, build, tests, memcheck, bench, model_bench, racecheck, synccheck = sys.argv[1:]
 summary = {"seconds": int(total), "build_rc": build, "cuda_tests_rc": tests,
-           "memcheck_rc": memcheck, "bench_rc": bench, "model_bench_rc": model_bench}
+           "memcheck_rc": memcheck, "racecheck_rc": racecheck, "synccheck_rc": synccheck,
+           "bench_rc": bench, "model_bench_rc": model_bench}
 xml = os.path.join(out, "cuda_tests.xml")
 if os.path.exists(xml):
     import xml.etree.ElementTree as ET
@@ -113,6 +124,8 @@ PYEOF
 ok=0
 [ "${status[build]:-1}" = 0 ] && [ "${status[cuda_tests]:-1}" = 0 ] && [ "${status[bench]:-1}" = 0 ] \
   && [ "${status[model_bench]:-1}" = 0 ] || ok=1
-case "${status[memcheck]:-1}" in 0|skipped) ;; *) ok=1 ;; esac
+for tool in memcheck racecheck synccheck; do
+  case "${status[$tool]:-skipped}" in 0|skipped) ;; *) ok=1 ;; esac
+done
 echo "gpu_check: $([ $ok = 0 ] && echo PASSED || echo FAILED) in ${total}s"
 exit $ok

@@ -1,6 +1,7 @@
 """A short CUDA program for compute-sanitizer (bench/gpu_check.sh): every CUDA kernel of pyspec
-once on small inputs (tensor-core and generic attention with split-KV, the merge, filters, greedy
-and sampled acceptance, KV materialization), each checked against the CPU op. Prints "smoke: ok".
+once on small inputs (both tensor-core attention kernels and the generic one with split-KV, the
+merge, filters, greedy and sampled acceptance, KV materialization), each checked against the CPU op.
+Prints "smoke: ok". ``--attention-only``: the attention kernels alone (for racecheck/synccheck).
 """
 
 import random
@@ -42,9 +43,22 @@ def attention(dtype, d):
 
 
 def main():
+    from pyspec import _C
+
     attention(torch.bfloat16, 128)
     attention(torch.float16, 64)
     attention(torch.float32, 80)
+    # The pipelined tensor-core kernel too (cp.async stages; racecheck runs this part alone).
+    prev = _C._set_cuda_attention_variant("pipelined")
+    try:
+        attention(torch.bfloat16, 128)
+        attention(torch.float16, 64)
+    finally:
+        _C._set_cuda_attention_variant(prev)
+    if "--attention-only" in sys.argv:
+        torch.cuda.synchronize()
+        print("smoke: ok")
+        return 0
     logits = torch.randn(5, 1000) * 3
     cpu = sampling.apply_sampling_filters(logits, 0.8, 20, 0.9)
     gpu = sampling.apply_sampling_filters(logits.cuda(), 0.8, 20, 0.9).cpu()

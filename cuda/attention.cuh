@@ -150,9 +150,10 @@ __device__ __forceinline__ void IssueKvTile(T* k_tile, T* v_tile, const int64_t*
   constexpr int kVecsPerRow = D / 8;  // 16-byte vectors of 16-bit elements
   for (int i = threadIdx.x; i < tc::kN * kVecsPerRow; i += tc::kThreads) {
     const int r = i / kVecsPerRow, c = (i % kVecsPerRow) * 8;
-    const int64_t o = offs[r];
-    const bool valid = o != -1, is_new = o < -1;
-    const int64_t e = (is_new ? -2 - o : (valid ? o : 0)) + c;  // invalid: a valid address
+    // Past the keys' end: zeros, with row 0's address (always a real key) as the unread source.
+    const int64_t o = offs[r], a = o == -1 ? offs[0] : o;
+    const bool valid = o != -1, is_new = a < -1;
+    const int64_t e = (is_new ? -2 - a : a) + c;
     CpAsync16(k_tile + r * TcKvLd<D>() + c, (is_new ? k_new : k_pages) + e, valid);
     CpAsync16(v_tile + r * TcKvLd<D>() + c, (is_new ? v_new : v_pages) + e, valid);
   }
@@ -253,6 +254,7 @@ __global__ void __launch_bounds__(tc::kThreads)
       IssueKvTile<T, D>(k_stage0, v_stage0, tile_offs, k_pages, v_pages, k_new, v_new);
     }
     CpAsyncCommit();
+    __syncthreads();  // every thread has read tile_offs before iteration 0 rewrites it
   }
   for (int64_t tile = 0; tile < num_tiles; ++tile) {
     const bool in_prefix = tile < prefix_tiles;
@@ -264,7 +266,8 @@ __global__ void __launch_bounds__(tc::kThreads)
       vs = v_stage0 + stage * tc::kN * kLd;
       if (tile + 1 < num_tiles) {  // block-uniform
         // The other stage and tile_offs were last read in iteration tile - 1 (or the
-        // prologue), which ended with __syncthreads.
+        // prologue), each of which ends with __syncthreads. (The page ids read here are on the
+        // critical path: one global load latency per tile before the math.)
         int64_t k0, ke;
         tile_keys(tile + 1, &k0, &ke);
         TileRowOffsets<D>(s, tile_offs, b, prefix_len, q_first, h, k0, ke);
