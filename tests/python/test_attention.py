@@ -321,13 +321,13 @@ def test_cuda_llama_layout_split_kv_and_plan_cache(dtype, d):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("variant", ["simple", "pipelined"])
 @pytest.mark.parametrize("case", ["llama-bf16-128", "llama-f16-64", "gqa3-bf16-128",
                                   "page1-bf16-64", "decode-only-bf16-128"])
-def test_cuda_tensor_core_variants(variant, case):
+def test_cuda_tensor_core_variants(case):
     """Both tensor-core kernels (one synchronously loaded K/V stage; two cp.async stages with idle
-    warps skipping the math) against the dense reference: trees up to 256 nodes, long decodes split
-    across the device, prefill chunks, GQA groups 3/4, pages of 1 and 16 tokens."""
+    warps skipping the math) against the dense reference, and against each other: the same MMAs
+    and softmax for every real query row, so bit for bit the same output. Trees up to 256 nodes,
+    long decodes split across the device, prefill chunks, GQA groups 3/4, pages of 1 and 16."""
     rng = random.Random(11)
     if case.startswith("llama"):
         dtype, d = (BF16, 128) if "bf16" in case else (F16, 64)
@@ -343,16 +343,21 @@ def test_cuda_tensor_core_variants(variant, case):
         seed, batch, bs, hq, hkv, d, dtype = (
             (7, 17, 16, 9, 3, 128, BF16) if case == "gqa3-bf16-128" else (8, 11, 1, 4, 1, 64, BF16))
         c = make_batch(seed, batch, bs, hq, hkv, d, dtype, "cuda")
-    prev = _C._set_cuda_attention_variant(variant)
-    try:
-        assert _C._cuda_attention_variant() == variant
-        plan = plan_for(c, hq, hkv)
-        out, lse = tree_attention(plan, c["q"], c["k_pages"], c["v_pages"], c["k_new"],
-                                  c["v_new"], return_lse=True)
-        dplan = next(v for k, v in plan.__dict__.items() if isinstance(k, tuple))
-        assert dplan.uses_tensor_cores(str(dtype).split(".")[-1], str(dtype).split(".")[-1])
-    finally:
-        _C._set_cuda_attention_variant(prev)
-    check(c, out, lse, dtype, 1 / math.sqrt(d))
+    results = {}
+    for variant in ("simple", "pipelined"):
+        prev = _C._set_cuda_attention_variant(variant)
+        try:
+            assert _C._cuda_attention_variant() == variant
+            plan = plan_for(c, hq, hkv)
+            out, lse = tree_attention(plan, c["q"], c["k_pages"], c["v_pages"], c["k_new"],
+                                      c["v_new"], return_lse=True)
+            dplan = next(v for k, v in plan.__dict__.items() if isinstance(k, tuple))
+            assert dplan.uses_tensor_cores(str(dtype).split(".")[-1], str(dtype).split(".")[-1])
+        finally:
+            _C._set_cuda_attention_variant(prev)
+        check(c, out, lse, dtype, 1 / math.sqrt(d))
+        results[variant] = (out, lse)
+    torch.testing.assert_close(results["pipelined"][0], results["simple"][0], atol=0, rtol=0)
+    torch.testing.assert_close(results["pipelined"][1], results["simple"][1], atol=0, rtol=0)
     with pytest.raises(ValueError, match="allowed: 'simple', 'pipelined'"):
         _C._set_cuda_attention_variant("fast")
