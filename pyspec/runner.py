@@ -162,6 +162,11 @@ class ModelRunner:
                               self.kv.num_blocks, num_q_heads=cfg.num_attention_heads,
                               num_kv_heads=cfg.num_key_value_heads)
         t = len(ids)
+        if inputs_embeds is None and (min(ids) < 0 or max(ids) >= cfg.vocab_size):
+            # Caught here, on the host: on a GPU an out-of-range id is a device-side assert that
+            # ends the CUDA context (every later request would fail too).
+            bad = next(i for i in ids if not 0 <= i < cfg.vocab_size)
+            raise ValueError(f"token id {bad} is out of range [0, {cfg.vocab_size})")
         shape = (cfg.num_hidden_layers, t, cfg.num_key_value_heads, cfg.head_dim)
         k_new = torch.empty(shape, dtype=self.model.dtype, device=self.model.device)
         v_new = torch.empty_like(k_new)
@@ -172,7 +177,9 @@ class ModelRunner:
         out = self.model.forward(input_ids, positions, plan, self.kv.k, self.kv.v, k_new, v_new,
                                  logits_rows=rows, return_hidden=return_hidden,
                                  rope_lens=torch.cat(rope_lens).to(self.model.device)
-                                 if dynamic else None, inputs_embeds=inputs_embeds)
+                                 if dynamic else None,
+                                 inputs_embeds=None if inputs_embeds is None
+                                 else inputs_embeds.to(self.model.device))
         logits, hidden = out if isinstance(out, tuple) else (out, None)
         if logits.device.type != "cpu":
             # A model on a GPU: acceptance, sampling and the drafters run on the host; the step's

@@ -133,7 +133,7 @@ class LlamaForCausalLM:
         # bench/bench_verify_cost.py). Larger steps (prefill) keep torch's threads for its GEMMs.
         self._serial_rows = fast_rows(dtype) if self.linear is core_linear else 0
         self.dtype = dtype
-        self.device = torch.device(device)
+        self.device = resolve_device(device)  # "cuda" -> "cuda:0": the device the KV pool gets
         self.embed = weights.pop("model.embed_tokens.weight")
         lm = weights.pop("lm_head.weight", None)
         self.lm_head = self.embed if cfg.tie_word_embeddings else lm

@@ -56,7 +56,13 @@ def _models(dtype):
     return cpu, gpu
 
 
+# Beyond conftest's check (a CUDA build and a device): also a torch with CUDA support.
+needs_cuda_model = pytest.mark.skipif(not _cuda_usable(), reason="no usable CUDA device for "
+                                      "the model (see resolve_device)")
+
+
 @pytest.mark.cuda
+@needs_cuda_model
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_forward_on_cuda_matches_the_cpu(dtype):
     cpu, gpu = _models(dtype)
@@ -85,6 +91,7 @@ KINDS = ["ngram", "suffix", "layer-skip", "draft-model", "medusa", "eagle", "ngr
 
 
 @pytest.mark.cuda
+@needs_cuda_model
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_speculation_on_cuda_equals_plain(kind, dtype, tmp_path):

@@ -286,3 +286,20 @@ def test_decode_sized_steps_run_torch_ops_on_one_thread(tmp_path, monkeypatch):
         assert torch.get_num_threads() == threads
     finally:
         torch.set_num_threads(prev)
+
+
+def test_runner_refuses_out_of_range_token_ids():
+    """Checked on the host before the forward: on a GPU an out-of-range id in the embedding would
+    be a device-side assert that ends the CUDA context for every later request."""
+    from pyspec.runner import ModelRunner, SeqStep
+    from pyspec.smoke import tiny_config
+
+    m = LlamaForCausalLM.random(tiny_config(), seed=0)
+    r = ModelRunner(m, num_blocks=4, block_size=8)
+    for bad in (m.cfg.vocab_size, -1):
+        with pytest.raises(ValueError, match=rf"token id {bad} is out of range \[0, 111\)"):
+            r.step([SeqStep([1, bad, 2], 0, [0], None, "last")])
+    out = r.step([SeqStep([1, 110, 2], 0, [0], None, "last")])  # the last id is fine
+    assert out.logits.shape == (1, m.cfg.vocab_size)
+    assert m.device == torch.device("cpu") and LlamaForCausalLM.random(tiny_config()).to(
+        "cpu").device == torch.device("cpu")
