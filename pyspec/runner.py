@@ -10,7 +10,7 @@ pages. The runner knows nothing of scheduling; the scheduler knows nothing of to
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 import torch
 
@@ -30,15 +30,17 @@ class SeqStep:
         block_table: the request's page ids (covering at least ``start_pos`` tokens).
         tree: a :class:`TokenTree` over ``token_ids`` (positions ``start_pos + depth``), or
             ``None`` for a causal chunk.
-        logits: which rows need logits: ``"last"`` (prefill / decode), ``"all"`` (trees) or
-            ``"none"`` (a non-final prefill chunk).
+        logits: which rows need logits: ``"last"`` (prefill / decode), ``"all"`` (trees),
+            ``"none"`` (a non-final prefill chunk), or an int k: the last k rows (1 <= k <= the
+            number of new tokens; scoring a known continuation without a [tokens, vocab] array
+            for the prompt's rows).
     """
 
     token_ids: Sequence[int]
     start_pos: int
     block_table: Sequence[int]
     tree: Optional[TokenTree] = None
-    logits: str = "last"
+    logits: Union[str, int] = "last"
 
 
 @dataclass
@@ -149,8 +151,14 @@ class ModelRunner:
                 logit_rows.append(base + n - 1)
             elif s.logits == "all":
                 logit_rows.extend(range(base, base + n))
+            elif isinstance(s.logits, int) and not isinstance(s.logits, bool):
+                if not 1 <= s.logits <= n:
+                    raise ValueError(f"logits={s.logits} asks for more rows than the sequence's "
+                                     f"{n} new tokens (or fewer than 1)")
+                logit_rows.extend(range(base + n - s.logits, base + n))
             elif s.logits != "none":
-                raise ValueError(f"logits must be 'last', 'all' or 'none'; got {s.logits!r}")
+                raise ValueError(f"logits must be 'last', 'all', 'none' or a row count; got "
+                                 f"{s.logits!r}")
             logits_indptr.append(len(logit_rows))
         width = max(1, max(len(t) for t in tables))
         table = torch.full((len(seqs), width), -1, dtype=torch.int32)

@@ -303,3 +303,21 @@ def test_runner_refuses_out_of_range_token_ids():
     assert out.logits.shape == (1, m.cfg.vocab_size)
     assert m.device == torch.device("cpu") and LlamaForCausalLM.random(tiny_config()).to(
         "cpu").device == torch.device("cpu")
+
+
+def test_runner_logits_for_the_last_k_rows():
+    """SeqStep.logits = k: exactly the last k rows of "all" (scoring a continuation, e.g. the
+    serve quality gate, without a [tokens, vocab] array for the prompt)."""
+    from pyspec.runner import ModelRunner, SeqStep
+    from pyspec.smoke import tiny_config
+
+    m = LlamaForCausalLM.random(tiny_config(), seed=0)
+    seq = list(range(3, 40))
+    full = ModelRunner(m, 8, 8).step([SeqStep(seq, 0, list(range(5)), None, "all")]).logits
+    for k in (1, 5, len(seq)):
+        got = ModelRunner(m, 8, 8).step([SeqStep(seq, 0, list(range(5)), None, k)]).logits
+        assert got.shape == (k, m.cfg.vocab_size)
+        torch.testing.assert_close(got, full[-k:], atol=0, rtol=0)
+    for bad in (0, len(seq) + 1, True, "some"):
+        with pytest.raises(ValueError, match="logits"):
+            ModelRunner(m, 8, 8).step([SeqStep(seq, 0, list(range(5)), None, bad)])
