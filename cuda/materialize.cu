@@ -36,35 +36,19 @@ void MaterializeKV(const TensorView& scratch, const TensorView& pages, const Ten
     PYSPEC_CHECK(dst[i] >= 0 && dst[i] < s.slots, "dst_slots[", i, "] = ", dst[i],
                  " is out of range [0, ", s.slots, ") (num_blocks * block_size)");
   }
-  if (s.n == 0) return;
+  // int32 or int64 each, as on the CPU.
+  auto launch = [&](const auto* src_ptr, const auto* dst_ptr) {
+    return kernels::LaunchMaterialize(scratch.data, pages.data, src_ptr, dst_ptr, s.n, s.layers,
+                                      s.scratch_rows, s.slots, s.row_bytes, stream);
+  };
+  const bool src64 = src_rows.dtype == DType::kInt64, dst64 = dst_slots.dtype == DType::kInt64;
   cudaError_t err;
-  if (src_rows.dtype != dst_slots.dtype) {
-    // Mixed int32/int64 indices (allowed, as on the CPU): launch on int64 copies of the indices
-    // checked above. The pageable source is staged before cudaMemcpyAsync returns.
-    std::vector<int64_t> both(src);
-    both.insert(both.end(), dst.begin(), dst.end());
-    int64_t* dev = nullptr;
-    const size_t bytes = sizeof(int64_t) * both.size();
-    PYSPEC_CUDA_CALL(cudaMallocAsync(reinterpret_cast<void**>(&dev), bytes, stream));
-    err = cudaMemcpyAsync(dev, both.data(), bytes, cudaMemcpyHostToDevice, stream);
-    if (err == cudaSuccess) {
-      err = kernels::LaunchMaterialize<int64_t>(scratch.data, pages.data, dev, dev + s.n, s.n,
-                                                s.layers, s.scratch_rows, s.slots, s.row_bytes,
-                                                stream);
-    }
-    const cudaError_t freed = cudaFreeAsync(dev, stream);
-    PYSPEC_CUDA_CALL(err);
-    PYSPEC_CUDA_CALL(freed);
-    return;
-  }
-  if (src_rows.dtype == DType::kInt64) {
-    err = kernels::LaunchMaterialize<int64_t>(scratch.data, pages.data, src_rows.ptr<int64_t>(),
-                                              dst_slots.ptr<int64_t>(), s.n, s.layers, s.scratch_rows,
-                                              s.slots, s.row_bytes, stream);
+  if (src64) {
+    err = dst64 ? launch(src_rows.ptr<const int64_t>(), dst_slots.ptr<const int64_t>())
+                : launch(src_rows.ptr<const int64_t>(), dst_slots.ptr<const int32_t>());
   } else {
-    err = kernels::LaunchMaterialize<int32_t>(scratch.data, pages.data, src_rows.ptr<int32_t>(),
-                                              dst_slots.ptr<int32_t>(), s.n, s.layers, s.scratch_rows,
-                                              s.slots, s.row_bytes, stream);
+    err = dst64 ? launch(src_rows.ptr<const int32_t>(), dst_slots.ptr<const int64_t>())
+                : launch(src_rows.ptr<const int32_t>(), dst_slots.ptr<const int32_t>());
   }
   PYSPEC_CUDA_CALL(err);
 }

@@ -9,12 +9,12 @@ namespace pyspec {
 namespace kernels {
 
 // One block per (row, layer). Rows are copied in VecT units (uint4 when the row and both bases are
-// 16-byte aligned, else bytes).
-template <typename VecT, typename IdxT>
+// 16-byte aligned, else bytes). The two index arrays may differ in type (int32 / int64 each).
+template <typename VecT, typename SrcT, typename DstT>
 __global__ void MaterializeKernel(const char* __restrict__ scratch,  // [L, S, row_bytes]
                                   char* __restrict__ pages,           // [L, slots, row_bytes]
-                                  const IdxT* __restrict__ src_rows,  // [n]
-                                  const IdxT* __restrict__ dst_slots, // [n]
+                                  const SrcT* __restrict__ src_rows,  // [n]
+                                  const DstT* __restrict__ dst_slots, // [n]
                                   int64_t n, int64_t scratch_rows, int64_t slots,
                                   int64_t row_bytes) {
   const int64_t i = blockIdx.x;
@@ -27,9 +27,9 @@ __global__ void MaterializeKernel(const char* __restrict__ scratch,  // [L, S, r
   for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) dst[v] = src[v];
 }
 
-template <typename IdxT>
-cudaError_t LaunchMaterialize(const void* scratch, void* pages, const IdxT* src_rows,
-                              const IdxT* dst_slots, int64_t n, int64_t layers,
+template <typename SrcT, typename DstT>
+cudaError_t LaunchMaterialize(const void* scratch, void* pages, const SrcT* src_rows,
+                              const DstT* dst_slots, int64_t n, int64_t layers,
                               int64_t scratch_rows, int64_t slots, int64_t row_bytes,
                               cudaStream_t stream) {
   if (n == 0 || layers == 0 || row_bytes == 0) return cudaSuccess;
@@ -40,11 +40,11 @@ cudaError_t LaunchMaterialize(const void* scratch, void* pages, const IdxT* src_
   char* p = static_cast<char*>(pages);
   if (aligned16) {
     int threads = static_cast<int>(row_bytes / 16 < 256 ? (row_bytes / 16 + 31) / 32 * 32 : 256);
-    MaterializeKernel<uint4, IdxT><<<grid, threads, 0, stream>>>(s, p, src_rows, dst_slots, n,
-                                                                 scratch_rows, slots, row_bytes);
+    MaterializeKernel<uint4, SrcT, DstT><<<grid, threads, 0, stream>>>(
+        s, p, src_rows, dst_slots, n, scratch_rows, slots, row_bytes);
   } else {
-    MaterializeKernel<unsigned char, IdxT><<<grid, 256, 0, stream>>>(s, p, src_rows, dst_slots, n,
-                                                                     scratch_rows, slots, row_bytes);
+    MaterializeKernel<unsigned char, SrcT, DstT><<<grid, 256, 0, stream>>>(
+        s, p, src_rows, dst_slots, n, scratch_rows, slots, row_bytes);
   }
   return cudaGetLastError();
 }

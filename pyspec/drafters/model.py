@@ -55,7 +55,7 @@ class ModelDrafter(Drafter):
         self.block_size = bs
         self.vocab_size = tcfg.vocab_size
         if share_target_kv:
-            if torch.device(model.device) != target_runner.kv.k.device:
+            if model.device != target_runner.kv.k.device:
                 raise ValueError(f"share_target_kv needs the draft model on the target's KV "
                                  f"device ({target_runner.kv.k.device}); it is on {model.device}")
             n = model.cfg.num_hidden_layers
