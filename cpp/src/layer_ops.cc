@@ -101,6 +101,23 @@ float SumSquares(int64_t n, const LoadFn& at) {
   return acc[0];
 }
 
+// Rotates n heads of D values at `heads` (dtype DT) for row t into dst (rotate-half layout). The
+// dtype is a template argument so the loads and stores fold into straight-line code and vectorize.
+template <DType DT>
+void RotateHeads(const char* heads, int64_t n, int64_t D, int64_t t, const float* c,
+                 const float* s, void* dst) {
+  const int64_t half = D / 2, es = DT == DType::kFloat32 ? 4 : 2;
+  for (int64_t h = 0; h < n; ++h) {
+    const char* x = heads + h * D * es;
+    const int64_t o = (t * n + h) * D;
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = Load(x, DT, i), b = Load(x, DT, i + half);
+      Store(dst, DT, o + i, a * c[i] - b * s[i]);
+      Store(dst, DT, o + i + half, b * c[i + half] + a * s[i + half]);
+    }
+  }
+}
+
 }  // namespace
 
 void RmsNorm(const TensorView& x, const TensorView& w, float eps, const TensorView& out,
@@ -126,6 +143,9 @@ void RmsNorm(const TensorView& x, const TensorView& w, float eps, const TensorVi
       if (dt == DType::kFloat32) {
         const float* xf = static_cast<const float*>(xr);
         r = SumSquares(H, [&](int64_t i) { return xf[i]; });
+      } else if (dt == DType::kBFloat16) {
+        const uint16_t* xh = static_cast<const uint16_t*>(xr);
+        r = SumSquares(H, [&](int64_t i) { return half::BF16ToFloat(xh[i]); });
       } else {
         r = SumSquares(H, [&](int64_t i) { return Load(xr, dt, i); });
       }
@@ -135,6 +155,15 @@ void RmsNorm(const TensorView& x, const TensorView& w, float eps, const TensorVi
         const float* wf = static_cast<const float*>(w.data);
         float* of = static_cast<float*>(orow);
         for (int64_t i = 0; i < H; ++i) of[i] = wf[i] * (xf[i] * scale);
+      } else if (dt == DType::kBFloat16) {
+        // The general loop below with the dtype fixed, so it vectorizes: same arithmetic.
+        const uint16_t* xh = static_cast<const uint16_t*>(xr);
+        const uint16_t* wh = static_cast<const uint16_t*>(w.data);
+        uint16_t* oh = static_cast<uint16_t*>(orow);
+        for (int64_t i = 0; i < H; ++i) {
+          const float n = half::BF16ToFloat(half::FloatToBF16(half::BF16ToFloat(xh[i]) * scale));
+          oh[i] = half::FloatToBF16(half::BF16ToFloat(wh[i]) * n);
+        }
       } else {
         for (int64_t i = 0; i < H; ++i) {
           const float n = Round(Load(xr, dt, i) * scale, dt);
@@ -171,7 +200,7 @@ void RotaryQKV(const TensorView& qkv, const TensorView& cos, const TensorView& s
   CheckContiguous(sin, "sin");
   if (T == 0) return;
   const DType dt = qkv.dtype;
-  const int64_t es = DTypeSize(dt), cols = qkv.shape[1], half = D / 2;
+  const int64_t es = DTypeSize(dt), cols = qkv.shape[1];
   const char* src = static_cast<const char*>(qkv.data);
   const float* cs = static_cast<const float*>(cos.data);
   const float* sn = static_cast<const float*>(sin.data);
@@ -181,14 +210,12 @@ void RotaryQKV(const TensorView& qkv, const TensorView& cos, const TensorView& s
       const float* c = cs + t * D;
       const float* s = sn + t * D;
       auto rotate = [&](const char* heads, int64_t n, void* dst) {
-        for (int64_t h = 0; h < n; ++h) {
-          const char* x = heads + h * D * es;
-          const int64_t o = (t * n + h) * D;
-          for (int64_t i = 0; i < half; ++i) {
-            const float a = Load(x, dt, i), b = Load(x, dt, i + half);
-            Store(dst, dt, o + i, a * c[i] - b * s[i]);
-            Store(dst, dt, o + i + half, b * c[i + half] + a * s[i + half]);
-          }
+        if (dt == DType::kFloat32) {
+          RotateHeads<DType::kFloat32>(heads, n, D, t, c, s, dst);
+        } else if (dt == DType::kBFloat16) {
+          RotateHeads<DType::kBFloat16>(heads, n, D, t, c, s, dst);
+        } else {
+          RotateHeads<DType::kFloat16>(heads, n, D, t, c, s, dst);
         }
       };
       rotate(row, Hq, q.data);
