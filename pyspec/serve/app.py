@@ -755,19 +755,35 @@ def _model_tensors(model):
 
 
 def _draft_bytes(engine) -> int:
+    """Bytes of weights the drafters hold beyond the target's own tensors: a draft model's
+    weights (unless it shares the target's), head weights, and the host copies of the target's
+    embedding / norm / lm_head that heads keep when the target is on a GPU (on a CPU target those
+    are the target's tensors and count once, as target weights). Each tensor counts once."""
+    import torch
+
+    seen = {id(t) for t in _model_tensors(engine.runner.model)}
     total = 0
-    for d in engine.drafters.values():
+
+    def add(t):
+        nonlocal total
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+
+    def parts(d):
+        # Combined drafters ('+', '|') hold their parts; a part may appear under several names.
+        for p in getattr(d, "parts", None) or [d]:
+            yield from (parts(p) if p is not d else [p])
+
+    for d in (p for top in engine.drafters.values() for p in parts(top)):
         m = getattr(d, "model", None)
         if m is not None and not getattr(d, "share", False):
-            total += sum(t.numel() * t.element_size() for t in _model_tensors(m))
+            for t in _model_tensors(m):
+                add(t)
         head = getattr(d, "head", None)
         if head is not None:
-            total += sum(t.numel() * t.element_size() for layer in head.layers
-                         for t in layer.values() if t is not None)
-            total += d.fc_w.numel() * d.fc_w.element_size()
-            if d.vocab_map is not None:
-                total += head.lm_head.numel() * head.lm_head.element_size()
-        w = getattr(d, "w", None)
-        if isinstance(w, __import__("torch").Tensor):
-            total += w.numel() * w.element_size()
+            for t in _model_tensors(head):
+                add(t)
+        for name in ("fc_w", "fc_b", "fuse_w", "embed_w", "norm_w", "lm_head", "w", "b"):
+            add(getattr(d, name, None))
     return total

@@ -698,3 +698,35 @@ def test_first_drafter_takes_the_first_part_that_drafts():
 def test_default_on_another_architecture_is_ngram(model):
     runner = ModelRunner(model, num_blocks=16, block_size=8)
     assert make_drafter("default", runner).name == "ngram"
+
+
+def test_draft_bytes_counts_what_drafters_hold_beyond_the_target(model, tmp_path):
+    """The serve metric pyspec_memory_bytes{component="draft_weights"}: heads' own weights, each
+    tensor once, never the target's tensors they read (on a CPU target a head's embedding and
+    lm_head are the target's); a host copy (what a head keeps for a GPU target) counts; parts
+    of combined drafters count."""
+    pytest.importorskip("fastapi")
+    from pyspec.engine import Engine
+    from pyspec.serve.app import _draft_bytes, _model_tensors
+
+    def nbytes(ts):
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    runner = ModelRunner(model, num_blocks=32, block_size=8)
+    eagle = make_drafter(_heads_dir(str(tmp_path), model, "eagle"), runner)
+    medusa = make_drafter(_heads_dir(str(tmp_path), model, "medusa"), runner)
+    assert eagle.embed_w is model.embed and medusa.lm_head is model.lm_head  # CPU: no copies
+    own = {id(t) for t in _model_tensors(model)}
+    head_own = [t for t in _model_tensors(eagle.head) if id(t) not in own]
+    want_eagle = nbytes(head_own) + nbytes([eagle.fc_w])
+    assert want_eagle > 0
+    assert _draft_bytes(Engine(runner, drafter=eagle)) == want_eagle
+    want_medusa = nbytes([medusa.w, medusa.b])
+    assert _draft_bytes(Engine(runner, drafter=medusa)) == want_medusa
+    # Combined: both parts, counted once each however the engine names them.
+    merged = make_drafter("ngram+" + str(tmp_path / "eagle"), runner)
+    assert _draft_bytes(Engine(runner, drafter=merged)) == want_eagle
+    # A host copy of the target's embedding (a GPU target's) is memory the drafter adds.
+    eagle.embed_w = model.embed.clone()
+    assert _draft_bytes(Engine(runner, drafter=eagle)) == want_eagle + nbytes([model.embed])
+    assert _draft_bytes(Engine(runner, drafter="ngram")) == 0
