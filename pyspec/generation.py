@@ -31,8 +31,9 @@ class Loaded:
 
 
 def load(model: Optional[str] = None, dtype: str = "float32", num_blocks: int = 1024,
-         block_size: int = 16, progress: bool = True) -> Loaded:
-    """Load a model folder (default: the embedded SmolLM2-135M-Instruct, converted on first use)."""
+         block_size: int = 16, progress: bool = True, device: str = "cpu") -> Loaded:
+    """Load a model folder (default: the embedded SmolLM2-135M-Instruct, converted on first use)
+    onto ``device`` ("cpu", "cuda", "cuda:N"; see ``pyspec.models.llama.resolve_device``)."""
     t0 = time.perf_counter()
     if model is None or model == "default":
         from pyspec.models.default import default_model_path
@@ -43,7 +44,7 @@ def load(model: Optional[str] = None, dtype: str = "float32", num_blocks: int = 
         if not os.path.isdir(path):
             raise ValueError(f"--model must be a model folder (config.json, *.safetensors, "
                              f"tokenizer.json) or 'default'; {path!r} is not a directory")
-    m = LlamaForCausalLM.from_pretrained(path, dtype=dtype)
+    m = LlamaForCausalLM.from_pretrained(path, dtype=dtype, device=device)
     tok = Tokenizer.from_pretrained(path)
     return Loaded(m, tok, ModelRunner(m, num_blocks, block_size), path, time.perf_counter() - t0)
 
