@@ -13,6 +13,7 @@ here as the live engine loop applies them), and at once when the live request is
 from __future__ import annotations
 
 import hashlib
+import math
 import logging
 import queue
 import threading
@@ -21,6 +22,19 @@ from dataclasses import replace
 from typing import Dict, Optional
 
 log = logging.getLogger("pyspec.serve")
+
+
+def shadow_blocks(llm, ratio: float) -> int:
+    """KV blocks for the shadow engine: the mirrored share of the live pool, but at least what
+    one request at the live context limit needs (so any request the live engine takes can be
+    mirrored alone), and never more than the live pool. A full-size copy would double the KV
+    memory (on a GPU, device memory) for a small share of traffic; mirrored copies that do not
+    fit at a moment wait or are preempted in the shadow engine, never touching live requests."""
+    live = llm.runner.kv.num_blocks
+    bs = llm.runner.block_size
+    limit = min(llm.model.cfg.max_position_embeddings, live * bs - 1)
+    one = -(-(limit + 1) // bs)
+    return int(min(live, max(one, math.ceil(live * ratio))))
 
 
 class Shadow:
@@ -33,7 +47,7 @@ class Shadow:
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"shadow ratio must be in [0, 1]; got {ratio}")
         self.llm = llm  # its tokenizer detokenizes for stop strings
-        runner = ModelRunner(llm.model, llm.runner.kv.num_blocks, llm.runner.block_size)
+        runner = ModelRunner(llm.model, shadow_blocks(llm, ratio), llm.runner.block_size)
         self.engine = Engine(runner, drafter=draft_spec, max_num_seqs=16)
         self.name = name
         self.ratio = ratio

@@ -743,3 +743,25 @@ def test_shadow_copy_applies_stop_strings(server, tmp_path, monkeypatch):
     finally:
         srv.should_exit = True
         th.join(timeout=10)
+
+
+def test_shadow_pool_is_the_mirrored_share_but_holds_one_longest_request():
+    from types import SimpleNamespace
+
+    from pyspec.serve.shadow import shadow_blocks
+
+    def llm(blocks, bs=16, positions=8192):
+        return SimpleNamespace(runner=SimpleNamespace(kv=SimpleNamespace(num_blocks=blocks),
+                                                      block_size=bs),
+                               model=SimpleNamespace(cfg=SimpleNamespace(
+                                   max_position_embeddings=positions)))
+
+    # A pool 8x the context limit: the share (10% -> 410 blocks) is below one longest request
+    # (8192 + 1 tokens -> 513 blocks), which wins; at 50% the share wins; never above the pool.
+    assert shadow_blocks(llm(4096), 0.1) == 513
+    assert shadow_blocks(llm(4096), 0.5) == 2048
+    assert shadow_blocks(llm(4096), 1.0) == 4096
+    # A pool smaller than the context limit: a request may use all of it, so the shadow's is
+    # as large.
+    assert shadow_blocks(llm(64), 0.1) == 64
+    assert shadow_blocks(llm(4096, positions=100), 0.0) == 7
