@@ -393,9 +393,16 @@ PYSPEC_INLINE void RunBlocksImpl(const Ctx& c, int64_t b0, int64_t b1) {
     const int64_t n0 = b * kNr;
     if (n0 + kNr <= c.N) {
       // Prefetch the next full block, also across the chunk end (it is likely the next chunk's
-      // first block, read next by some thread).
+      // first block, read next by some thread). Not for a single float32 input row: the loop
+      // then only streams the weights in address order, which the hardware prefetchers follow
+      // better on their own (bench_linear.py, 2 threads: 20.1-20.6 ms per model pass without
+      // against 21.3-22.2 ms with). From 2 rows on, and for 16-bit weights, whose widening
+      // makes the loop slower than the stream, the software prefetch wins (float32 at 8 rows
+      // 27.6 vs 33.7 ms; float16 at 1 row 16.0-17.5 vs 27.6-28.4 ms).
       const char* pf = nullptr;
-      if (n0 + 2 * kNr <= c.N) pf = static_cast<const char*>(c.w) + (n0 + kNr) * c.K * esize;
+      if ((c.M > 1 || WK != WKind::kF32) && n0 + 2 * kNr <= c.N) {
+        pf = static_cast<const char*>(c.w) + (n0 + kNr) * c.K * esize;
+      }
       RowBlock<Isa, WK, kNr>(c, n0, pf, block_bytes, scratch);
     } else {
       for (int64_t n = n0; n < c.N; ++n) RowBlock<Isa, WK, 1>(c, n, nullptr, 0, scratch);
