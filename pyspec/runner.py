@@ -95,9 +95,15 @@ class ModelRunner:
             return
         shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         # Uninitialized: attention only reads positions below each request's prefix length, and those
-        # are always materialized first.
-        self.kv = KVPool(torch.empty(shape, dtype=model.dtype, device=model.device),
-                         torch.empty(shape, dtype=model.dtype, device=model.device))
+        # are always materialized first. On the CPU on transparent huge pages (pyspec.hugepages).
+        if model.device.type == "cpu":
+            from pyspec.hugepages import huge_page_empty
+
+            self.kv = KVPool(huge_page_empty(shape, model.dtype),
+                             huge_page_empty(shape, model.dtype))
+        else:
+            self.kv = KVPool(torch.empty(shape, dtype=model.dtype, device=model.device),
+                             torch.empty(shape, dtype=model.dtype, device=model.device))
 
     @property
     def block_size(self) -> int:

@@ -168,7 +168,7 @@ class LlamaForCausalLM:
         dt = resolve_dtype(dtype)
         m = cls(cfg, load_weights(path, cfg, dt, device), dt, device)
         m.source_path = path
-        return m
+        return m.place_on_huge_pages()
 
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0, dtype=torch.float32) -> "LlamaForCausalLM":
@@ -187,7 +187,28 @@ class LlamaForCausalLM:
             else:
                 w[name] = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
         w = {k: v.to(dtype) for k, v in w.items()}
-        return cls(cfg, w, dtype)
+        return cls(cfg, w, dtype).place_on_huge_pages()
+
+    def place_on_huge_pages(self) -> "LlamaForCausalLM":
+        """Move a CPU model's weights into one mapping on transparent huge pages (see
+        :mod:`pyspec.hugepages`; the same values, fewer TLB misses while a step streams them), in
+        place; returns self. Does nothing on a GPU, where huge pages are unavailable, or with
+        ``PYSPEC_HUGEPAGES=0``."""
+        if self.device.type != "cpu":
+            return self
+        from pyspec.hugepages import huge_page_copies
+
+        keys = [list(layer) for layer in self.layers]
+        flat = [self.embed, self.lm_head, self.norm] + [layer[k] for layer, ks in
+                                                        zip(self.layers, keys) for k in ks]
+        new = huge_page_copies(flat)
+        self.embed, self.lm_head, self.norm = new[0], new[1], new[2]
+        i = 3
+        for layer, ks in zip(self.layers, keys):
+            for k in ks:
+                layer[k] = new[i]
+                i += 1
+        return self
 
     def to(self, device) -> "LlamaForCausalLM":
         """Move the weights to ``device`` (see :func:`resolve_device`), in place; returns self.
