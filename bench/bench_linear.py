@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from pyspec import _C
 from pyspec.linear import linear, max_fast_rows
+from pyspec.hugepages import enabled as hugepages_enabled, huge_page_copies
 
 HIDDEN, INTER, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30
 
@@ -109,6 +110,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     ap.add_argument("--rows", default="1,4,16", help="input rows M, comma-separated")
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--huge-pages", type=int, default=1,
+                    help="1: weights on transparent huge pages, as a loaded model's (default); 0: "
+                         "ordinary pages")
     args = ap.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
     dtypes = [getattr(torch, d, None) for d in args.dtypes.split(",")]
@@ -123,6 +127,7 @@ def main(argv=None) -> dict:
         "linear_isa": _C._linear_isa(),
         "layers": layers,
         "reps": reps,
+        "huge_pages": bool(args.huge_pages) and hugepages_enabled(),
         "read_bandwidth_gbps": round(read_bandwidth(max(reps, 5)), 2),
         "cases": [],
     }
@@ -130,6 +135,8 @@ def main(argv=None) -> dict:
     for dtype in dtypes:
         weights = [(torch.randn(n, k, generator=g) * 0.05).to(dtype)
                    for n, k in smollm2_shapes(layers)]
+        if args.huge_pages:  # where a loaded model's weights live (pyspec.hugepages)
+            weights = huge_page_copies(weights)
         for m in rows:
             report["cases"].append(bench_case(weights, m, dtype, reps))
         del weights
