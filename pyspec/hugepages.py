@@ -26,7 +26,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-__all__ = ["enabled", "huge_page_copies", "huge_page_empty"]
+__all__ = ["Arena", "enabled", "huge_page_copies", "huge_page_empty"]
 
 _HUGE = 2 << 20
 _ALIGN = 64  # bytes: every tensor starts on a cache line
@@ -58,35 +58,59 @@ def _arena(nbytes: int) -> Optional[torch.Tensor]:
     return base[start:start + nbytes]
 
 
+def _movable(t) -> bool:
+    return (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous()
+            and not t.requires_grad)
+
+
+def _padded(t: torch.Tensor) -> int:
+    return -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+
+
+class Arena:
+    """Room for given tensors in one huge-page mapping; :meth:`copy` fills it in order, so a
+    caller can drop each source as soon as its copy exists (peak memory: the tensors plus the
+    largest one, not twice the tensors)."""
+
+    def __init__(self, base: torch.Tensor):
+        self._base = base
+        self._off = 0
+
+    @classmethod
+    def for_tensors(cls, tensors: Sequence[torch.Tensor]) -> Optional["Arena"]:
+        """An arena sized for ``tensors`` (each once), or None where huge pages are unavailable,
+        the total is under ``MIN_BYTES``, or a tensor is not a contiguous CPU tensor without
+        autograd."""
+        if not all(_movable(t) for t in tensors):
+            return None
+        base = _arena(sum(_padded(t) for t in tensors))
+        return None if base is None else cls(base)
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        n = t.numel() * t.element_size()
+        if self._off + n > self._base.numel():
+            raise ValueError("the arena has no room left for this tensor")
+        c = self._base[self._off:self._off + n].view(t.dtype).view(t.shape)
+        c.copy_(t)
+        self._off += _padded(t)
+        return c
+
+
 def huge_page_copies(tensors: Sequence[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
     """Copies of contiguous CPU ``tensors`` packed into one huge-page mapping, in order (None
     stays None; a tensor given twice gets one copy, so ties like a shared embedding/lm_head are
     kept). Returns the tensors themselves when huge pages are not available, when they hold
     fewer than ``MIN_BYTES`` in all, or when any of them is not a contiguous CPU tensor without
-    autograd."""
-    uniq, seen = [], {}
-    for t in tensors:
-        if t is None or id(t) in seen:
-            continue
-        if (not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous()
-                or t.requires_grad):
-            return list(tensors)
-        seen[id(t)] = len(uniq)
-        uniq.append(t)
-    offsets, total = [], 0
-    for t in uniq:
-        offsets.append(total)
-        total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-    arena = _arena(total)
+    autograd.
+
+    The copies are views of one storage: ``torch.save`` of one of them writes the whole mapping,
+    and safetensors refuses to save several of them together; clone a tensor before saving it."""
+    uniq = list({id(t): t for t in tensors if t is not None}.values())
+    arena = Arena.for_tensors(uniq)
     if arena is None:
         return list(tensors)
-    copies = []
-    for t, off in zip(uniq, offsets):
-        n = t.numel() * t.element_size()
-        c = arena[off:off + n].view(t.dtype).view(t.shape)
-        c.copy_(t)
-        copies.append(c)
-    return [None if t is None else copies[seen[id(t)]] for t in tensors]
+    done = {id(t): arena.copy(t) for t in uniq}
+    return [None if t is None else done[id(t)] for t in tensors]
 
 
 def huge_page_empty(shape, dtype: torch.dtype) -> torch.Tensor:

@@ -196,18 +196,38 @@ class LlamaForCausalLM:
         ``PYSPEC_HUGEPAGES=0``."""
         if self.device.type != "cpu":
             return self
-        from pyspec.hugepages import huge_page_copies
+        from pyspec.hugepages import Arena
 
-        keys = [list(layer) for layer in self.layers]
-        flat = [self.embed, self.lm_head, self.norm] + [layer[k] for layer, ks in
-                                                        zip(self.layers, keys) for k in ks]
-        new = huge_page_copies(flat)
-        self.embed, self.lm_head, self.norm = new[0], new[1], new[2]
-        i = 3
-        for layer, ks in zip(self.layers, keys):
-            for k in ks:
-                layer[k] = new[i]
-                i += 1
+        # Every weight slot (tied ones once): copied one at a time and put in place at once,
+        # so each source can go as soon as its copy exists.
+        slots = [(self, "embed"), (self, "lm_head"), (self, "norm")] + [
+            (layer, k) for layer in self.layers for k in list(layer)]
+
+        def get(obj, key):
+            return getattr(obj, key) if obj is self else obj[key]
+
+        def put(obj, key, val):
+            if obj is self:
+                setattr(self, key, val)
+            else:
+                obj[key] = val
+
+        uniq = list({id(t): t for t in (get(o, k) for o, k in slots) if t is not None}.values())
+        arena = Arena.for_tensors(uniq)
+        del uniq
+        if arena is None:
+            return self
+        # Keyed by the source's id: a slot not yet replaced still holds its source, so the ids
+        # looked up are of live sources, never of freed ones that a new object could reuse.
+        done = {}
+        for obj, key in slots:
+            t = get(obj, key)
+            if t is None:
+                continue
+            if id(t) not in done:
+                done[id(t)] = arena.copy(t)
+            put(obj, key, done[id(t)])
+            del t
         return self
 
     def to(self, device) -> "LlamaForCausalLM":

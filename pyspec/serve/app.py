@@ -327,8 +327,11 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
             2 * p.k.numel() * p.k.element_size() for p in llm.engine._pools))
     metrics.memory.labels(component="draft_weights").set(_draft_bytes(llm.engine))
     if shadow is not None:
+        # The shadow engine's pool and its drafters' (an EAGLE head's, a draft model's).
         metrics.memory.labels(component="shadow_kv_pool").set(
-            2 * shadow.engine.runner.kv.k.numel() * el)
+            2 * shadow.engine.runner.kv.k.numel() * el + sum(
+                2 * p.k.numel() * p.k.element_size() for p in shadow.engine._pools))
+        metrics.memory.labels(component="shadow_draft_weights").set(_draft_bytes(shadow.engine))
     log_lock = threading.Lock()
 
     from contextlib import asynccontextmanager

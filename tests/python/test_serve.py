@@ -463,6 +463,11 @@ def test_shadow_mode_mirrors_without_touching_responses(server, tmp_path):
         assert metric(base, 'pyspec_shadow_num_accepted_tokens_total{drafter="candidate"}') == drafted
         assert metric(base, 'pyspec_shadow_acceptance_length{drafter="candidate"}') > 1.5
         assert metric(base, 'pyspec_shadow_speedup{drafter="candidate"}') > 0
+        # Memory: at ratio 1 the shadow's pool is the live pool's size, plus the candidate draft
+        # model's own pool; the candidate's weights are its own (loaded from its folder).
+        live_pool = 2 * llm.runner.kv.k.numel() * llm.runner.kv.k.element_size()
+        assert metric(base, 'pyspec_memory_bytes{component="shadow_kv_pool"}') > live_pool
+        assert metric(base, 'pyspec_memory_bytes{component="shadow_draft_weights"}') > 0
     finally:
         srv.should_exit = True
         th.join(timeout=10)
