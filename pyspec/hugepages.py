@@ -6,12 +6,14 @@ madvise`` (a common default) back ordinary allocations with 4 KiB pages and give
 to ranges that ask for them. This module allocates one private anonymous mapping, asks for huge
 pages on it (``MADV_HUGEPAGE``) before its pages are first touched, and places tensors in it.
 
-Measured on the default model (float32, Intel Xeon with AMX, 2 cores): a target step over 1 / 2 /
-4 / 8 / 16 rows after 300 tokens 24.9-26.2 / 28.2-29.4 / 30.3-31.0 / 36.8-38.6 / 45.8-48.7 ms
-with the weights on 4 KiB pages, 24.3-25.1 / 25.6-26.2 / 27.4-27.9 / 31.6-31.9 / 40.3-42.1 ms on
-huge pages (two runs each). A dense loop that does more than stream its weights (several input
-rows) cannot keep enough misses in flight to hide the page walks; with 2 MiB pages there are
-512 times fewer.
+Measured on the default model (float32, Intel Xeon with AMX, 2 cores; ``PYSPEC_HUGEPAGES=1`` / ``0
+python bench/bench_verify_cost.py --dtypes float32 --nodes 1,2,4,8,16 --repeats 30``, alternating,
+two rounds): a target step over 1 / 2 / 4 / 8 / 16 rows after 300 tokens 24.4-24.7 / 25.1-25.3 /
+26.2-26.9 / 31.3-32.6 / 42.1-42.5 ms on huge pages against 24.9-26.7 / 26.4-26.6 / 27.8-28.8 /
+34.2 / 43.7-44.7 ms on 4 KiB pages; the dense layers alone (``bench/bench_linear.py``) 19.7 /
+19.8 / 19.8 / 23.6 ms at 1 / 2 / 4 / 8 rows against 20.6 / 20.7 / 24.6 / 27.5. A dense loop that
+does more than stream its weights (several input rows) keeps fewer misses in flight and stalls on
+the page walks; with 2 MiB pages there are 512 times fewer.
 
 Where the platform has no ``MADV_HUGEPAGE`` (not Linux), where the mapping cannot be made, or with
 ``PYSPEC_HUGEPAGES=0``, tensors stay where they are. The contents and dtypes never change, so
@@ -69,8 +71,8 @@ def _padded(t: torch.Tensor) -> int:
 
 class Arena:
     """Room for given tensors in one huge-page mapping; :meth:`copy` fills it in order, so a
-    caller can drop each source as soon as its copy exists (peak memory: the tensors plus the
-    largest one, not twice the tensors)."""
+    caller can drop each source as soon as its copy exists instead of holding every source until
+    every copy is made."""
 
     def __init__(self, base: torch.Tensor):
         self._base = base
