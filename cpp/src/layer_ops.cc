@@ -101,6 +101,19 @@ float SumSquares(int64_t n, const LoadFn& at) {
   return acc[0];
 }
 
+// One row of RMSNorm as Hugging Face's Llama computes it: the normalized value rounded to the
+// dtype, then times the weight. The dtype is a template argument so the loads, roundings and
+// stores fold into straight-line code and vectorize (Round is exact for float32).
+template <DType DT>
+void RmsRow(const void* xr, const void* w, void* orow, int64_t H, float eps) {
+  const float r = SumSquares(H, [&](int64_t i) { return Load(xr, DT, i); });
+  const float scale = 1.0f / std::sqrt(r / static_cast<float>(H) + eps);
+  for (int64_t i = 0; i < H; ++i) {
+    const float n = Round(Load(xr, DT, i) * scale, DT);
+    Store(orow, DT, i, Load(w, DT, i) * n);
+  }
+}
+
 // Rotates n heads of D values at `heads` (dtype DT) for row t into dst (rotate-half layout). The
 // dtype is a template argument so the loads and stores fold into straight-line code and vectorize.
 template <DType DT>
@@ -139,36 +152,12 @@ void RmsNorm(const TensorView& x, const TensorView& w, float eps, const TensorVi
     for (int64_t t = t0; t < t1; ++t) {
       const void* xr = xb + t * row_bytes;
       void* orow = ob + t * row_bytes;
-      float r;
       if (dt == DType::kFloat32) {
-        const float* xf = static_cast<const float*>(xr);
-        r = SumSquares(H, [&](int64_t i) { return xf[i]; });
+        RmsRow<DType::kFloat32>(xr, w.data, orow, H, eps);
       } else if (dt == DType::kBFloat16) {
-        const uint16_t* xh = static_cast<const uint16_t*>(xr);
-        r = SumSquares(H, [&](int64_t i) { return half::BF16ToFloat(xh[i]); });
+        RmsRow<DType::kBFloat16>(xr, w.data, orow, H, eps);
       } else {
-        r = SumSquares(H, [&](int64_t i) { return Load(xr, dt, i); });
-      }
-      const float scale = 1.0f / std::sqrt(r / static_cast<float>(H) + eps);
-      if (dt == DType::kFloat32) {
-        const float* xf = static_cast<const float*>(xr);
-        const float* wf = static_cast<const float*>(w.data);
-        float* of = static_cast<float*>(orow);
-        for (int64_t i = 0; i < H; ++i) of[i] = wf[i] * (xf[i] * scale);
-      } else if (dt == DType::kBFloat16) {
-        // The general loop below with the dtype fixed, so it vectorizes: same arithmetic.
-        const uint16_t* xh = static_cast<const uint16_t*>(xr);
-        const uint16_t* wh = static_cast<const uint16_t*>(w.data);
-        uint16_t* oh = static_cast<uint16_t*>(orow);
-        for (int64_t i = 0; i < H; ++i) {
-          const float n = half::BF16ToFloat(half::FloatToBF16(half::BF16ToFloat(xh[i]) * scale));
-          oh[i] = half::FloatToBF16(half::BF16ToFloat(wh[i]) * n);
-        }
-      } else {
-        for (int64_t i = 0; i < H; ++i) {
-          const float n = Round(Load(xr, dt, i) * scale, dt);
-          Store(orow, dt, i, Load(w.data, dt, i) * n);
-        }
+        RmsRow<DType::kFloat16>(xr, w.data, orow, H, eps);
       }
     }
   });
