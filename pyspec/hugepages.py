@@ -115,13 +115,15 @@ def huge_page_copies(tensors: Sequence[Optional[torch.Tensor]]) -> List[Optional
     return [None if t is None else done[id(t)] for t in tensors]
 
 
-def huge_page_empty(shape, dtype: torch.dtype) -> torch.Tensor:
+def huge_page_empty(shape, dtype: torch.dtype, device="cpu") -> torch.Tensor:
     """An uninitialized-contract (in fact zero-filled) CPU tensor on huge pages, or
-    ``torch.empty`` where they are not available or it is smaller than ``MIN_BYTES``."""
+    ``torch.empty`` on another device, where huge pages are not available, or for fewer than
+    ``MIN_BYTES``."""
     n = 1
     for s in shape:
         n *= int(s)
-    arena = _arena(n * torch.empty((), dtype=dtype).element_size())
+    arena = (_arena(n * torch.empty((), dtype=dtype).element_size())
+             if torch.device(device).type == "cpu" else None)
     if arena is None:
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype, device=device)
     return arena.view(dtype).view(shape)

@@ -96,14 +96,10 @@ class ModelRunner:
         shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         # Uninitialized: attention only reads positions below each request's prefix length, and those
         # are always materialized first. On the CPU on transparent huge pages (pyspec.hugepages).
-        if model.device.type == "cpu":
-            from pyspec.hugepages import huge_page_empty
+        from pyspec.hugepages import huge_page_empty
 
-            self.kv = KVPool(huge_page_empty(shape, model.dtype),
-                             huge_page_empty(shape, model.dtype))
-        else:
-            self.kv = KVPool(torch.empty(shape, dtype=model.dtype, device=model.device),
-                             torch.empty(shape, dtype=model.dtype, device=model.device))
+        self.kv = KVPool(huge_page_empty(shape, model.dtype, model.device),
+                         huge_page_empty(shape, model.dtype, model.device))
 
     @property
     def block_size(self) -> int:

@@ -193,41 +193,28 @@ class LlamaForCausalLM:
         """Move a CPU model's weights into one mapping on transparent huge pages (see
         :mod:`pyspec.hugepages`; the same values, fewer TLB misses while a step streams them), in
         place; returns self. Does nothing on a GPU, where huge pages are unavailable, or with
-        ``PYSPEC_HUGEPAGES=0``."""
+        ``PYSPEC_HUGEPAGES=0``. The weights then share one storage: clone one before saving it
+        (``torch.save`` would write the whole mapping; safetensors refuses shared storage)."""
         if self.device.type != "cpu":
             return self
         from pyspec.hugepages import Arena
 
-        # Every weight slot (tied ones once): copied one at a time and put in place at once,
-        # so each source can go as soon as its copy exists.
-        slots = [(self, "embed"), (self, "lm_head"), (self, "norm")] + [
-            (layer, k) for layer in self.layers for k in list(layer)]
-
-        def get(obj, key):
-            return getattr(obj, key) if obj is self else obj[key]
-
-        def put(obj, key, val):
-            if obj is self:
-                setattr(self, key, val)
-            else:
-                obj[key] = val
-
-        uniq = list({id(t): t for t in (get(o, k) for o, k in slots) if t is not None}.values())
-        arena = Arena.for_tensors(uniq)
-        del uniq
+        tied = self.lm_head is self.embed
+        layer_ts = [t for layer in self.layers for t in layer.values() if t is not None]
+        arena = Arena.for_tensors([self.embed, self.norm] + ([] if tied else [self.lm_head])
+                                  + layer_ts)
+        del layer_ts
         if arena is None:
             return self
-        # Keyed by the source's id: a slot not yet replaced still holds its source, so the ids
-        # looked up are of live sources, never of freed ones that a new object could reuse.
-        done = {}
-        for obj, key in slots:
-            t = get(obj, key)
-            if t is None:
-                continue
-            if id(t) not in done:
-                done[id(t)] = arena.copy(t)
-            put(obj, key, done[id(t)])
-            del t
+        # As to() walks them, but in place and one at a time, so each source can go as soon as
+        # its copy exists.
+        self.embed = arena.copy(self.embed)
+        self.lm_head = self.embed if tied else arena.copy(self.lm_head)
+        self.norm = arena.copy(self.norm)
+        for layer in self.layers:
+            for k, t in layer.items():
+                if t is not None:
+                    layer[k] = arena.copy(t)
         return self
 
     def to(self, device) -> "LlamaForCausalLM":
