@@ -314,23 +314,14 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
 
         shadow = Shadow(llm, shadow_draft, shadow_ratio, metrics)
     loop_.shadow = shadow
-    # The longest sequence (prompt + completion) a request may ask for: the model's positions,
-    # and the KV cache less the one slot the last step writes.
-    ctx_limit = min(llm.model.cfg.max_position_embeddings,
-                    llm.runner.kv.num_blocks * llm.runner.block_size - 1)
+    ctx_limit = context_tokens(llm)
     chat_overhead = _chat_overhead(llm.tokenizer)
-    el = llm.model.embed.element_size()
     metrics.memory.labels(component="target_weights").set(
         sum(t.numel() * t.element_size() for t in _model_tensors(llm.model)))
-    metrics.memory.labels(component="kv_pool").set(
-        2 * llm.runner.kv.k.numel() * el + sum(
-            2 * p.k.numel() * p.k.element_size() for p in llm.engine._pools))
+    metrics.memory.labels(component="kv_pool").set(_kv_bytes(llm.engine))
     metrics.memory.labels(component="draft_weights").set(_draft_bytes(llm.engine))
     if shadow is not None:
-        # The shadow engine's pool and its drafters' (an EAGLE head's, a draft model's).
-        metrics.memory.labels(component="shadow_kv_pool").set(
-            2 * shadow.engine.runner.kv.k.numel() * el + sum(
-                2 * p.k.numel() * p.k.element_size() for p in shadow.engine._pools))
+        metrics.memory.labels(component="shadow_kv_pool").set(_kv_bytes(shadow.engine))
         metrics.memory.labels(component="shadow_draft_weights").set(_draft_bytes(shadow.engine))
     log_lock = threading.Lock()
 
@@ -758,6 +749,19 @@ def _model_tensors(model):
         if t is not None and id(t) not in seen:
             seen.add(id(t))
             yield t
+
+
+def context_tokens(llm) -> int:
+    """The longest sequence (prompt + completion) a served request may ask for: the model's
+    positions, and the KV pool less the one slot the last step writes."""
+    return min(llm.model.cfg.max_position_embeddings,
+               llm.runner.kv.num_blocks * llm.runner.block_size - 1)
+
+
+def _kv_bytes(engine) -> int:
+    """K and V pages of an engine's target pool and of its drafters' own pools (an EAGLE
+    head's, a draft model's)."""
+    return sum(2 * p.k.numel() * p.k.element_size() for p in [engine.runner.kv] + engine._pools)
 
 
 def _draft_bytes(engine) -> int:

@@ -30,10 +30,10 @@ def shadow_blocks(llm, ratio: float) -> int:
     mirrored alone), and never more than the live pool. A full-size copy would double the KV
     memory (on a GPU, device memory) for a small share of traffic; mirrored copies that do not
     fit at a moment wait or are preempted in the shadow engine, never touching live requests."""
+    from pyspec.serve.app import context_tokens
+
     live = llm.runner.kv.num_blocks
-    bs = llm.runner.block_size
-    limit = min(llm.model.cfg.max_position_embeddings, live * bs - 1)
-    one = -(-(limit + 1) // bs)
+    one = -(-(context_tokens(llm) + 1) // llm.runner.block_size)
     return int(min(live, max(one, math.ceil(live * ratio))))
 
 
