@@ -273,38 +273,41 @@ def train(llm, seqs, out_dir: str, *, draft_vocab: torch.Tensor, intermediate_si
             loss = 0.0
             ces, top1s = [], []
             g, kv1, earlier = feats, None, []
-            for k in range(steps):
-                # Pass k + 1: row p holds the token at p + k + 1 and predicts the one after it,
-                # whose target distribution is teacher row p + k.
-                n = t - k
-                if n < 1:
-                    break
-                tok = nxt if k == 0 else F.pad(nxt[:, k:], (0, k))
-                with L.mixed_precision():
+            best = teacher.argmax(-1)
+            # One autocast region for all passes: each weight is cast to bfloat16 once a step.
+            with L.mixed_precision():
+                for k in range(steps):
+                    # Pass k + 1: row p holds the token at p + k + 1 and predicts the one after
+                    # it, whose target distribution is teacher row p + k.
+                    n = t - k
+                    if n < 1:
+                        break
+                    m = mask[:, k:]
+                    count = int(m.sum())
+                    if count == 0:
+                        break
+                    tok = nxt if k == 0 else F.pad(nxt[:, k:], (0, k))
                     g_new, logits, kv = head(tok, g, cos_full[k:k + t], sin_full[k:k + t],
                                              ctx=None if k == 0 else (kv1[0], kv1[1], earlier))
-                if k == 0:
-                    kv1 = kv
-                    if reg_weight > 0:
-                        m0 = mask.reshape(-1)
-                        h = g_new.shape[-1]
-                        reg = F.smooth_l1_loss(g_new.float().reshape(-1, h)[m0] / scale,
-                                               tgt.reshape(-1, h)[m0] / scale)
-                        loss = loss + reg_weight * reg
-                else:
-                    earlier = earlier + [kv]
-                g = g_new
-                m = mask[:, k:].reshape(-1)
-                if not bool(m.any()):
-                    break
-                lp = torch.log_softmax(logits[:, :n].float(), dim=-1)
-                lp = lp.reshape(-1, logits.shape[-1])[m]
-                tp = tprob[:, k:].reshape(-1, tprob.shape[-1])[m]
-                ce = -(tp * lp).sum(-1).mean()
-                loss = loss + weights[k] * ce
-                ces.append(ce.item())
-                with torch.no_grad():
-                    top1s.append(float((lp.argmax(-1) == tp.argmax(-1)).float().mean()))
+                    if k == 0:
+                        kv1 = kv
+                        if reg_weight > 0:
+                            m0 = mask.reshape(-1)
+                            hf = g_new.shape[-1]
+                            reg = F.smooth_l1_loss(g_new.float().reshape(-1, hf)[m0] / scale,
+                                                   tgt.reshape(-1, hf)[m0] / scale)
+                            loss = loss + reg_weight * reg
+                    else:
+                        earlier = earlier + [kv]
+                    g = g_new
+                    # Padded rows are weighted out rather than gathered away (a boolean gather
+                    # of [rows, vocab] and its scatter backward cost more than the rows).
+                    lp = torch.log_softmax(logits[:, :n].float(), dim=-1)
+                    ce = -((tprob[:, k:] * lp).sum(-1) * m).sum() / count
+                    loss = loss + weights[k] * ce
+                    ces.append(ce.item())
+                    with torch.no_grad():
+                        top1s.append(int(((lp.argmax(-1) == best[:, k:]) & m).sum()) / count)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -77,7 +77,8 @@ def start(module: torch.nn.Module, params, seqs, out_dir: str, ckpt_name: str, k
           log: Callable = print) -> Run:
     """AdamW over ``params``, the seeded batch plan, and the checkpoint of an earlier run of the
     same trainer (``out_dir/ckpt_name``, state under ``key``) resumed when present."""
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+    # The fused kernel: one pass over each parameter instead of a dozen elementwise ops.
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95), fused=True)
     rng = torch.Generator().manual_seed(seed)
     plan = make_plan(seqs, epochs, max_entries, max_len, rng)
     ckpt = os.path.join(out_dir, ckpt_name)
