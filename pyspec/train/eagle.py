@@ -94,14 +94,23 @@ class EagleHead(nn.Module):
         (the committed context and the root entry), to its own row in each earlier later pass
         (``earlier``: list of (k, v)) and to itself: exactly what a tree node at that depth sees
         at inference."""
-        b, t, _ = feats.shape
         if self.fuse is not None and feats.shape[-1] != self.cfg.hidden_size:
             feats = self.fuse(feats)  # the target's multi-layer features (pass 1)
         x = self.fc(torch.cat([F.embedding(next_tokens, self.embed), feats], dim=-1))
-        hx = _rms(x, self.ln1, self.eps)
-        q = self.q(hx).view(b, t, self.nh, self.hd).transpose(1, 2)
-        k = self.k(hx).view(b, t, self.nkv, self.hd).transpose(1, 2)
-        v = self.v(hx).view(b, t, self.nkv, self.hd).transpose(1, 2)
+        x, kv = self.decoder_layer(self, x, cos, sin, ctx)
+        logits = F.linear(_rms(x, self.norm, self.eps), self.lm_head)
+        return x, logits, kv
+
+    def decoder_layer(self, layer: nn.Module, x, cos, sin, ctx=None):
+        """One Llama decoder layer over ``[b, t, h]`` rows with ``layer``'s weights (``ln1``,
+        ``q``, ``k``, ``v``, ``o``, ``ln2``, ``gate``, ``up``, ``down``; the head itself holds
+        its one layer's); ``ctx`` as in :meth:`forward`, with that layer's keys and values.
+        Returns the rows and the layer's (k, v)."""
+        b, t, _ = x.shape
+        hx = _rms(x, layer.ln1, self.eps)
+        q = layer.q(hx).view(b, t, self.nh, self.hd).transpose(1, 2)
+        k = layer.k(hx).view(b, t, self.nkv, self.hd).transpose(1, 2)
+        v = layer.v(hx).view(b, t, self.nkv, self.hd).transpose(1, 2)
         half = self.hd // 2
 
         def rot(z):
@@ -128,11 +137,10 @@ class EagleHead(nn.Module):
             a = torch.matmul(pr[..., :t].to(v1.dtype), heads(v1))
             for j, (_, vj) in enumerate(own):
                 a = a + pr[..., t + j, None].to(vj.dtype) * heads(vj)
-        x = x + self.o(a.transpose(1, 2).reshape(b, t, self.nh * self.hd))
-        hx = _rms(x, self.ln2, self.eps)
-        x = x + self.down(F.silu(self.gate(hx)) * self.up(hx))
-        logits = F.linear(_rms(x, self.norm, self.eps), self.lm_head)
-        return x, logits, (k, v)
+        x = x + layer.o(a.transpose(1, 2).reshape(b, t, self.nh * self.hd))
+        hx = _rms(x, layer.ln2, self.eps)
+        x = x + layer.down(F.silu(layer.gate(hx)) * layer.up(hx))
+        return x, (k, v)
 
     # drafter.safetensors names (export) -> this module's parameter names.
     _EXPORT_NAMES = {"fc.weight": "fc.weight", "norm.weight": "norm",
@@ -214,7 +222,7 @@ def train(llm, seqs, out_dir: str, *, draft_vocab: torch.Tensor, intermediate_si
           epochs: int = 4, lr: float = 1e-3, max_entries: int = 256, max_len: int = 512,
           steps: int = 3, step_decay: float = 0.8, reg_weight: float = 0.0, noise: float = 0.05,
           seed: int = 0, feature_layers=None, init: dict = None, progress: bool = True,
-          log=print) -> EagleHead:
+          log=print, head_class=None) -> EagleHead:
     """Train (resuming from ``out_dir/checkpoint.pt`` when present) and return the head.
 
     ``steps`` > 1 unrolls the head as it runs at inference ("training-time test", EAGLE-3): pass
@@ -225,7 +233,9 @@ def train(llm, seqs, out_dir: str, *, draft_vocab: torch.Tensor, intermediate_si
     learned to read (on the default model, ``bench/eagle_offline_accuracy.py``: top-1 0.54 at
     depth 1 but 0.12 at depth 2 on its own corpus with a feature-regression loss alone). ``reg_weight`` adds EAGLE-1's feature regression on
     pass 1. ``init``: a trained head's drafter.safetensors tensors to start from (a fresh run
-    only; a checkpoint in ``out_dir`` resumes instead)."""
+    only; a checkpoint in ``out_dir`` resumes instead). ``head_class``: an :class:`EagleHead`
+    subclass to train instead (same constructor; experiments such as
+    ``bench/eagle_capacity_probe.py``)."""
     from tqdm import tqdm
 
     from pyspec.train import loop as L
@@ -233,7 +243,7 @@ def train(llm, seqs, out_dir: str, *, draft_vocab: torch.Tensor, intermediate_si
     if steps < 1:
         raise ValueError(f"steps must be >= 1; got {steps}")
     torch.manual_seed(seed)
-    head = EagleHead(llm.model, draft_vocab, intermediate_size, feature_layers)
+    head = (head_class or EagleHead)(llm.model, draft_vocab, intermediate_size, feature_layers)
     if init is not None:
         head.load_exported(init)
     h = llm.model.cfg.hidden_size
