@@ -6,6 +6,7 @@ function and gets the same data, steps and learning rate. Reported: top-1 agreem
 target at depth 1 and 2 on MT-bench first turns (continuations the target generates, as
 ``eagle_offline_accuracy.py`` scores them) and on held-out answers of the same corpus (every
 tenth natural document, never trained on).
+``--from-scratch`` trains each variant from a fresh head instead (lr 1e-3, as v9 was trained).
 
     python bench/eagle_capacity_probe.py --out bench/results/eagle_capacity_probe.json
 
@@ -102,7 +103,9 @@ def main(argv=None):
                          "(corpus v2: the 4,800 documents of v1 come first)")
     ap.add_argument("--variants", default="shipped,wide_mlp_3072,two_layers")
     ap.add_argument("--epochs", type=int, default=1)
-    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--lr", type=float, default=None, help="default 3e-4, or 1e-3 from scratch")
+    ap.add_argument("--from-scratch", action="store_true",
+                    help="train every variant from a fresh head instead of growing the shipped one")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--val-docs", type=int, default=120)
@@ -110,6 +113,8 @@ def main(argv=None):
     ap.add_argument("--work", default="/tmp/eagle_capacity_probe")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
+    if args.lr is None:
+        args.lr = 1e-3 if args.from_scratch else 3e-4
 
     sys.path.insert(0, HERE)
     import eagle_offline_accuracy as O
@@ -163,14 +168,15 @@ def main(argv=None):
     classes = head_classes()
     base = E.EagleHead(llm.model, dv, 1024)
     base.load_exported(init)
-    out = {"shipped_untrained": evaluate(base)}
+    out = {"from_scratch": args.from_scratch, "lr": args.lr, "shipped_untrained": evaluate(base)}
     print("shipped_untrained", json.dumps(out["shipped_untrained"]), flush=True)
     for name in args.variants.split(","):
         cls, inter = classes[name]
         t0 = time.time()
         head = E.train(llm, train, os.path.join(args.work, name), draft_vocab=dv,
                        intermediate_size=inter, epochs=args.epochs, lr=args.lr, max_entries=256,
-                       steps=3, init=init, progress=False, head_class=cls)
+                       steps=3, init=None if args.from_scratch else init, progress=False,
+                       head_class=cls)
         out[name] = dict(evaluate(head), train_seconds=round(time.time() - t0, 1))
         print(name, json.dumps(out[name]), flush=True)
     print(json.dumps(out, indent=1))

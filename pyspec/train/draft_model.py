@@ -136,16 +136,20 @@ def train(llm, seqs, out_dir: str, *, num_layers: int = 4, epochs: int = 2, lr: 
                 logits = model(toks, cos_full[:t].float(), sin_full[:t].float())
             with torch.no_grad():
                 teacher = F.linear(_rms(feats, model.teacher_norm, model.eps), model.lm_head)
-                tlp = torch.log_softmax(teacher.float(), dim=-1)[mask]
-            lp = torch.log_softmax(logits.float(), dim=-1)[mask]
-            kl = (tlp.exp() * (tlp - lp)).sum(-1).mean()
+                tlp = torch.log_softmax(teacher.float(), dim=-1)
+                best = tlp.argmax(-1)
+            # Padded rows are weighted out rather than gathered away (a boolean gather of
+            # [rows, vocab] and its scatter backward cost more than the rows).
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            count = int(mask.sum())
+            kl = ((tlp.exp() * (tlp - lp)).sum(-1) * mask).sum() / count
             opt.zero_grad(set_to_none=True)
             kl.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             step += 1
             with torch.no_grad():
-                top1 = (lp.argmax(-1) == tlp.argmax(-1)).float().mean().item()
+                top1 = int(((lp.argmax(-1) == best) & mask).sum()) / count
             agg[0] += kl.item()
             agg[1] += top1
             agg[2] += 1
