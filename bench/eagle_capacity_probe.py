@@ -115,6 +115,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.lr is None:
         args.lr = 1e-3 if args.from_scratch else 3e-4
+    classes = head_classes()
+    unknown = [v for v in args.variants.split(",") if v not in classes]
+    if unknown:
+        ap.error(f"--variants: unknown {unknown}; choose from {', '.join(classes)}")
 
     sys.path.insert(0, HERE)
     import eagle_offline_accuracy as O
@@ -165,7 +169,6 @@ def main(argv=None):
         return {"mt_bench_depth1_depth2": [mt["depth1_top1"], mt["depth2_top1"]],
                 "heldout_natural_depth1_depth2": [held["depth1_top1"], held["depth2_top1"]]}
 
-    classes = head_classes()
     base = E.EagleHead(llm.model, dv, 1024)
     base.load_exported(init)
     out = {"from_scratch": args.from_scratch, "lr": args.lr, "shipped_untrained": evaluate(base)}
