@@ -780,3 +780,52 @@ def test_oracle_bench_acceptance_needed_for_a_speedup():
     assert bench.chain_tokens(need - 0.01, 4) / 1.2 < 2.0
     assert bench.needed_acceptance(1.01, 1, 2.0) == float("inf")  # 2 tokens at best, over 1.01
     assert bench.needed_acceptance(1.0, 1, 2.0) == pytest.approx(1.0)
+
+
+def test_capacity_probe_heads_start_as_the_head_they_grow(tiny):
+    """bench/eagle_capacity_probe.py's wider and deeper heads start from the grown head's
+    function (its README comparison rests on it): loaded from a head's export, each gives that
+    head's features and logits on the causal pass and on an unrolled pass, and still trains
+    (the added parts get gradients)."""
+    import importlib.util
+
+    import pyspec
+    from pyspec.train.eagle import EagleHead
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "eagle_capacity_probe.py")
+    spec = importlib.util.spec_from_file_location("eagle_capacity_probe", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    llm = pyspec.LLM(tiny, draft="none", kv_cache_tokens=256)
+    torch.manual_seed(0)
+    base = EagleHead(llm.model, torch.arange(40), 32)
+    with torch.no_grad():
+        for p in base.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    exported = base.export()
+    b, t, h = 2, 7, llm.model.cfg.hidden_size
+    toks = torch.randint(0, 40, (b, t + 1))
+    feats = torch.randn(b, t, h)
+    cos, sin = base.rope(t + 1)
+
+    def passes(head):
+        g1, l1, kv1 = head(toks[:, :t], feats, cos[:t], sin[:t])
+        g2, l2, _ = head(toks[:, 1:], g1, cos[1:], sin[1:], ctx=(*kv1, []))
+        return g1, l1, g2, l2
+
+    with torch.no_grad():
+        want = passes(base)
+    for name, (cls, inter) in bench.head_classes().items():
+        head = cls(llm.model, torch.arange(40), 2 * 32 if inter > 1024 else 32)
+        head.load_exported(exported)
+        with torch.no_grad():
+            got = passes(head)
+        for w, g in zip(want, got):
+            assert torch.allclose(w, g, atol=1e-5), name
+        head.zero_grad()
+        passes(head)[3].float().pow(2).mean().backward()
+        added = [p for n, p in head.named_parameters()
+                 if n.startswith("second.") or (n in ("gate.weight", "up.weight", "down.weight")
+                                                 and inter > 1024)]
+        assert all(p.grad is not None for p in added), name
+        assert any(float(p.grad.abs().sum()) > 0 for p in added) or not added, name
