@@ -26,6 +26,31 @@ def _train(target, out, seed=0, epochs=1):
     return out
 
 
+def _random_head(target, kv_cache_tokens=512):
+    """The tiny target and an EAGLE head on it with perturbed (not freshly initialised) weights."""
+    import pyspec
+    from pyspec.train.eagle import EagleHead
+
+    llm = pyspec.LLM(target, draft="none", kv_cache_tokens=kv_cache_tokens)
+    torch.manual_seed(0)
+    head = EagleHead(llm.model, torch.arange(40), 32)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return llm, head
+
+
+def _bench_module(name):
+    """A script of bench/ imported as a module."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", name + ".py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _lossless(target, draft, prompts=("the cat sat on the mat", "abc abc"), max_tokens=12):
     """Greedy output with ``draft`` equals plain greedy output; returns (drafting LLM, plain)."""
     import pyspec
@@ -510,15 +535,7 @@ def test_unrolled_training_passes_see_what_tree_nodes_see(tiny):
     """Pass k of the unrolled EAGLE training attends like a depth-k tree node at inference: row p
     equals the last row of a plain causal pass over the true rows 0..p followed by the row's own
     chain of predicted features (checked against that brute force, float32)."""
-    import pyspec
-    from pyspec.train.eagle import EagleHead
-
-    llm = pyspec.LLM(tiny, draft="none", kv_cache_tokens=512)
-    torch.manual_seed(0)
-    head = EagleHead(llm.model, torch.arange(40), 32)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
+    llm, head = _random_head(tiny)
     b, t, h = 2, 9, llm.model.cfg.hidden_size
     toks = torch.randint(0, 40, (b, t + 3))
     feats = torch.randn(b, t, h)
@@ -748,12 +765,7 @@ def test_train_draft_self_prompt_set(tiny, tmp_path, monkeypatch, capsys):
 def test_offline_accuracy_bench_novel_topics_are_unseen(monkeypatch):
     """bench/eagle_offline_accuracy.py's "unseen topics" set names no entry of any word pool the
     prompt sets draw from (its README numbers would mean nothing otherwise)."""
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "eagle_offline_accuracy.py")
-    spec = importlib.util.spec_from_file_location("eagle_offline_accuracy", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench_module("eagle_offline_accuracy")
     prompts = bench.novel_prompts(12)
     assert len(prompts) == 12
     assert all(any(t in p for t in bench.NOVEL_TOPICS) for p in prompts)
@@ -787,21 +799,8 @@ def test_capacity_probe_heads_start_as_the_head_they_grow(tiny):
     function (its README comparison rests on it): loaded from a head's export, each gives that
     head's features and logits on the causal pass and on an unrolled pass, and still trains
     (the added parts get gradients)."""
-    import importlib.util
-
-    import pyspec
-    from pyspec.train.eagle import EagleHead
-
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "eagle_capacity_probe.py")
-    spec = importlib.util.spec_from_file_location("eagle_capacity_probe", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    llm = pyspec.LLM(tiny, draft="none", kv_cache_tokens=256)
-    torch.manual_seed(0)
-    base = EagleHead(llm.model, torch.arange(40), 32)
-    with torch.no_grad():
-        for p in base.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
+    bench = _bench_module("eagle_capacity_probe")
+    llm, base = _random_head(tiny)
     exported = base.export()
     b, t, h = 2, 7, llm.model.cfg.hidden_size
     toks = torch.randint(0, 40, (b, t + 1))
