@@ -22,6 +22,7 @@ results are the same bit for bit either way.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 from typing import List, Optional, Sequence
@@ -119,10 +120,7 @@ def huge_page_empty(shape, dtype: torch.dtype, device="cpu") -> torch.Tensor:
     """An uninitialized-contract (in fact zero-filled) CPU tensor on huge pages, or
     ``torch.empty`` on another device, where huge pages are not available, or for fewer than
     ``MIN_BYTES``."""
-    n = 1
-    for s in shape:
-        n *= int(s)
-    arena = (_arena(n * torch.empty((), dtype=dtype).element_size())
+    arena = (_arena(math.prod(int(s) for s in shape) * dtype.itemsize)
              if torch.device(device).type == "cpu" else None)
     if arena is None:
         return torch.empty(shape, dtype=dtype, device=device)

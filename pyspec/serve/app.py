@@ -782,8 +782,11 @@ def _draft_bytes(engine) -> int:
 
     def parts(d):
         # Combined drafters ('+', '|') hold their parts; a part may appear under several names.
-        for p in getattr(d, "parts", None) or [d]:
-            yield from (parts(p) if p is not d else [p])
+        sub = getattr(d, "parts", None)
+        if not sub:
+            yield d
+        for p in sub or ():
+            yield from parts(p)
 
     for d in (p for top in engine.drafters.values() for p in parts(top)):
         m = getattr(d, "model", None)

@@ -13,8 +13,8 @@ here as the live engine loop applies them), and at once when the live request is
 from __future__ import annotations
 
 import hashlib
-import math
 import logging
+import math
 import queue
 import threading
 import time
