@@ -350,7 +350,8 @@ class Engine:
         **scheduler_kwargs: further :class:`pyspec._C.Scheduler` options (``max_prefill_chunk``,
             ``max_draft_tokens``, ``initial_draft_tokens``, ``spec_token_budget``,
             ``spec_disable_batch_size``, ``ewma_alpha``, ``min_acceptance_rate``,
-            ``warmup_steps``, ``probe_interval``, ``record_transitions``).
+            ``warmup_steps``, ``probe_interval``, ``record_transitions``); ``ewma_alpha`` also
+            weighs the deployment-wide ``stats.acceptance_ewma`` (default there: 2 / 65).
     """
 
     def __init__(self, runner: ModelRunner, tokenizer=None, *, max_num_seqs: int = 64,
@@ -403,6 +404,9 @@ class Engine:
                                           max_num_seqs=max_num_seqs, **kw)
         except TypeError as e:  # an unknown keyword
             raise ValueError(str(e)) from None
+        # The deployment-wide acceptance EWMA weighs each speculative step as the scheduler's
+        # per-request ones do (``ewma_alpha``; without it, that of the default 64-step window).
+        self._deploy_alpha = float(kw.get("ewma_alpha", 2.0 / 65))
         self._pools = [p for d in self.drafters.values() for p in d.kv_pools()]
         # The target layers any drafter reads (False: none); each drafter gets its own.
         depth = runner.model.cfg.num_hidden_layers
@@ -880,7 +884,8 @@ class Engine:
                 lst[k] += 1
         rate = a / depth
         es.acceptance_ewma = rate if es.acceptance_ewma is None else (
-            0.98 * es.acceptance_ewma + 0.02 * rate)  # deployment window ~ 50 steps
+            (1 - self._deploy_alpha) * es.acceptance_ewma + self._deploy_alpha * rate)
+        # What switch_below compares: a short window (about 9 steps) with the current drafter.
         r.ewma = rate if r.ewma < 0 else 0.8 * r.ewma + 0.2 * rate
         r.spec_steps_here += 1
 

@@ -397,3 +397,28 @@ def test_bad_engine_sizes_and_drafter_layers(model_dir):
     # Refused when the engine is built, naming the drafter, not at every request's step.
     with pytest.raises(ValueError, match="layer99.*99"):
         pyspec.LLM(model_dir, draft=ReadsLayer99())
+
+
+@pytest.mark.parametrize("window", [1, 5])
+def test_deployment_acceptance_ewma_follows_ewma_window(model_dir, tmp_path, window):
+    """stats.acceptance_ewma weighs each speculative step's accepted / drafted depth with
+    2 / (ewma_window + 1), as the scheduler's per-request EWMAs do."""
+    draft = write_tiny_model(tmp_path / "draft", layers=1, seed=5)
+    llm = pyspec.LLM(model_dir, draft, pyspec.SpecConfig(ewma_window=window, adaptive=False))
+    rates = []
+    count = llm.engine._count_spec
+
+    def spy(r, nd, depth, a):
+        rates.append(a / depth)
+        count(r, nd, depth, a)
+
+    llm.engine._count_spec = spy
+    # Another random model drafts, the target is sampled: acceptance varies by step.
+    llm.generate("abc abc abc", pyspec.SamplingParams(max_tokens=40, temperature=1.0, seed=3,
+                                                      ignore_eos=True))
+    assert len(rates) >= 4 and len(set(rates[1:])) > 1, rates
+    w = 2 / (window + 1)
+    e = rates[0]
+    for x in rates[1:]:
+        e = (1 - w) * e + w * x
+    assert llm.engine.stats.acceptance_ewma == pytest.approx(e, abs=1e-12)
