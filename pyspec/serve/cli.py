@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 
 log = logging.getLogger("pyspec.serve")
@@ -18,9 +19,8 @@ def build(args):
     spec = cfg.speculative
     model = args.model or (None if spec.target_model == "default" else spec.target_model)
     draft = args.draft or spec.draft_model
-    if spec.tree_width > 1 and "@" not in draft and draft not in ("default", "ngram", "none") \
-            and not draft.startswith(("ngram:", "layer-skip")):
-        draft = f"{draft}@tree={spec.tree_width}"
+    if spec.tree_width > 1:
+        draft = with_tree_width(draft, spec.tree_width)
     sc = pyspec.SpecConfig(num_speculative_tokens=spec.gamma, adaptive=spec.adaptive,
                            fallback_on_alpha_below=spec.fallback_on_alpha_below)
     llm = pyspec.LLM(model, draft, sc, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens,
@@ -35,9 +35,28 @@ def build(args):
     return llm, app
 
 
+def with_tree_width(draft: str, width: int) -> str:
+    """``speculative.tree_width`` > 1: top-``width`` dynamic trees for a draft-model folder
+    (``DIR@tree=W``). Other drafters size their trees with their own options, so the key is
+    refused for them rather than ignored."""
+    if "@" not in draft and os.path.isdir(draft) and \
+            not os.path.isfile(os.path.join(draft, "drafter.json")):
+        return f"{draft}@tree={width}"
+    raise ValueError(f"speculative.tree_width={width} applies to a draft-model folder (a model "
+                     f"with the target's vocabulary) given without @options; the drafter is "
+                     f"{draft!r}: set tree_width to 1 and size its trees with its own @options "
+                     "(e.g. eagle@width=3,depth=2,nodes=8)")
+
+
+# Keys read once, when the engine is built: a reload keeps their old values.
+RESTART_KEYS = ("target_model", "draft_model", "gamma", "tree_width", "adaptive",
+                "fallback_on_alpha_below")
+
+
 def reload_config(app, path) -> bool:
     """SIGHUP: validate the file again and apply it to new requests (running requests keep their
-    settings). The model and the drafter need a restart to change."""
+    settings): ``enabled_ratio`` (also per tenant) and ``quality_gate``. The keys of
+    ``RESTART_KEYS`` need a restart to change; a reload keeps their old values and says so."""
     from pyspec.serve.config import ConfigError, load_config
 
     try:
@@ -46,12 +65,13 @@ def reload_config(app, path) -> bool:
         log.error("config reload failed, keeping the old config: %s", e)
         return False
     old = app.state.config["config"]
-    if (new.speculative.target_model, new.speculative.draft_model) != (
-            old.speculative.target_model, old.speculative.draft_model):
-        log.error("config reload: target_model/draft_model changes need a restart; the rest "
-                  "is applied")
-        new.speculative.target_model = old.speculative.target_model
-        new.speculative.draft_model = old.speculative.draft_model
+    kept = [k for k in RESTART_KEYS
+            if getattr(new.speculative, k) != getattr(old.speculative, k)]
+    if kept:
+        log.error("config reload: changes to speculative.%s need a restart (the engine reads "
+                  "them once); the rest is applied", ", speculative.".join(kept))
+        for k in kept:
+            setattr(new.speculative, k, getattr(old.speculative, k))
     app.state.config["config"] = new
     gate = getattr(app.state, "quality_gate", None)
     if gate is not None:
@@ -60,11 +80,27 @@ def reload_config(app, path) -> bool:
     return True
 
 
+def check_prompt_log(args) -> None:
+    """--prompt-log-ratio only with --prompt-log, in (0, 1]; 0.01 when --prompt-log comes alone
+    (a ratio of 0 would open the file and never write it)."""
+    r = args.prompt_log_ratio
+    if args.prompt_log is None:
+        if r is not None:
+            raise ValueError("--prompt-log-ratio needs --prompt-log FILE.jsonl (where the sampled "
+                             "prompts go)")
+        args.prompt_log_ratio = 0.0
+        return
+    if r is None:
+        args.prompt_log_ratio = 0.01
+    elif not (math.isfinite(r) and 0 < r <= 1):
+        raise ValueError(f"--prompt-log-ratio must be in (0, 1] (the share of prompts logged); "
+                         f"got {r}")
+
+
 def cmd_serve(args) -> int:
     import uvicorn
 
-    if not 0 <= args.prompt_log_ratio <= 1:
-        raise ValueError("--prompt-log-ratio must be in [0, 1]")
+    check_prompt_log(args)
     if not (math.isfinite(args.max_body_mb) and args.max_body_mb * (1 << 20) >= 1):
         raise ValueError(f"--max-body-mb must be a number > 0; got {args.max_body_mb}")
     if not 0 <= args.port <= 65535:
@@ -93,7 +129,8 @@ def add_parser(sub):
     p.add_argument("--kv-cache-tokens", type=int, default=16384)
     p.add_argument("--prompt-log", default=None,
                    help="append a sampled share of prompts to this JSONL (eval-draft replays it)")
-    p.add_argument("--prompt-log-ratio", type=float, default=0.0)
+    p.add_argument("--prompt-log-ratio", type=float, default=None,
+                   help="share of prompts logged, in (0, 1] (default with --prompt-log: 0.01)")
     p.add_argument("--max-body-mb", type=float, default=16.0,
                    help="largest request body accepted, in MiB (larger: 413)")
     p.add_argument("--shadow-draft", default=None,

@@ -5,7 +5,7 @@
       draft_model: "..."        # a drafter spec: ngram, layer-skip:L, a drafter/draft-model folder
       target_model: "..."       # a model folder, or "default" (the embedded model)
       gamma: 5                  # most draft tokens per step
-      tree_width: 3             # draft-model drafting: 1 = chain, > 1 = dynamic top-W trees
+      tree_width: 1             # a draft-model folder: 1 = chain, > 1 = dynamic top-W trees
       adaptive: true
       fallback_on_alpha_below: 0.0  # hard acceptance floor (0 = none; the cost model decides)
       quality_gate:

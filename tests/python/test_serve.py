@@ -770,3 +770,80 @@ def test_shadow_pool_is_the_mirrored_share_but_holds_one_longest_request():
     # as large.
     assert shadow_blocks(llm(64), 0.1) == 64
     assert shadow_blocks(llm(4096, positions=100), 0.0) == 7
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt-log-ratio", "0.5"], "--prompt-log-ratio needs --prompt-log"),
+    (["--prompt-log", "P", "--prompt-log-ratio", "0"], r"must be in \(0, 1\]"),
+    (["--prompt-log", "P", "--prompt-log-ratio", "1.5"], r"must be in \(0, 1\]"),
+    (["--prompt-log", "P", "--prompt-log-ratio", "nan"], r"must be in \(0, 1\]"),
+    (["--port", "70000"], r"--port must be in \[0, 65535\]"),
+    (["--max-body-mb", "0"], "--max-body-mb must be a number > 0"),
+])
+def test_serve_cli_refuses_bad_options_before_loading(argv, message, tmp_path, capsys,
+                                                      monkeypatch):
+    """One `pyspec: error:` line and exit status 2, before any model is loaded."""
+    import re
+
+    from pyspec import cli
+    from pyspec.serve import cli as serve_cli
+
+    def no_load(args):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(serve_cli, "build", no_load)
+    argv = [str(tmp_path / "p.jsonl") if a == "P" else a for a in argv]
+    assert cli.main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pyspec: error:") and re.search(message, err), err
+    assert not (tmp_path / "p.jsonl").exists()
+
+
+def test_serve_cli_prompt_log_ratio_defaults():
+    """--prompt-log alone logs 1% of prompts (a ratio of 0 would open the file and never write);
+    without it nothing is logged."""
+    from types import SimpleNamespace
+
+    from pyspec.serve.cli import check_prompt_log
+
+    a = SimpleNamespace(prompt_log="p.jsonl", prompt_log_ratio=None)
+    check_prompt_log(a)
+    assert a.prompt_log_ratio == 0.01
+    a = SimpleNamespace(prompt_log="p.jsonl", prompt_log_ratio=1.0)
+    check_prompt_log(a)
+    assert a.prompt_log_ratio == 1.0
+    a = SimpleNamespace(prompt_log=None, prompt_log_ratio=None)
+    check_prompt_log(a)
+    assert a.prompt_log_ratio == 0.0
+
+
+def test_tree_width_applies_to_draft_model_folders_only(tmp_path):
+    from pyspec.serve.cli import with_tree_width
+
+    model = tmp_path / "draft_model"
+    write_tiny_model(str(model))
+    assert with_tree_width(str(model), 3) == f"{model}@tree=3"
+    heads = tmp_path / "heads"
+    heads.mkdir()
+    (heads / "drafter.json").write_text("{}")
+    for spec in ("ngram", "default", "eagle", "ngram|suffix", str(heads), f"{model}@tree=2"):
+        with pytest.raises(ValueError, match="tree_width=3 applies to a draft-model folder"):
+            with_tree_width(spec, 3)
+
+
+def test_sighup_reload_keeps_engine_keys_and_says_so(server, tmp_path, caplog):
+    from pyspec.serve.cli import reload_config
+
+    app = server["app"]
+    old = app.state.config["config"]
+    p = tmp_path / "c.yaml"
+    p.write_text("speculative:\n  enabled_ratio: 0.25\n  gamma: 2\n  adaptive: false\n")
+    with caplog.at_level(logging.ERROR, logger="pyspec.serve"):
+        assert reload_config(app, str(p))
+    new = app.state.config["config"].speculative
+    try:
+        assert new.enabled_ratio == 0.25  # applied
+        assert (new.gamma, new.adaptive) == (old.speculative.gamma, old.speculative.adaptive)
+        assert "speculative.gamma, speculative.adaptive need a restart" in caplog.text
+    finally:
+        app.state.config["config"] = old
