@@ -125,11 +125,9 @@ def main(argv=None):
     from safetensors.torch import load_file
 
     import pyspec
-    from pyspec.models.default import default_drafter_path
-    from pyspec.train import eagle as E
-
-    from pyspec.models.default import default_corpus_path
+    from pyspec.models.default import default_corpus_path, default_drafter_path
     from pyspec.train import data as D
+    from pyspec.train import eagle as E
 
     if not os.path.isfile(args.features):
         gen = pyspec.LLM(None, draft="none", dtype="bfloat16", kv_cache_tokens=1024,

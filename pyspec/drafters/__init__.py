@@ -112,7 +112,7 @@ def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Dra
     path, _, opt = spec.partition("@")
     path = os.path.expanduser(path)
     if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, "drafter.json")):
+        if _folder_kind(path) == "drafter":
             cfg = read_config(path)
             if cfg["method"] == "suffix":
                 from pyspec.drafters.suffix import OPTIONS, load_suffix
@@ -123,7 +123,7 @@ def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Dra
                                          "nodes": "max_nodes"},
                                    "unknown drafter option", " (EAGLE trees)")
             return load_heads(path, target_runner, **over)
-        if os.path.isfile(os.path.join(path, "config.json")):
+        if _folder_kind(path) == "draft-model":
             from pyspec.models.llama import LlamaForCausalLM
 
             width = 1
@@ -146,6 +146,23 @@ def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Dra
     if os.sep in path or path.startswith((".", "~")):
         raise ValueError(f"drafter folder {path!r} does not exist")
     raise ValueError(f"unknown drafter {spec!r}; use {DRAFT_CHOICES}")
+
+
+def _folder_kind(path: str) -> Optional[str]:
+    """What a drafter folder holds: "drafter" (drafter.json: heads or a corpus), "draft-model"
+    (a model's config.json), or None."""
+    if os.path.isfile(os.path.join(path, "drafter.json")):
+        return "drafter"
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return "draft-model"
+    return None
+
+
+def is_draft_model_folder(spec: str) -> bool:
+    """``spec`` names a draft-model folder (a model with the target's vocabulary), as
+    :func:`make_drafter` reads it."""
+    path = os.path.expanduser(spec.partition("@")[0])
+    return os.path.isdir(path) and _folder_kind(path) == "draft-model"
 
 
 def split_spec(spec: str):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import signal
 
 log = logging.getLogger("pyspec.serve")
@@ -39,8 +38,9 @@ def with_tree_width(draft: str, width: int) -> str:
     """``speculative.tree_width`` > 1: top-``width`` dynamic trees for a draft-model folder
     (``DIR@tree=W``). Other drafters size their trees with their own options, so the key is
     refused for them rather than ignored."""
-    if "@" not in draft and os.path.isdir(draft) and \
-            not os.path.isfile(os.path.join(draft, "drafter.json")):
+    from pyspec.drafters import is_draft_model_folder
+
+    if "@" not in draft and is_draft_model_folder(draft):
         return f"{draft}@tree={width}"
     raise ValueError(f"speculative.tree_width={width} applies to a draft-model folder (a model "
                      f"with the target's vocabulary) given without @options; the drafter is "

@@ -817,16 +817,21 @@ def test_serve_cli_prompt_log_ratio_defaults():
     assert a.prompt_log_ratio == 0.0
 
 
-def test_tree_width_applies_to_draft_model_folders_only(tmp_path):
+def test_tree_width_applies_to_draft_model_folders_only(tmp_path, monkeypatch):
     from pyspec.serve.cli import with_tree_width
 
     model = tmp_path / "draft_model"
     write_tiny_model(str(model))
     assert with_tree_width(str(model), 3) == f"{model}@tree=3"
+    monkeypatch.setenv("HOME", str(tmp_path))  # a folder under ~, as the drafter loader reads it
+    assert with_tree_width("~/draft_model", 3) == "~/draft_model@tree=3"
     heads = tmp_path / "heads"
     heads.mkdir()
     (heads / "drafter.json").write_text("{}")
-    for spec in ("ngram", "default", "eagle", "ngram|suffix", str(heads), f"{model}@tree=2"):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for spec in ("ngram", "default", "eagle", "ngram|suffix", str(heads), str(empty),
+                 f"{model}@tree=2"):
         with pytest.raises(ValueError, match="tree_width=3 applies to a draft-model folder"):
             with_tree_width(spec, 3)
 
