@@ -73,6 +73,34 @@ Correct for any M, but for M above a few dozen a GEMM library is faster (pyspec.
 those to torch). Raises ValueError naming the bad argument; RuntimeError for CUDA tensors (not implemented
 on CUDA). Tensors that require grad are read as is (no autograd).)doc");
 
+  m.def(
+      "linear_packed",
+      [](py::handle x, py::handle q, py::handle d, py::handle mn, py::handle bias,
+         py::handle out) {
+        const TensorView xv = ToView(x, "x"), qv = ToView(q, "q"), dv = ToView(d, "d");
+        const TensorView ov = ToView(out, "out");
+        std::optional<TensorView> mv, bv;
+        if (!mn.is_none()) mv = ToView(mn, "m");
+        if (!bias.is_none()) bv = ToView(bias, "bias");
+        CheckNoOverlap({{&ov, "out"}}, {{&xv, "x"}, {&qv, "q"}, {&dv, "d"}});
+        if (mv) CheckNoOverlap({{&ov, "out"}}, {{&*mv, "m"}});
+        if (bv) CheckNoOverlap({{&ov, "out"}}, {{&*bv, "bias"}});
+        py::gil_scoped_release release;
+        LinearPacked(xv, qv, dv, mv ? &*mv : nullptr, bv ? &*bv : nullptr, ov);
+      },
+      py::arg("x"), py::arg("q"), py::arg("d"), py::arg("m"), py::arg("bias"), py::arg("out"),
+      R"doc(Dense layer over packed weights, ``out = x @ w.T + bias`` with ``w`` rebuilt from codes
+in groups of 32 along K: 4-bit ``w = d * q + m`` (q [N, K/2] uint8, low nibble = element j of a
+group, high nibble = element j + 16; d, m [N, K/32] float32) or, with ``m`` None, 8-bit
+``w = d * q`` (q [N, K] int8). x [M, K], out [M, N], bias [N] or None: contiguous float32 cpu
+tensors; K a multiple of 32. Accumulates as the AVX-512 float32 kernel of ``linear`` does, so where
+the rebuilt weights equal a float32 matrix the outputs equal ``linear``'s on it bit for bit. Needs
+that kernel (``_packed_linear_available()``); raises ValueError naming the bad argument.)doc");
+  m.def("_packed_prefetch_blocks", &detail::SetPackedPrefetchBlocks, py::arg("blocks") = -1,
+        "linear_packed's prefetch distance in blocks of 4 weight rows (0: none; negative: only "
+        "read it). A benchmark knob; returns the distance in use.");
+  m.def("_packed_linear_available", &detail::PackedLinearAvailable,
+        "Whether linear_packed can run here (the AVX-512 float32 linear kernel is in use).");
   m.def("_linear_isa", &detail::LinearIsa,
         "Instruction set of the CPU linear kernel in use ('generic', 'avx2', 'avx512' or 'amx').");
   m.def("_set_linear_isa", &detail::SetLinearIsa, py::arg("isa"),

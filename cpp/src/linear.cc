@@ -29,6 +29,10 @@
 #include "pyspec/check.h"
 #include "pyspec/thread_pool.h"
 
+#ifdef PYSPEC_X86
+#include <immintrin.h>
+#endif
+
 #define PYSPEC_INLINE inline __attribute__((always_inline))
 #define PYSPEC_INLINE_LAMBDA __attribute__((always_inline))
 
@@ -457,6 +461,186 @@ __attribute__((target("avx512f,avx2,fma"))) void RunBlocksAvx512(const Ctx& c, i
   RunBlocksDispatch<Avx512Isa>(c, b0, b1);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Packed weights (LinearPacked): 4-bit (w = d * q + m, q in 0..15) or 8-bit (w = d * q, q in
+// -128..127) codes in groups of 32 along K, one d (and m) per group as fp32. Each step rebuilds
+// 16 weights as fp32 and runs the float32 kernel's accumulation on them: acc += x * w per 16 lanes
+// of K in ascending order, then Reduce4. With d a float16 value (11 significant bits) every d * q
+// is exact in fp32, so the rebuilt weight is one rounding of d * q + m whichever way it is
+// computed; where those equal the float32 weights bit for bit (the packer checks), a packed layer
+// gives the float32 kernel's outputs bit for bit while reading 5-6x fewer bytes.
+// ---------------------------------------------------------------------------------------------
+
+std::atomic<int64_t> g_packed_pf_blocks{2};  // prefetch distance in blocks (a benchmark knob)
+
+struct PackedCtx {
+  const float* x;       // [M, ldx] fp32 (rows aligned to 64 bytes)
+  const uint8_t* q;     // 4-bit: [N, K / 2]; 8-bit: [N, K]
+  const float* d;       // [N, K / 32]
+  const float* mn;      // [N, K / 32] (4-bit), or nullptr (8-bit)
+  const float* bias;    // [N] or nullptr
+  float* out;           // [M, N]
+  int64_t M, N, K, ldx;
+  int bits;
+};
+
+typedef float VQ __attribute__((vector_size(64)));
+typedef int32_t IQ __attribute__((vector_size(64)));
+
+// The 32 weights of group g of packed row `row` as two fp32 vectors (k = 32g .. 32g + 15 and
+// 32g + 16 .. 32g + 31). 4-bit: the group's 16 possible values d * j + m (j = 0..15) fill one
+// register and vpermps picks each weight's, indexed by the low 4 bits of its lane, so the low
+// nibble needs no mask; 8-bit: d * q.
+template <int BITS>
+__attribute__((target("avx512f,avx2,fma"))) PYSPEC_INLINE void RebuildGroup(
+    const PackedCtx& c, int64_t row, int64_t g, VQ* w0, VQ* w1) {
+  const int64_t G = c.K / 32;
+  const VQ dv = VQ{} + c.d[row * G + g];
+  if constexpr (BITS == 4) {
+    const VQ iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const VQ table = iota * dv + (VQ{} + c.mn[row * G + g]);
+    const __m512i i = _mm512_maskz_cvtepu8_epi32(
+        0xffff, _mm_loadu_si128(reinterpret_cast<const __m128i*>(c.q + row * (c.K / 2) + g * 16)));
+    // The maskz forms: GCC 12's unmasked ones start from an "undefined" register that -Wall
+    // reports as maybe-uninitialized.
+    const __m512i hi = reinterpret_cast<__m512i>(reinterpret_cast<IQ>(i) >> 4);
+    *w0 = reinterpret_cast<VQ>(
+        _mm512_maskz_permutexvar_ps(0xffff, i, reinterpret_cast<__m512>(table)));
+    *w1 = reinterpret_cast<VQ>(
+        _mm512_maskz_permutexvar_ps(0xffff, hi, reinterpret_cast<__m512>(table)));
+  } else {
+    const __m128i* p = reinterpret_cast<const __m128i*>(c.q + row * c.K + g * 32);
+    const IQ i0 = reinterpret_cast<IQ>(_mm512_maskz_cvtepi8_epi32(0xffff, _mm_loadu_si128(p)));
+    const IQ i1 = reinterpret_cast<IQ>(_mm512_maskz_cvtepi8_epi32(0xffff, _mm_loadu_si128(p + 1)));
+    *w0 = __builtin_convertvector(i0, VQ) * dv;
+    *w1 = __builtin_convertvector(i1, VQ) * dv;
+  }
+}
+
+// res[MR][NR] for rows x[0..MR) against packed weight rows [n0, n0 + NR), rebuilding the
+// weights in registers (few input rows).
+template <int MR, int NR, int BITS>
+__attribute__((target("avx512f,avx2,fma"))) PYSPEC_INLINE void DotBlockPacked(
+    const PackedCtx& c, const float* x, int64_t n0, float* res) {
+  const int64_t G = c.K / 32;
+  VQ acc[MR][NR];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r) acc[m][r] = VQ{};
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    VQ w0[NR], w1[NR];
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r) RebuildGroup<BITS>(c, n0 + r, g, &w0[r], &w1[r]);
+    const float* xk = x + g * 32;
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      VQ xv;
+      std::memcpy(&xv, xk + m * c.ldx, sizeof(VQ));
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r) acc[m][r] += xv * w0[r];
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      VQ xv;
+      std::memcpy(&xv, xk + 16 + m * c.ldx, sizeof(VQ));
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r) acc[m][r] += xv * w1[r];
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    if constexpr (NR == 4) {
+      Reduce4(acc[m], res + m * NR);
+    } else {
+      for (int r = 0; r < NR; ++r) res[m * NR + r] = Reduce1(acc[m][r]);
+    }
+  }
+}
+
+template <int MR, int NR, int BITS>
+__attribute__((target("avx512f,avx2,fma"))) PYSPEC_INLINE void DotRowsPacked(
+    int rows, const PackedCtx& c, const float* x, int64_t n0, float* res) {
+  if constexpr (MR > 1) {
+    if (rows < MR) {
+      DotRowsPacked<MR - 1, NR, BITS>(rows, c, x, n0, res);
+      return;
+    }
+  }
+  DotBlockPacked<MR, NR, BITS>(c, x, n0, res);
+}
+
+// Up to this many input rows the weights are rebuilt in registers for each tile of 4 rows;
+// beyond it a block's rows are rebuilt once into an fp32 scratch block (L1-resident) that the
+// float32 kernel's tiles then read, as for float16 weights (RowBlock).
+constexpr int64_t kPackedRegisterRows = 8;
+
+template <int NR, int BITS>
+__attribute__((target("avx512f,avx2,fma"))) void PackedRowBlock(const PackedCtx& c, int64_t n0,
+                                                               float* scratch) {
+  if (c.M > kPackedRegisterRows) {
+    for (int r = 0; r < NR; ++r) {
+      for (int64_t g = 0; g < c.K / 32; ++g) {
+        VQ w0, w1;
+        RebuildGroup<BITS>(c, n0 + r, g, &w0, &w1);
+        std::memcpy(scratch + r * c.K + g * 32, &w0, sizeof(VQ));
+        std::memcpy(scratch + r * c.K + g * 32 + 16, &w1, sizeof(VQ));
+      }
+    }
+    const Ctx f{c.x, nullptr, c.bias, c.out, c.M, c.N, c.K, c.ldx, DType::kFloat32};
+    Tiles<VQ, WKind::kF32, Avx512Isa::kMr, NR>(f, n0, c.K, c.K * 4,
+                                                 reinterpret_cast<const char*>(scratch), nullptr,
+                                                 0);
+    return;
+  }
+  constexpr int MR = 4;
+  float res[MR * NR];
+  for (int64_t m0 = 0; m0 < c.M; m0 += MR) {
+    const int rows = static_cast<int>(std::min<int64_t>(MR, c.M - m0));
+    DotRowsPacked<MR, NR, BITS>(rows, c, c.x + m0 * c.ldx, n0, res);
+    for (int m = 0; m < rows; ++m) {
+      float* o = c.out + (m0 + m) * c.N + n0;
+      for (int r = 0; r < NR; ++r) {
+        float v = res[m * NR + r];
+        if (c.bias != nullptr) v += c.bias[n0 + r];
+        o[r] = v;
+      }
+    }
+  }
+}
+
+template <int BITS>
+__attribute__((target("avx512f,avx2,fma"))) void PackedBlocks(const PackedCtx& c, int64_t b0,
+                                                             int64_t b1) {
+  thread_local std::vector<float> scratch_buf;  // kNr rebuilt rows, per thread
+  if (static_cast<int64_t>(scratch_buf.size()) < kNr * c.K + 16) scratch_buf.resize(kNr * c.K + 16);
+  float* scratch = scratch_buf.data();
+  scratch += ((64 - reinterpret_cast<uintptr_t>(scratch) % 64) % 64) / sizeof(float);
+  const int64_t G = c.K / 32, qrow = BITS == 4 ? c.K / 2 : c.K;
+  const int64_t pf_dist = g_packed_pf_blocks.load(std::memory_order_relaxed);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t n0 = b * kNr;
+    // Prefetch the codes and scales of the block pf_dist blocks ahead into L2: rebuilding the
+    // weights keeps the loop busy enough that the hardware prefetchers alone fall behind.
+    if (pf_dist > 0 && n0 + (pf_dist + 1) * kNr <= c.N) {
+      const int64_t nf = n0 + pf_dist * kNr;
+      const char* pq = reinterpret_cast<const char*>(c.q + nf * qrow);
+      for (int64_t o = 0; o < kNr * qrow; o += 64) __builtin_prefetch(pq + o, 0, 2);
+      const char* pd = reinterpret_cast<const char*>(c.d + nf * G);
+      for (int64_t o = 0; o < kNr * G * 4; o += 64) __builtin_prefetch(pd + o, 0, 2);
+      if constexpr (BITS == 4) {
+        const char* pm = reinterpret_cast<const char*>(c.mn + nf * G);
+        for (int64_t o = 0; o < kNr * G * 4; o += 64) __builtin_prefetch(pm + o, 0, 2);
+      }
+    }
+    if (n0 + kNr <= c.N) {
+      PackedRowBlock<kNr, BITS>(c, n0, scratch);
+    } else {
+      for (int64_t n = n0; n < c.N; ++n) PackedRowBlock<1, BITS>(c, n, scratch);
+    }
+  }
+}
+
 bool CpuHasAvx512Bf16() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512bf16");
@@ -560,6 +744,23 @@ std::string SetLinearIsa(const std::string& isa) {
 
 std::string LinearIsa() { return UseAmx(DType::kBFloat16) ? "amx" : g_isa.Name(); }
 
+int64_t SetPackedPrefetchBlocks(int64_t blocks) {
+#ifdef PYSPEC_X86
+  if (blocks >= 0) g_packed_pf_blocks.store(blocks);
+  return g_packed_pf_blocks.load();
+#else
+  return blocks;
+#endif
+}
+
+bool PackedLinearAvailable() {
+#ifdef PYSPEC_X86
+  return SelectKernel(DType::kFloat32).fn == &RunBlocksAvx512;
+#else
+  return false;
+#endif
+}
+
 std::string LinearKernel(DType dtype) {
   if (UseAmx(dtype)) return "amx-bf16";
   const Kernel k = SelectKernel(dtype);
@@ -654,6 +855,77 @@ void Linear(const TensorView& x, const TensorView& w, const TensorView* bias,
     return;
   }
   tp.ParallelFor(blocks, grain, [&](int64_t b0, int64_t b1) { fn(c, b0, b1); });
+}
+
+
+void LinearPacked(const TensorView& x, const TensorView& q, const TensorView& d,
+                  const TensorView* mn, const TensorView* bias, const TensorView& out,
+                  ThreadPool* pool) {
+  for (const TensorView* t : {&x, &q, &d, mn, bias, &out}) {
+    if (t != nullptr && t->device.type == DeviceType::kCUDA) {
+      throw RuntimeError("pyspec linear_packed: got CUDA tensors; packed weights run on the CPU");
+    }
+  }
+  CheckDType(x, "x", {DType::kFloat32});
+  PYSPEC_CHECK(x.ndim == 2, "'x' must be 2-D [M, K]; got shape ", x.ShapeString());
+  CheckContiguous(x, "x");
+  const int64_t M = x.shape[0], K = x.shape[1];
+  PYSPEC_CHECK(K % 32 == 0 && K > 0, "packed weights need K to be a positive multiple of 32; got ",
+               K);
+  CheckDType(q, "q", {DType::kUInt8, DType::kInt8});
+  PYSPEC_CHECK(q.ndim == 2, "'q' must be 2-D; got shape ", q.ShapeString());
+  const int64_t N = q.shape[0];
+  const int bits = mn != nullptr ? 4 : 8;
+  CheckShape(q, "q", {N, bits == 4 ? K / 2 : K});
+  CheckContiguous(q, "q");
+  CheckDType(d, "d", {DType::kFloat32});
+  CheckShape(d, "d", {N, K / 32});
+  CheckContiguous(d, "d");
+  if (mn != nullptr) {
+    CheckDType(*mn, "m", {DType::kFloat32});
+    CheckShape(*mn, "m", {N, K / 32});
+    CheckContiguous(*mn, "m");
+  }
+  if (bias != nullptr) {
+    CheckDType(*bias, "bias", {DType::kFloat32});
+    CheckShape(*bias, "bias", {N});
+    CheckContiguous(*bias, "bias");
+  }
+  CheckDType(out, "out", {DType::kFloat32});
+  CheckShape(out, "out", {M, N});
+  CheckContiguous(out, "out");
+  PYSPEC_CHECK(detail::PackedLinearAvailable(),
+               "packed weights need the AVX-512 build of the linear kernel (this CPU or the "
+               "selected ISA lacks it)");
+  if (M == 0 || N == 0) return;
+#ifdef PYSPEC_X86
+  thread_local std::vector<float> xbuf;
+  const int64_t ldx = K;  // a multiple of 32 floats: every row starts a cache line
+  if (static_cast<int64_t>(xbuf.size()) < M * ldx + 16) xbuf.resize(M * ldx + 16);
+  float* xa = xbuf.data();
+  xa += ((64 - reinterpret_cast<uintptr_t>(xa) % 64) % 64) / sizeof(float);
+  std::memcpy(xa, x.ptr<float>(), M * K * sizeof(float));
+  PackedCtx c{xa, static_cast<const uint8_t*>(q.data), d.ptr<float>(),
+              mn != nullptr ? mn->ptr<float>() : nullptr,
+              bias != nullptr ? bias->ptr<float>() : nullptr, static_cast<float*>(out.data),
+              M, N, K, ldx, bits};
+  const int64_t blocks = (N + kNr - 1) / kNr;
+  const int64_t block_bytes = kNr * (K * bits / 8 + (K / 32) * (bits == 4 ? 8 : 4));
+  const int64_t grain = std::max<int64_t>(1, kMinChunkBytes / block_bytes);
+  auto run = [&](int64_t b0, int64_t b1) {
+    if (bits == 4) {
+      PackedBlocks<4>(c, b0, b1);
+    } else {
+      PackedBlocks<8>(c, b0, b1);
+    }
+  };
+  ThreadPool& tp = pool != nullptr ? *pool : ThreadPool::Default();
+  if (blocks <= grain) {
+    run(0, blocks);
+  } else {
+    tp.ParallelFor(blocks, grain, run);
+  }
+#endif
 }
 
 }  // namespace pyspec

@@ -39,7 +39,25 @@ class ThreadPool;
 void Linear(const TensorView& x, const TensorView& w, const TensorView* bias,
             const TensorView& out, ThreadPool* pool = nullptr);
 
+// Packed weights: out[m, n] = sum_k x[m, k] * w[n, k] + bias[n] with w rebuilt from codes in
+// groups of 32 along K: 4-bit, w = d * q + m with q in 0..15 (q [N, K / 2] uint8, byte j of a
+// group holding element j in its low nibble and element j + 16 in its high one; d, m [N, K / 32]
+// float32), or 8-bit when `m` is null, w = d * q (q [N, K] int8). x [M, K] and out [M, N] float32,
+// bias [N] float32 or nullptr, K a multiple of 32. Each output accumulates exactly as Linear's
+// AVX-512 float32 kernel does over the rebuilt weights, so where those equal a float32 matrix bit
+// for bit (d * q exact, as with d a float16 value) the result equals Linear on that matrix bit for
+// bit, for any M. Needs the AVX-512 kernel (detail::PackedLinearAvailable()); ValueError otherwise
+// and for bad arguments.
+void LinearPacked(const TensorView& x, const TensorView& q, const TensorView& d,
+                  const TensorView* m, const TensorView* bias, const TensorView& out,
+                  ThreadPool* pool = nullptr);
+
 namespace detail {
+// Whether LinearPacked can run: the AVX-512 float32 kernel is the one in use.
+bool PackedLinearAvailable();
+// LinearPacked's prefetch distance in blocks of 4 weight rows (0: none); a negative value only
+// reads it. Returns the distance now in use. A benchmark knob.
+int64_t SetPackedPrefetchBlocks(int64_t blocks);
 // Which instruction set the kernel uses: "auto" (best the CPU supports), "generic" (SSE2), "avx2"
 // (AVX2+FMA), "avx512" (no AMX) or "amx" (AVX-512, and AMX tiles for bfloat16). Process-wide, for
 // tests and benchmarks. Returns the ISA now in use. Throws ValueError for unknown names or an ISA
