@@ -11,16 +11,25 @@ at most ``max_fast_rows(dtype)`` input rows and no autograd, and ``torch.nn.func
 otherwise.
 It is called several times per layer per token, so it checks only what decides the route; the core
 validates shapes and contiguity and raises ``ValueError`` naming the argument.
+
+A float32 matrix whose values are exactly those of a 4-bit or 8-bit block format (groups of 32
+along K: ``w = d * q + m`` with q in 0..15, or ``w = d * q`` with q in -128..127, d a float16
+value; a model converted from a Q4_1 / Q8_0 GGUF, like the embedded default model, is one) can be
+held as those codes too (:func:`pack_exact`, :class:`PackedWeight`): ``linear`` then reads 5-6x
+fewer bytes per call and, rebuilding each weight exactly and accumulating as the float32 kernel
+does, returns the float32 kernel's results bit for bit.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from pyspec import _C
 
-__all__ = ["linear", "max_fast_rows", "MAX_FAST_ROWS"]
+__all__ = ["linear", "max_fast_rows", "MAX_FAST_ROWS", "PackedWeight", "pack_exact"]
 
 # Rows up to which the core kernel beats torch's GEMM (which blocks over M), by the build that runs
 # the dtype here (``_C._linear_kernel``). Measured on the SmolLM2-135M shapes (bench/bench_linear.py
@@ -59,6 +68,108 @@ _is_grad_enabled = torch.is_grad_enabled
 _empty = torch.empty
 
 
+class PackedWeight:
+    """A float32 weight matrix ``dense`` [N, K] and the same values as block codes (see
+    :func:`pack_exact`): ``q`` (4-bit: uint8 [N, K / 2], element j of a group of 32 in the low
+    nibble of byte j, element j + 16 in its high nibble; 8-bit: int8 [N, K]), ``d`` and, for
+    4-bit, ``m`` (float32 [N, K / 32]). :func:`linear` reads the codes for the few rows of decoding
+    on CPUs with the AVX-512 kernel and ``dense`` otherwise; both give the same bits."""
+
+    __slots__ = ("dense", "q", "d", "m", "bits")
+
+    def __init__(self, dense, q, d, m, bits):
+        self.dense, self.q, self.d, self.m, self.bits = dense, q, d, m, bits
+
+    @property
+    def shape(self):
+        return self.dense.shape
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the codes and scales (what a decoding step reads)."""
+        return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m)
+                   if t is not None)
+
+
+def _pack4(w: torch.Tensor):
+    n, k = w.shape
+    g = w.view(n, k // 32, 32)
+    lo = g.amin(-1, keepdim=True)
+    d = ((g.amax(-1, keepdim=True) - lo) / 15).half().float()
+    if not bool(torch.isfinite(d).all()):
+        return None
+    q = torch.round((g - lo) / torch.where(d == 0, torch.ones_like(d), d)).clamp_(0, 15)
+    # Bit patterns, not values (-0.0 must stay -0.0); d * q is exact (11 x 4 significant bits).
+    if not torch.equal((q * d + lo).view(torch.int32), g.view(torch.int32)):
+        return None
+    q = q.to(torch.uint8)
+    codes = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, k // 2).contiguous()
+    return PackedWeight(w, codes, d.view(n, k // 32).contiguous(), lo.view(n, k // 32).contiguous(),
+                        4)
+
+
+def _pack8(w: torch.Tensor):
+    n, k = w.shape
+    g = w.view(n, k // 32, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    for div in (127.0, 128.0):
+        d = (amax / div).half().float()
+        if not bool(torch.isfinite(d).all()):
+            return None
+        q = torch.round(g / torch.where(d == 0, torch.ones_like(d), d))
+        if bool(((q >= -128) & (q <= 127)).all()) and torch.equal((q * d).view(torch.int32),
+                                                                  g.view(torch.int32)):
+            return PackedWeight(w, q.to(torch.int8).view(n, k).contiguous(),
+                                d.view(n, k // 32).contiguous(), None, 8)
+    return None
+
+
+def pack_exact(w, bits=(4, 8)) -> Optional["PackedWeight"]:
+    """``w`` as block codes when its float32 values are exactly those of a 4-bit (``w = d * q +
+    m``, q in 0..15, per group of 32 along K: m the group's minimum, d a float16 value) or else an
+    8-bit (``w = d * q``, q in -128..127, d a float16 value) format, else None. Only contiguous
+    float32 CPU matrices with K a multiple of 32 qualify; the check compares every value."""
+    if (not isinstance(w, torch.Tensor) or w.dtype != torch.float32 or w.dim() != 2
+            or not w.is_cpu or not w.is_contiguous() or w.shape[1] % 32 or w.shape[1] == 0
+            or w.shape[0] == 0 or w.requires_grad):
+        return None
+    with torch.no_grad():
+        for b in bits:
+            pack = _pack4 if b == 4 else _pack8
+            # A few rows first: a matrix of another format (or none) fails there, cheaply.
+            if w.shape[0] > 64 and pack(w[:16]) is None:
+                continue
+            p = pack(w)
+            if p is not None:
+                return p
+    return None
+
+
+_packed_available = _C._packed_linear_available
+_core_packed = _C.linear_packed
+
+
+def _linear_packed(x, w: PackedWeight, bias, out):
+    dense = w.dense
+    if (x.dtype is not torch.float32 or not x.is_cpu or not _packed_available()
+            or (_is_grad_enabled() and (x.requires_grad
+                                        or (bias is not None and bias.requires_grad)))):
+        return linear(x, dense, bias, out)
+    shape = x.shape
+    rows = x.numel() // shape[-1] if len(shape) and shape[-1] else 0
+    if rows == 0 or rows > _MAX_ROWS[torch.float32] or not x.is_contiguous() or (
+            bias is not None and (bias.dtype is not torch.float32 or not bias.is_contiguous())):
+        return linear(x, dense, bias, out)
+    x2 = x if len(shape) == 2 else x.view(rows, shape[-1])
+    n = dense.shape[0]
+    res = _empty((rows, n), dtype=torch.float32) if out is None else (
+        out if out.dim() == 2 else out.view(rows, n))
+    _core_packed(x2, w.q, w.d, w.m, bias, res)
+    if out is not None:
+        return out
+    return res if len(shape) == 2 else res.view(*shape[:-1], n)
+
+
 def linear(x, w, bias=None, out=None):
     """Return ``x @ w.T + bias`` (like ``torch.nn.functional.linear``).
 
@@ -69,10 +180,15 @@ def linear(x, w, bias=None, out=None):
         out: optional ``[..., N]`` contiguous output tensor to write (fast path only; otherwise
             the result is copied into it).
 
+    ``w`` may be a :class:`PackedWeight`: the codes are read where the core kernel would run
+    (float32, at most ``max_fast_rows`` rows, the AVX-512 build), its dense matrix elsewhere.
+
     The fast path applies when all tensors are contiguous CPU tensors of one supported dtype,
     ``x`` has at most ``max_fast_rows(dtype)`` rows (leading dims flattened) and no input needs a
     gradient. It accumulates in fp32 and rounds each output once.
     """
+    if type(w) is PackedWeight:
+        return _linear_packed(x, w, bias, out)
     dtype = x.dtype
     if (
         not x.is_cpu

@@ -238,13 +238,19 @@ class LLM:
             the host (see ``pyspec.models.llama.resolve_device``).
         dtype: "float32" | "bfloat16" | "float16".
         kv_cache_tokens: KV pool size in tokens (shared by all requests).
+        packed_weights: "auto" (default): dense matrices whose float32 values are exactly a 4-bit
+            or 8-bit block format (a model converted from a Q4_1 / Q8_0 GGUF, like the default
+            model) are also held as those codes, which decoding reads instead: the same outputs
+            bit for bit, 5-6x fewer weight bytes per step (float32 on CPUs with the AVX-512
+            kernel; see ``LlamaForCausalLM.pack_weights``); "off": never.
     """
 
     def __init__(self, model: Optional[str] = None, draft="default",
                  spec: Optional[SpecConfig] = None, *, device: str = "cpu",
                  dtype: str = "float32", kv_cache_tokens: int = 16384, block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 enable_prefix_cache: bool = True, progress: bool = True):
+                 enable_prefix_cache: bool = True, progress: bool = True,
+                 packed_weights: str = "auto"):
         from pyspec.models.llama import LlamaForCausalLM
         from pyspec.tokenizer import Tokenizer
 
@@ -274,7 +280,8 @@ class LLM:
                                  f"tokenizer.json) or 'default'; {path!r} is not a directory")
         t0 = time.perf_counter()
         self.model_path = path
-        self.model = LlamaForCausalLM.from_pretrained(path, dtype=dtype, device=device)
+        self.model = LlamaForCausalLM.from_pretrained(path, dtype=dtype, device=device,
+                                                      packed_weights=packed_weights)
         self.tokenizer = Tokenizer.from_pretrained(path)
         try:
             self.runner = ModelRunner(self.model, -(-kv_cache_tokens // block_size), block_size)

@@ -158,9 +158,20 @@ class LlamaForCausalLM:
             raise ValueError(f"unused weights: {sorted(weights)[:5]}")
         self._inv_freq = rope_inv_freq(cfg, 0).to(self.device)
         self.source_path: Optional[str] = None  # the checkpoint folder, when loaded from one
+        # Per layer, the dense matrices as pyspec.linear.PackedWeight where they are exactly a
+        # 4-bit or 8-bit block format (pack_weights), and the same for lm_head; None: not packed.
+        self._packed: Optional[list] = None
+        self._packed_lm_head = None
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype="float32", device: str = "cpu") -> "LlamaForCausalLM":
+    def from_pretrained(cls, path: str, dtype="float32", device: str = "cpu",
+                        packed_weights: str = "auto") -> "LlamaForCausalLM":
+        """``packed_weights``: ``"auto"`` (default) holds every float32 CPU matrix that is exactly
+        a 4-bit or 8-bit block format also as its codes (:meth:`pack_weights`; the same outputs
+        bit for bit, fewer bytes per decoding step), ``"off"`` never; ``PYSPEC_PACKED_WEIGHTS=0``
+        in the environment turns ``"auto"`` off."""
+        if packed_weights not in ("auto", "off"):
+            raise ValueError(f"packed_weights must be 'auto' or 'off'; got {packed_weights!r}")
         if not os.path.isdir(path):
             raise ValueError(f"model path {path!r} is not a directory")
         device = str(resolve_device(device))
@@ -168,7 +179,60 @@ class LlamaForCausalLM:
         dt = resolve_dtype(dtype)
         m = cls(cfg, load_weights(path, cfg, dt, device), dt, device)
         m.source_path = path
-        return m.place_on_huge_pages()
+        m.place_on_huge_pages()
+        if packed_weights == "auto" and os.environ.get("PYSPEC_PACKED_WEIGHTS", "1") != "0":
+            m.pack_weights()
+        return m
+
+    def pack_weights(self) -> int:
+        """Also hold each dense matrix (and lm_head) whose float32 values are exactly a 4-bit or
+        8-bit block format (:func:`pyspec.linear.pack_exact`) as those codes, which the forward
+        then reads for the few rows of decoding and verification: 5-6x fewer bytes per step, the
+        same results bit for bit (the codes rebuild each weight exactly and the kernel accumulates
+        as the float32 one does). The float32 matrices stay (prefill, other devices, drafters
+        that read them). Only float32 models on the CPU whose linear kernel is the AVX-512 build;
+        returns how many matrices were packed (0 otherwise)."""
+        from pyspec import _C
+        from pyspec.linear import pack_exact
+
+        if (self.dtype != torch.float32 or self.device.type != "cpu"
+                or self.linear is not core_linear or not _C._packed_linear_available()):
+            return 0
+        packed, count = [], 0
+        for layer in self.layers:
+            lp = {}
+            for k in ("wqkv", "wo", "wgu", "wd"):
+                p = pack_exact(layer[k])
+                lp[k] = layer[k] if p is None else p
+                count += p is not None
+            packed.append(lp)
+        lm = pack_exact(self.lm_head)
+        count += lm is not None
+        if count == 0:
+            return 0
+        from pyspec.hugepages import Arena
+
+        codes = [t for lp in packed for p in lp.values() if not isinstance(p, torch.Tensor)
+                 for t in (p.q, p.d, p.m) if t is not None]
+        codes += [t for t in (lm.q, lm.d, lm.m) if t is not None] if lm is not None else []
+        arena = Arena.for_tensors(codes)
+        if arena is not None:  # the codes stream every step: on huge pages like the weights
+            for p in [p for lp in packed for p in lp.values()
+                      if not isinstance(p, torch.Tensor)] + ([lm] if lm is not None else []):
+                p.q = arena.copy(p.q)
+                p.d = arena.copy(p.d)
+                p.m = None if p.m is None else arena.copy(p.m)
+        self._packed = packed
+        self._packed_lm_head = lm
+        return count
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes a decoding step reads for the packed matrices' codes (0 when none are packed)."""
+        ps = [p for lp in (self._packed or []) for p in lp.values()
+              if not isinstance(p, torch.Tensor)]
+        ps += [self._packed_lm_head] if self._packed_lm_head is not None else []
+        return sum(p.nbytes for p in ps)
 
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0, dtype=torch.float32) -> "LlamaForCausalLM":
@@ -229,6 +293,9 @@ class LlamaForCausalLM:
         self.layers = [{k: mv(v) for k, v in layer.items()} for layer in self.layers]
         self._inv_freq = self._inv_freq.to(dev)
         self.device = dev
+        if dev.type != "cpu":  # packed codes are a CPU kernel's
+            self._packed = None
+            self._packed_lm_head = None
         return self
 
     # ---- forward ----------------------------------------------------------------------------------
@@ -267,6 +334,7 @@ class LlamaForCausalLM:
         view = copy.copy(self)
         view.cfg = dataclasses.replace(self.cfg, num_hidden_layers=num_layers)
         view.layers = self.layers[:num_layers]
+        view._packed = None if self._packed is None else self._packed[:num_layers]
         return view
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -310,21 +378,24 @@ class LlamaForCausalLM:
         cos, sin = self.rope_tables(positions, rope_lens)
         x = F.embedding(input_ids, self.embed) if inputs_embeds is None else inputs_embeds
         qs = cfg.q_size
+        packed = self._packed
         for li, layer in enumerate(self.layers):
+            mats = layer if packed is None else packed[li]
             h = self._rms(x, layer["ln1"])
-            qkv = self.linear(h, layer["wqkv"], layer["bqkv"])
+            qkv = self.linear(h, mats["wqkv"], layer["bqkv"])
             q = ops.rotary_qkv(qkv, cos, sin, cfg.num_attention_heads, cfg.num_key_value_heads,
                                k_new[li], v_new[li])
             a = tree_attention(plan, q, k_pages[li], v_pages[li], k_new[li], v_new[li])
-            x = x + self.linear(a.view(t, qs), layer["wo"], layer["bo"])
+            x = x + self.linear(a.view(t, qs), mats["wo"], layer["bo"])
             h = self._rms(x, layer["ln2"])
-            gu = self.linear(h, layer["wgu"])
+            gu = self.linear(h, mats["wgu"])
             inter = cfg.intermediate_size
-            x = x + self.linear(F.silu(gu[:, :inter]) * gu[:, inter:], layer["wd"])
+            x = x + self.linear(F.silu(gu[:, :inter]) * gu[:, inter:], mats["wd"])
             if taps is not None and li + 1 in taps:
                 kept[li + 1] = x
         hidden = x if taps is None else kept[taps[0]] if len(taps) == 1 else torch.cat(
             [kept[n] for n in taps], -1)
         xs = x if logits_rows is None else x.index_select(0, logits_rows)
-        logits = self.linear(self._rms(xs, self.norm), self.lm_head).float()
+        lm = self.lm_head if self._packed_lm_head is None else self._packed_lm_head
+        logits = self.linear(self._rms(xs, self.norm), lm).float()
         return (logits, hidden) if taps is not None else logits

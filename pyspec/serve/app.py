@@ -317,7 +317,8 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
     ctx_limit = context_tokens(llm)
     chat_overhead = _chat_overhead(llm.tokenizer)
     metrics.memory.labels(component="target_weights").set(
-        sum(t.numel() * t.element_size() for t in _model_tensors(llm.model)))
+        sum(t.numel() * t.element_size() for t in _model_tensors(llm.model))
+        + llm.model.packed_bytes)
     metrics.memory.labels(component="kv_pool").set(_kv_bytes(llm.engine))
     metrics.memory.labels(component="draft_weights").set(_draft_bytes(llm.engine))
     if shadow is not None:

@@ -57,3 +57,30 @@ def test_speculative_greedy_is_identical_on_the_default_model(loaded):
     assert spec.steps < plain.steps  # prompt lookup drafts were accepted
     text = loaded.tokenizer.decode(spec.tokens, skip_special_tokens=True)
     assert "apples" in text
+
+
+def test_default_model_runs_on_packed_weights_with_identical_output(loaded, monkeypatch):
+    """The default model's weights came from a Q4_1 / Q8_0 GGUF: every dense matrix packs (4-bit
+    layers, 8-bit lm_head) and greedy decoding, plain and speculative, gives the float32
+    weights' tokens."""
+    from pyspec import _C, generation
+
+    if not _C._packed_linear_available():
+        assert loaded.model._packed is None
+        return
+    model = loaded.model
+    assert model._packed is not None and model._packed_lm_head is not None
+    assert all(p.bits == 4 for lp in model._packed for p in lp.values())
+    assert model._packed_lm_head.bits == 8
+    dense_bytes = sum(p.dense.numel() * 4 for lp in model._packed for p in lp.values())
+    dense_bytes += model.lm_head.numel() * 4
+    assert model.packed_bytes < dense_bytes / 4  # 111 MB against 538 MB
+    monkeypatch.setenv("PYSPEC_PACKED_WEIGHTS", "0")
+    dense = generation.load(None, dtype="float32", progress=False)
+    assert dense.model._packed is None
+    for prompt in PROMPTS[:2]:
+        ids = generation.encode_prompt(loaded.tokenizer, prompt)
+        for draft in ("none", "ngram"):
+            a = generation.run(loaded, ids, draft=draft, max_tokens=32).tokens
+            b = generation.run(dense, ids, draft=draft, max_tokens=32).tokens
+            assert a == b, (prompt, draft)

@@ -1,0 +1,279 @@
+"""Packed exact weights: float32 matrices whose values are exactly a 4-bit (w = d * q + m) or 8-bit
+(w = d * q) block format are also held as those codes, and pyspec.linear reads the codes for the
+few rows of decoding with results equal to the float32 kernel's bit for bit (pyspec.linear's
+PackedWeight / pack_exact, _C.linear_packed, LlamaForCausalLM.pack_weights)."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pyspec
+from pyspec import TokenTree, _C
+from pyspec.linear import PackedWeight, linear, max_fast_rows, pack_exact
+from pyspec.models.llama import LlamaForCausalLM
+from pyspec.runner import ModelRunner, SeqStep
+
+from test_llm import write_tiny_model
+
+needs_kernel = pytest.mark.skipif(not _C._packed_linear_available(),
+                                  reason="the packed kernel needs the AVX-512 float32 build")
+
+
+def q4_grid(n, k, seed=0):
+    """A float32 [n, k] matrix on a 4-bit grid: per group of 32, d * q + m with d, m float16 values
+    and q in 0..15, q = 0 and q = 15 both present (as a Q4_1 quantizer leaves them)."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.02 + 1e-3).half().float()
+    m = (-torch.rand(n, k // 32, 1, generator=g) * 0.2).half().float()
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g)
+    q[..., 3], q[..., 20] = 0, 15
+    return (q * d + m).reshape(n, k).contiguous()
+
+
+def q8_grid(n, k, seed=0):
+    """8-bit: per group of 32, d * q with d a float16 value and q in -127..127, |q| = 127 present."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.01 + 1e-4).half().float()
+    q = torch.randint(-127, 128, (n, k // 32, 32), generator=g)
+    q[..., 7] = 127
+    return (q * d).reshape(n, k).contiguous()
+
+
+def rebuild(p: PackedWeight) -> torch.Tensor:
+    """The documented code layout, decoded in Python."""
+    n, k = p.shape
+    if p.bits == 4:
+        b = p.q.view(n, k // 32, 16).to(torch.int32)
+        q = torch.cat([b & 15, b >> 4], -1).float()
+        return (q * p.d[..., None] + p.m[..., None]).reshape(n, k)
+    return (p.q.view(n, k // 32, 32).float() * p.d[..., None]).reshape(n, k)
+
+
+def bits_equal(a, b):
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int32),
+                                              b.contiguous().view(torch.int32))
+
+
+def test_pack_exact_recognizes_the_formats_and_nothing_else():
+    w4, w8 = q4_grid(40, 96), q8_grid(40, 96)
+    p4, p8 = pack_exact(w4), pack_exact(w8)
+    assert p4.bits == 4 and p4.q.dtype == torch.uint8 and p4.q.shape == (40, 48)
+    assert p4.d.shape == p4.m.shape == (40, 3) and p4.nbytes == 40 * 48 + 2 * 40 * 3 * 4
+    assert p8.bits == 8 and p8.q.dtype == torch.int8 and p8.q.shape == (40, 96) and p8.m is None
+    assert bits_equal(rebuild(p4), w4) and bits_equal(rebuild(p8), w8)
+    assert p4.dense is w4 and p4.shape == w4.shape
+    # 8-bit codes only when asked for 8 bits; a 4-bit grid is also an 8-bit one only by chance.
+    assert pack_exact(w4, bits=(8,)) is None or bits_equal(rebuild(pack_exact(w4, bits=(8,))), w4)
+    assert pack_exact(w8, bits=(4,)) is None
+    # Not a block format: off the grid by one ulp in one place, random values, other dtypes,
+    # K not a multiple of 32, autograd, not a matrix.
+    off = w4.clone()
+    off[5, 17] = torch.nextafter(off[5, 17], torch.tensor(1.0))
+    assert pack_exact(off) is None or bits_equal(rebuild(pack_exact(off)), off)
+    assert pack_exact(torch.randn(64, 64)) is None
+    assert pack_exact(w4.bfloat16()) is None and pack_exact(w4.double()) is None
+    assert pack_exact(q4_grid(8, 64)[:, :48].contiguous()) is None
+    assert pack_exact(w4.clone().requires_grad_()) is None
+    assert pack_exact(w4[0]) is None and pack_exact(w4.t()) is None
+    assert pack_exact(torch.empty(0, 64)) is None
+    nan = w4.clone()
+    nan[0, 0] = float("nan")
+    assert pack_exact(nan) is None
+
+
+def test_pack_exact_keeps_signed_zeros_and_constant_groups():
+    w = q4_grid(4, 64)
+    w[1, :32] = 0.25  # a constant group: d = 0
+    w[2, 32:] = 0.0
+    w[2, 40] = -0.0  # only bit patterns that rebuild exactly may pack
+    p = pack_exact(w)
+    assert p is None or bits_equal(rebuild(p), w)
+    w[2, 40] = 0.0
+    p = pack_exact(w)
+    assert p is not None and bits_equal(rebuild(p), w)
+
+
+def test_big_matrix_of_another_format_fails_fast_and_still_packs_right():
+    # More than 64 rows: the cheap check on the first rows, then the whole matrix.
+    w = q8_grid(200, 64, seed=3)
+    p = pack_exact(w)
+    assert p.bits == 8 and bits_equal(rebuild(p), w)
+    w2 = q4_grid(200, 64, seed=4)
+    w2[150, 10] += 1e-3  # fine in the first rows, off the grid further down
+    assert pack_exact(w2, bits=(4,)) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("nk", [(7, 64), (13, 96), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_equals_float32_kernel_bit_for_bit(bits, nk, with_bias):
+    n, k = nk
+    w = q4_grid(n, k, seed=n) if bits == 4 else q8_grid(n, k, seed=n)
+    p = pack_exact(w)
+    assert p is not None and p.bits == bits
+    g = torch.Generator().manual_seed(k)
+    b = torch.randn(n, generator=g) if with_bias else None
+    for m in (1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 33, max_fast_rows(torch.float32), 80):
+        x = torch.randn(m, k, generator=g)
+        got, want = linear(x, p, b), linear(x, w, b)
+        assert bits_equal(got, want), (bits, n, k, m, (got - want).abs().max().item())
+        if m <= max_fast_rows(torch.float32):
+            out = torch.full((m, n), float("nan"))
+            _C.linear_packed(x, p.q, p.d, p.m, b, out)  # the op itself, whatever the route
+            assert bits_equal(out, want)
+    torch.testing.assert_close(linear(x, p, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_packed_linear_shapes_out_and_autograd():
+    w = q4_grid(48, 64)
+    p = pack_exact(w)
+    x = torch.randn(2, 3, 64)
+    assert bits_equal(linear(x, p), linear(x, w)) and linear(x, p).shape == (2, 3, 48)
+    out = torch.empty(2, 3, 48)
+    assert linear(x, p, out=out) is out and bits_equal(out, linear(x, w))
+    # Autograd or other dtypes take the dense matrix.
+    xg = torch.randn(2, 64, requires_grad=True)
+    y = linear(xg, p)
+    assert y.requires_grad and bits_equal(y.detach(), F.linear(xg, w).detach())
+    xb = torch.randn(2, 64).bfloat16()
+    with pytest.raises(ValueError, match="share one dtype"):  # as linear(xb, w) does
+        linear(xb, p)
+    with pytest.raises(ValueError, match="share one dtype"):
+        linear(xb, w)
+
+
+def test_packed_linear_follows_the_kernel_in_use():
+    # With another ISA forced, the float32 kernel is not the AVX-512 build: the packed kernel is
+    # unavailable and linear reads the dense matrix, so results still match the dense path's.
+    w = q4_grid(32, 64)
+    p = pack_exact(w)
+    x = torch.randn(3, 64)
+    try:
+        _C._set_linear_isa("generic")
+        assert not _C._packed_linear_available()
+        assert bits_equal(linear(x, p), linear(x, w))
+        out = torch.empty(3, 32)
+        with pytest.raises(ValueError, match="AVX-512"):
+            _C.linear_packed(x, p.q, p.d, p.m, None, out)
+    finally:
+        _C._set_linear_isa("auto")
+
+
+@needs_kernel
+def test_linear_packed_op_names_bad_arguments():
+    p = pack_exact(q4_grid(16, 64))
+    x, out = torch.randn(2, 64), torch.empty(2, 16)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        _C.linear_packed(torch.randn(2, 48), p.q, p.d, p.m, None, out)
+    with pytest.raises(ValueError, match="'d'"):
+        _C.linear_packed(x, p.q, p.d.half(), p.m, None, out)
+    with pytest.raises(ValueError, match="'q'"):
+        _C.linear_packed(x, p.q[:, :16].contiguous(), p.d, p.m, None, out)
+    with pytest.raises(ValueError, match="'m'"):
+        _C.linear_packed(x, p.q, p.d, p.m[:8].contiguous(), None, out)
+    with pytest.raises(ValueError, match="'out'"):
+        _C.linear_packed(x, p.q, p.d, p.m, None, torch.empty(3, 16))
+    with pytest.raises(ValueError, match="'x'"):
+        _C.linear_packed(x.double(), p.q, p.d, p.m, None, out)
+    with pytest.raises(ValueError, match="'bias'"):
+        _C.linear_packed(x, p.q, p.d, p.m, torch.randn(15), out)
+
+
+def snap_model_dir(path, layers=2):
+    """write_tiny_model with its dense matrices moved onto the 4-bit grid and lm_head onto the
+    8-bit one, as a model converted from a Q4_1 / Q8_0 GGUF has them."""
+    from safetensors.torch import load_file, save_file
+
+    write_tiny_model(path, layers=layers)
+    f = os.path.join(str(path), "model.safetensors")
+    w = load_file(f)
+    for i, (name, t) in enumerate(sorted(w.items())):
+        if name.endswith("proj.weight"):
+            g = t.view(t.shape[0], -1, 32)
+            lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+            d = ((hi - lo) / 15).half().float()
+            lo = lo.half().float()
+            q = torch.round((g - lo) / d).clamp(0, 15)
+            w[name] = (q * d + lo).reshape(t.shape).contiguous()
+        elif name == "lm_head.weight":
+            g = t.view(t.shape[0], -1, 32)
+            d = (g.abs().amax(-1, keepdim=True) / 127).half().float()
+            w[name] = (torch.round(g / d).clamp(-127, 127) * d).reshape(t.shape).contiguous()
+    save_file(w, f)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def grid_dir(tmp_path_factory):
+    return snap_model_dir(tmp_path_factory.mktemp("tiny_grid"))
+
+
+def test_from_pretrained_packs_exact_matrices_only(grid_dir, tmp_path, monkeypatch):
+    m = LlamaForCausalLM.from_pretrained(grid_dir)
+    if _C._packed_linear_available():
+        assert sum(not isinstance(v, torch.Tensor) for lp in m._packed for v in lp.values()) == 8
+        assert m._packed_lm_head is not None and m._packed_lm_head.bits == 8
+        assert {lp["wqkv"].bits for lp in m._packed} == {4}
+        assert 0 < m.packed_bytes < sum(t.numel() * 4 for lp in m._packed for t in
+                                        (v.dense for v in lp.values()))
+    else:
+        assert m._packed is None and m.packed_bytes == 0
+    assert LlamaForCausalLM.from_pretrained(grid_dir, packed_weights="off")._packed is None
+    assert LlamaForCausalLM.from_pretrained(grid_dir, dtype="bfloat16")._packed is None
+    monkeypatch.setenv("PYSPEC_PACKED_WEIGHTS", "0")
+    assert LlamaForCausalLM.from_pretrained(grid_dir)._packed is None
+    monkeypatch.delenv("PYSPEC_PACKED_WEIGHTS")
+    with pytest.raises(ValueError, match="packed_weights must be 'auto' or 'off'"):
+        LlamaForCausalLM.from_pretrained(grid_dir, packed_weights="yes")
+    with pytest.raises(ValueError, match="packed_weights"):
+        pyspec.LLM(grid_dir, packed_weights=True, progress=False)
+    # Random weights are no block format: nothing to pack.
+    plain_dir = write_tiny_model(tmp_path / "random")
+    assert LlamaForCausalLM.from_pretrained(plain_dir)._packed is None
+
+
+@needs_kernel
+def test_packed_model_steps_equal_the_float32_model_bit_for_bit(grid_dir):
+    packed = LlamaForCausalLM.from_pretrained(grid_dir)
+    dense = LlamaForCausalLM.from_pretrained(grid_dir, packed_weights="off")
+    assert packed._packed is not None and dense._packed is None
+    g = torch.Generator().manual_seed(0)
+    ctx = torch.randint(3, 250, (90,), generator=g).tolist()
+    tree = TokenTree([-1, 0, 0, 1, 1, 2, 3, 3, 4])
+    nodes = torch.randint(3, 250, (9,), generator=g).tolist()
+    outs = []
+    for model in (packed, dense):
+        runner = ModelRunner(model, num_blocks=16, block_size=16)
+        table = list(range(16))
+        # A prefill chunk over the row limit (torch's GEMM on the dense matrix), then one within.
+        o1 = runner.step([SeqStep(ctx[:80], 0, table, None, "all")])
+        runner.commit_kv(o1, 0, range(80), range(80))
+        o2 = runner.step([SeqStep(ctx[80:], 80, table, None, "all")], return_hidden=True)
+        runner.commit_kv(o2, 0, range(10), range(80, 90))
+        o3 = runner.step([SeqStep(nodes, 90, table, tree, "all")])
+        o4 = runner.step([SeqStep(nodes[:1], 90, table, None, "last")])
+        outs.append((o1.logits, o2.logits, o2.hidden, o3.logits, o4.logits))
+    for a, b in zip(*outs):
+        assert bits_equal(a, b)
+    # The truncated view (layer skipping) keeps the packed layers it runs.
+    view = packed.truncated(1)
+    assert len(view._packed) == 1 and view._packed[0] is packed._packed[0]
+
+
+@needs_kernel
+@pytest.mark.parametrize("draft", ["none", "ngram", "layer-skip:1"])
+def test_packed_generation_equals_float32_generation(grid_dir, draft):
+    sp = pyspec.SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    spt = pyspec.SamplingParams(max_tokens=40, temperature=0.8, seed=7, ignore_eos=True)
+    prompts = ["the cat sat on the mat. the cat sat on the", "abc abc abc abc", "x"]
+    a = pyspec.LLM(grid_dir, draft=draft, kv_cache_tokens=4096, progress=False)
+    b = pyspec.LLM(grid_dir, draft=draft, kv_cache_tokens=4096, progress=False,
+                   packed_weights="off")
+    assert a.model._packed is not None and b.model._packed is None
+    for params in (sp, spt):
+        ra, rb = a.generate(prompts, params), b.generate(prompts, params)
+        assert [r.token_ids for r in ra] == [r.token_ids for r in rb]
