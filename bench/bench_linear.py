@@ -1,7 +1,7 @@
 """Microbenchmark: weight-read bandwidth of pyspec.linear vs torch.nn.functional.linear.
 
     python bench/bench_linear.py [--quick] [--reps N] [--threads N] [--rows 1,4,16,32,64]
-                                 [--dtypes float32,bfloat16]
+                                 [--dtypes float32,bfloat16] [--packed]
 
 Runs the dense layers of one SmolLM2-135M decoding step (30 layers of qkv [960, 576], o_proj
 [576, 576], gate_up [3072, 576], down [576, 1536], then lm_head [49152, 576]; ~135M weights) with
@@ -9,7 +9,10 @@ M = --rows input rows (a draft tree verifies M > 1 rows at once), per dtype, and
 bytes read per second (GB/s) and milliseconds per pass of each implementation, best and median
 over the repetitions (they alternate, so all see the same machine load): ``pyspec`` is
 ``pyspec.linear`` (the core kernel up to ``max_fast_rows(dtype)`` rows, torch above), ``core`` the
-core kernel at every M, ``torch`` ``F.linear``. The machine's read bandwidth is measured in the same run as a
+core kernel at every M, ``torch`` ``F.linear``. With ``--packed`` the float32 weights are moved onto
+the block grids of a Q4_1 / Q8_0 GGUF (4-bit groups for the layers, 8-bit for lm_head: the default
+model's formats) and ``packed`` times ``pyspec.linear`` on their exact codes (``pack_exact``; the
+same results as the others bit for bit; ``packed_mb`` is what it reads). The machine's read bandwidth is measured in the same run as a
 ``sum()`` over a 256 MiB fp32 tensor with the same thread count. Prints one JSON document;
 ``speedup`` is pyspec GB/s / torch GB/s (medians). Also reports the per-call Python overhead of
 ``pyspec.linear`` on a tiny layer next to ``F.linear``'s.
@@ -26,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from pyspec import _C
-from pyspec.linear import linear, max_fast_rows
+from pyspec.linear import linear, max_fast_rows, pack_exact
 from pyspec.hugepages import enabled as hugepages_enabled, huge_page_copies
 
 HIDDEN, INTER, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30
@@ -55,13 +58,32 @@ def time_pass(fn, weights, xs) -> float:
     return time.perf_counter() - t
 
 
-def bench_case(weights, m: int, dtype, reps: int) -> dict:
+def snap_to_blocks(w: torch.Tensor, bits: int) -> torch.Tensor:
+    """w moved onto a block grid: per group of 32 along K, d * q + m (4-bit, q in 0..15) or d * q
+    (8-bit, q in -127..127) with d and m float16 values, as a Q4_1 / Q8_0 GGUF's weights are."""
+    g = w.float().view(w.shape[0], -1, 32)
+    if bits == 4:
+        lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+        d, lo = ((hi - lo) / 15).half().float(), lo.half().float()
+        q = torch.round((g - lo) / d).clamp(0, 15)
+        return (q * d + lo).reshape(w.shape).contiguous()
+    d = (g.abs().amax(-1, keepdim=True) / 127).half().float()
+    return (torch.round(g / d).clamp(-127, 127) * d).reshape(w.shape).contiguous()
+
+
+def bench_case(weights, m: int, dtype, reps: int, packed=None) -> dict:
     g = torch.Generator().manual_seed(0)
     xs = {k: torch.randn(m, k, generator=g).to(dtype) for k in (HIDDEN, INTER)}
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     outs = {w.shape[0]: torch.empty(m, w.shape[0], dtype=dtype) for w in weights}
     impls = {"pyspec": linear, "core": lambda x, w: _C.linear(x, w, None, outs[w.shape[0]]),
              "torch": F.linear}
+    if packed is not None:
+        # Run right after `core`: an implementation that runs after `torch` shares the cores with
+        # torch's OpenMP workers for the first milliseconds (they spin after a parallel op).
+        by_id = {id(w): p for w, p in zip(weights, packed)}
+        impls = {"pyspec": linear, "core": impls["core"],
+                 "packed": lambda x, w: linear(x, by_id[id(w)]), "torch": F.linear}
     for fn in impls.values():  # warm-up (first-touch, thread start)
         time_pass(fn, weights, xs)
     times = {name: [] for name in impls}
@@ -72,6 +94,11 @@ def bench_case(weights, m: int, dtype, reps: int) -> dict:
     res = {"m": m, "dtype": name, "kernel": _C._linear_kernel(name),
            "pyspec_routes_to": "core" if m <= max_fast_rows(dtype) else "torch",
            "weight_mb": round(nbytes / 1e6, 1)}
+    if packed is not None:
+        res["packed_mb"] = round(sum(p.nbytes for p in packed) / 1e6, 1)
+        y = {w.shape[0]: (linear(xs[w.shape[1]], w), impls["packed"](xs[w.shape[1]], w))
+             for w in weights}
+        res["packed_equals_pyspec"] = all(torch.equal(a, b) for a, b in y.values())
     for name, ts in times.items():
         res[name] = {
             "best_gbps": round(nbytes / min(ts) / 1e9, 2),
@@ -110,6 +137,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     ap.add_argument("--rows", default="1,4,16", help="input rows M, comma-separated")
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--packed", action="store_true",
+                    help="float32 weights on Q4_1 / Q8_0 block grids, plus their packed codes")
     ap.add_argument("--huge-pages", type=int, default=1,
                     help="1: weights on transparent huge pages, as a loaded model's (default); 0: "
                          "ordinary pages")
@@ -135,11 +164,25 @@ def main(argv=None) -> dict:
     for dtype in dtypes:
         weights = [(torch.randn(n, k, generator=g) * 0.05).to(dtype)
                    for n, k in smollm2_shapes(layers)]
+        packed = None
+        if args.packed and dtype == torch.float32:
+            weights = [snap_to_blocks(w, 8 if n == VOCAB else 4)
+                       for w, (n, _) in zip(weights, smollm2_shapes(layers))]
         if args.huge_pages:  # where a loaded model's weights live (pyspec.hugepages)
             weights = huge_page_copies(weights)
+        if args.packed and dtype == torch.float32:
+            packed = [pack_exact(w) for w in weights]
+            if any(p is None for p in packed) or not _C._packed_linear_available():
+                raise SystemExit("--packed: the weights did not pack, or this CPU has no AVX-512 "
+                                 "float32 kernel")
+            codes = huge_page_copies([t for p in packed for t in (p.q, p.d, p.m) if t is not None])
+            it = iter(codes)
+            for p in packed:
+                p.q, p.d = next(it), next(it)
+                p.m = None if p.m is None else next(it)
         for m in rows:
-            report["cases"].append(bench_case(weights, m, dtype, reps))
-        del weights
+            report["cases"].append(bench_case(weights, m, dtype, reps, packed))
+        del weights, packed
     report["read_bandwidth_gbps_after"] = round(read_bandwidth(max(reps, 5)), 2)
     report["call_overhead_us"] = call_overhead_us()
     print(json.dumps(report, indent=1))
