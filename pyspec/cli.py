@@ -70,11 +70,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                                    top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                                    seed=args.seed, ignore_eos=args.ignore_eos)
     check_sampling_options(params)  # before the model loads (seconds to minutes)
-    llm = pyspec.LLM(args.model, args.draft, spec, dtype=args.dtype, device=args.device)
+    llm = pyspec.LLM(args.model, args.draft, spec, dtype=args.dtype, device=args.device,
+                     packed_weights=args.packed_weights)
     prompt = ([{"role": "user", "content": args.prompt}]
               if not args.no_chat and llm.tokenizer.chat_template else args.prompt)
     ids = llm.chat_prompt(prompt) if isinstance(prompt, list) else llm.encode(prompt)
-    print(f"model: {llm.model_path} ({args.dtype} on {args.device}; loaded in "
+    packed = llm.model.packed_bytes
+    weights = f", weights read as {packed / 1e6:.0f} MB of exact block codes" if packed else ""
+    print(f"model: {llm.model_path} ({args.dtype} on {args.device}{weights}; loaded in "
           f"{llm.load_seconds:.1f}s)")
     print(f"drafter: {llm.drafter_name}")
     print(f"prompt: {len(ids)} tokens; temperature {args.temperature}")
@@ -164,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu",
                    help="cpu, or cuda / cuda:N (a CUDA build with a GPU): where the model runs")
+    p.add_argument("--packed-weights", default="auto", choices=["auto", "off"],
+                   help="auto: float32 matrices that are exactly 4-bit / 8-bit block codes (the "
+                        "default model's) are read as those codes, same output bit for bit")
     p.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
     p.add_argument("--compare", action="store_true",
                    help="also run plain decoding and print both speeds, the speedup and whether "

@@ -23,7 +23,8 @@ def build(args):
     sc = pyspec.SpecConfig(num_speculative_tokens=spec.gamma, adaptive=spec.adaptive,
                            fallback_on_alpha_below=spec.fallback_on_alpha_below)
     llm = pyspec.LLM(model, draft, sc, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens,
-                     device=getattr(args, "device", "cpu"))
+                     device=getattr(args, "device", "cpu"),
+                     packed_weights=getattr(args, "packed_weights", "auto"))
     from pyspec.serve.tracing import tracer_from_env
 
     app = create_app(llm, cfg, model_name=args.served_model_name,
@@ -126,6 +127,9 @@ def add_parser(sub):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu",
                    help="cpu, or cuda / cuda:N (a CUDA build with a GPU): where the model runs")
+    p.add_argument("--packed-weights", default="auto", choices=["auto", "off"],
+                   help="auto: float32 matrices that are exactly 4-bit / 8-bit block codes (the "
+                        "default model's) are read as those codes, same output bit for bit")
     p.add_argument("--kv-cache-tokens", type=int, default=16384)
     p.add_argument("--prompt-log", default=None,
                    help="append a sampled share of prompts to this JSONL (eval-draft replays it)")

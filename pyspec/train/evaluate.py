@@ -116,8 +116,11 @@ def sampling_params(max_tokens: int, temperature: float):
 
 def evaluate(target: Optional[str], drafts: Dict[str, str], prompts, *, max_tokens: int = 128,
              temperature: float = 0.0, dtype: str = "float32", adaptive: bool = True,
-             progress: bool = True, where: Optional[List[str]] = None) -> dict:
-    """``where``: where each prompt came from (e.g. ``FILE:LINE``), for error messages."""
+             progress: bool = True, where: Optional[List[str]] = None,
+             packed_weights: str = "auto") -> dict:
+    """``where``: where each prompt came from (e.g. ``FILE:LINE``), for error messages.
+    ``packed_weights``: as ``pyspec.LLM``'s; the report's ``weights`` says which the target read
+    ("packed" or "float32"), since speedups differ between them (outputs do not)."""
     import pyspec
     from tqdm import tqdm
 
@@ -125,7 +128,8 @@ def evaluate(target: Optional[str], drafts: Dict[str, str], prompts, *, max_toke
     from pyspec.runner import ModelRunner
 
     params = sampling_params(max_tokens, temperature)
-    base = pyspec.LLM(target, draft="none", dtype=dtype, kv_cache_tokens=1024, progress=progress)
+    base = pyspec.LLM(target, draft="none", dtype=dtype, kv_cache_tokens=1024, progress=progress,
+                      packed_weights=packed_weights)
     enc = [base.chat_prompt([{"role": "user", "content": p}]) for _, p in prompts]
     # Every prompt is checked against the context before any is evaluated: one too long would
     # otherwise fail the run when evaluation reaches it.
@@ -167,7 +171,8 @@ def evaluate(target: Optional[str], drafts: Dict[str, str], prompts, *, max_toke
                 draft_seconds=e.stats.draft_seconds - d0, verify_seconds=e.stats.verify_seconds - v0,
                 identical=r.token_ids == ref.token_ids, fallbacks=st.fallbacks))
     report = dict(target=base.model_path, max_tokens=max_tokens, temperature=temperature,
-                  dtype=dtype, adaptive=adaptive, drafters={})
+                  dtype=dtype, adaptive=adaptive,
+                  weights="packed" if base.model.packed_bytes else dtype, drafters={})
     for name, rs in rows.items():
         s = _summary(rs)
         s["spec"] = drafts[name]
@@ -202,7 +207,9 @@ def write_report(report: dict, out_dir: str) -> List[str]:
         json.dump(report, f, indent=1)
     lines = ["# Drafter acceptance report", "",
              f"target `{report['target']}`, {report['max_tokens']} new tokens, temperature "
-             f"{report['temperature']}, {report['dtype']}, batch 1, same run as plain decoding", ""]
+             f"{report['temperature']}, {report['dtype']} ("
+             f"{'weights read as packed block codes' if report.get('weights') == 'packed' else 'dense weights'}"
+             "), batch 1, same run as plain decoding", ""]
     for name, s in report["drafters"].items():
         lines += [f"## {name} (`{s['spec']}`)", "",
                   f"- acceptance length **{s['acceptance_length']:.2f}**, tokens per target step "
@@ -297,11 +304,12 @@ def record_in_manifest(draft_dir: str, report: dict, args) -> None:
                    + (f" --limit {args.limit}" if args.limit else "")
                    + (f" --per-category {args.per_category}" if args.per_category else "")
                    + f" --temperature {args.temperature} --dtype {args.dtype}"
-                   + ("" if report["adaptive"] else " --no-adaptive"),
+                   + ("" if report["adaptive"] else " --no-adaptive")
+                   + f" --packed-weights {args.packed_weights}",
         "prompts": c["prompts"], "prompts_file": os.path.basename(args.prompts),
         "limit": args.limit, "per_category": args.per_category, "max_tokens": report["max_tokens"],
         "temperature": report["temperature"], "dtype": report["dtype"],
-        "adaptive": report["adaptive"],
+        "adaptive": report["adaptive"], "weights": report["weights"],
         "acceptance_length": round(c["acceptance_length"], 3),
         "tokens_per_target_step": round(c["tokens_per_target_step"], 3),
         "per_position_acceptance": [round(x, 3) for x in c["per_position_acceptance"][:8]],
@@ -324,6 +332,10 @@ def add_parser(sub):
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--packed-weights", default="auto", choices=["auto", "off"],
+                   help="auto: the target reads float32 matrices that are exactly 4-bit / 8-bit "
+                        "block codes as those codes (same outputs, other speedups); off: float32, "
+                        "as evaluations recorded before packed weights existed")
     p.add_argument("--no-adaptive", dest="adaptive", action="store_false",
                    help="fixed draft lengths (the drafter's), no fallback to plain decoding: "
                         "the drafter's acceptance without the cost model's decisions")
@@ -373,7 +385,8 @@ def _cmd(args) -> int:
         drafts["baseline"] = args.baseline
     report = evaluate(args.target, drafts, prompts, max_tokens=args.max_tokens,
                       temperature=args.temperature, dtype=args.dtype, adaptive=args.adaptive,
-                      where=[f"{args.prompts}:{k}" for k, _, _ in rows])
+                      where=[f"{args.prompts}:{k}" for k, _, _ in rows],
+                      packed_weights=args.packed_weights)
     paths = write_report(report, args.out)
     if args.record_in_manifest:
         record_in_manifest(heads, report, args)

@@ -212,9 +212,14 @@ def test_eval_draft_reproduces_the_shipped_manifest():
     assert ev["draft"] == "default" and ev["temperature"] == 0.0
     prompts = read_prompts(os.path.join(os.path.dirname(PROMPTS_FILE), ev["prompts_file"]),
                            ev["limit"], ev["per_category"])
+    # The weights it was measured on: evaluations recorded before packed weights existed say
+    # "float32" (draft lengths follow step times, which differ between the two).
+    weights = ev.get("weights", ev["dtype"])
     rep = evaluate(None, {"candidate": ev["draft"]}, prompts, max_tokens=ev["max_tokens"],
                    temperature=ev["temperature"], dtype=ev["dtype"],
-                   adaptive=ev.get("adaptive", True), progress=False)
+                   adaptive=ev.get("adaptive", True), progress=False,
+                   packed_weights="auto" if weights == "packed" else "off")
+    assert rep["weights"] == weights
     c = rep["drafters"]["candidate"]
     assert c["prompts"] == ev["prompts"]
     assert c["identical_to_plain"] == ev["identical_to_plain"] == ev["prompts"]

@@ -277,3 +277,19 @@ def test_packed_generation_equals_float32_generation(grid_dir, draft):
     for params in (sp, spt):
         ra, rb = a.generate(prompts, params), b.generate(prompts, params)
         assert [r.token_ids for r in ra] == [r.token_ids for r in rb]
+
+
+def test_cli_packed_weights_option(grid_dir, capsys):
+    from pyspec import cli
+
+    args = ["generate", "abc abc abc abc", "--model", grid_dir, "--draft", "ngram",
+            "--max-tokens", "12", "--compare", "--ignore-eos", "--no-chat"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "outputs identical: True" in out
+    assert ("MB of exact block codes" in out) == _C._packed_linear_available(), out
+    assert cli.main(args + ["--packed-weights", "off"]) == 0
+    assert "block codes" not in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        cli.main(args + ["--packed-weights", "on"])
+    assert e.value.code == 2 and "--packed-weights" in capsys.readouterr().err
