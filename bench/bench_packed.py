@@ -1,7 +1,7 @@
 """End to end: the default model on packed exact weights against its float32 weights, one run.
 
     python bench/bench_packed.py [--prompts 8] [--max-tokens 128] [--drafters none,default]
-                                 [--out bench/results/packed.json]
+                                 [--isa auto|avx2|avx512] [--out bench/results/packed.json]
 
 Loads the default model twice in one process, with ``packed_weights="auto"`` (its Q4_1 layers
 and Q8_0 lm_head also held as codes, see ``pyspec.linear.pack_exact``) and ``"off"`` (float32
@@ -10,7 +10,8 @@ matrices only), and decodes MT-bench first turns (chat template, greedy, batch 1
 interleaved per prompt so they share the machine's state. Reports tokens/s (prefill included),
 tokens per target step, each engine against plain decoding on float32 weights and against plain
 decoding on the same weights, and whether each output equals plain decoding on float32 weights
-token for token. Prints one JSON document (and writes it with ``--out``).
+token for token. ``--isa`` forces the dense kernels' build (``avx2``: what a CPU without AVX-512
+runs). Prints one JSON document (and writes it with ``--out``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--drafters", default="none,default",
                     help="comma-separated drafter specs ('none' = plain decoding; it is always run)")
+    ap.add_argument("--isa", default="auto", choices=["auto", "avx2", "avx512"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -41,6 +43,7 @@ def main(argv=None):
     from bench_spec import load_prompts
 
     torch.set_num_threads(2)
+    pyspec._C._set_linear_isa(args.isa)  # before loading: packing depends on the kernel in use
     drafters = [d for d in args.drafters.split(",") if d]
     if "none" not in drafters:
         drafters.insert(0, "none")
@@ -54,8 +57,8 @@ def main(argv=None):
             llms[weights, d].load_seconds_measured = time.perf_counter() - t
     packed_model = llms["packed", "none"].model
     if packed_model._packed is None:
-        raise SystemExit("the default model did not pack here (packed_weights needs the AVX-512 "
-                         "float32 kernel); nothing to compare")
+        raise SystemExit("the default model did not pack here (packed_weights needs the AVX2 or "
+                         "AVX-512 float32 kernel); nothing to compare")
     prompts = load_prompts(args.prompts)
     sp = pyspec.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     warm = pyspec.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -89,6 +92,7 @@ def main(argv=None):
     doc = {"config": {"prompts": len(prompts), "max_tokens": args.max_tokens,
                       "drafters": drafters, "threads": torch.get_num_threads(),
                       "linear_kernel": pyspec._C._linear_kernel("float32"),
+                      "packed_max_rows": pyspec._C._packed_max_rows(),
                       "packed_weight_bytes": packed_model.packed_bytes,
                       "float32_weight_bytes": sum(
                           p.dense.numel() * 4 for lp in packed_model._packed

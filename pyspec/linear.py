@@ -73,7 +73,8 @@ class PackedWeight:
     :func:`pack_exact`): ``q`` (4-bit: uint8 [N, K / 2], element j of a group of 32 in the low
     nibble of byte j, element j + 16 in its high nibble; 8-bit: int8 [N, K]), ``d`` and, for
     4-bit, ``m`` (float32 [N, K / 32]). :func:`linear` reads the codes for the few rows of decoding
-    on CPUs with the AVX-512 kernel and ``dense`` otherwise; both give the same bits."""
+    where the float32 kernel in use is the AVX2 or AVX-512 build and ``dense`` otherwise; both
+    give the same bits."""
 
     __slots__ = ("dense", "q", "d", "m", "bits")
 
@@ -145,19 +146,21 @@ def pack_exact(w, bits=(4, 8)) -> Optional["PackedWeight"]:
     return None
 
 
-_packed_available = _C._packed_linear_available
+_packed_rows = _C._packed_max_rows
 _core_packed = _C.linear_packed
 
 
 def _linear_packed(x, w: PackedWeight, bias, out):
     dense = w.dense
-    if (x.dtype is not torch.float32 or not x.is_cpu or not _packed_available()
+    if (x.dtype is not torch.float32 or not x.is_cpu
             or (_is_grad_enabled() and (x.requires_grad
                                         or (bias is not None and bias.requires_grad)))):
         return linear(x, dense, bias, out)
     shape = x.shape
     rows = x.numel() // shape[-1] if len(shape) and shape[-1] else 0
-    if rows == 0 or rows > _MAX_ROWS[torch.float32] or not x.is_contiguous() or (
+    # Up to the rows where the codes beat the float32 matrix with the kernel in use (64 on
+    # AVX-512, 4 on AVX2, 0 where the packed kernel cannot run: other ISAs).
+    if rows == 0 or rows > _packed_rows() or not x.is_contiguous() or (
             bias is not None and (bias.dtype is not torch.float32 or not bias.is_contiguous())):
         return linear(x, dense, bias, out)
     x2 = x if len(shape) == 2 else x.view(rows, shape[-1])
@@ -180,8 +183,9 @@ def linear(x, w, bias=None, out=None):
         out: optional ``[..., N]`` contiguous output tensor to write (fast path only; otherwise
             the result is copied into it).
 
-    ``w`` may be a :class:`PackedWeight`: the codes are read where the core kernel would run
-    (float32, at most ``max_fast_rows`` rows, the AVX-512 build), its dense matrix elsewhere.
+    ``w`` may be a :class:`PackedWeight`: the codes are read for float32 inputs of at most
+    ``_C._packed_max_rows()`` rows (64 with the AVX-512 build of the float32 kernel, 4 with the
+    AVX2 one, 0 elsewhere), its dense matrix otherwise.
 
     The fast path applies when all tensors are contiguous CPU tensors of one supported dtype,
     ``x`` has at most ``max_fast_rows(dtype)`` rows (leading dims flattened) and no input needs a

@@ -93,14 +93,19 @@ on CUDA). Tensors that require grad are read as is (no autograd).)doc");
 in groups of 32 along K: 4-bit ``w = d * q + m`` (q [N, K/2] uint8, low nibble = element j of a
 group, high nibble = element j + 16; d, m [N, K/32] float32) or, with ``m`` None, 8-bit
 ``w = d * q`` (q [N, K] int8). x [M, K], out [M, N], bias [N] or None: contiguous float32 cpu
-tensors; K a multiple of 32. Accumulates as the AVX-512 float32 kernel of ``linear`` does, so where
-the rebuilt weights equal a float32 matrix the outputs equal ``linear``'s on it bit for bit. Needs
-that kernel (``_packed_linear_available()``); raises ValueError naming the bad argument.)doc");
+tensors; K a multiple of 32. Accumulates as the float32 kernel of ``linear`` in use does (its AVX2
+or AVX-512 build), so where the rebuilt weights equal a float32 matrix the outputs equal
+``linear``'s on it bit for bit. Needs one of those builds (``_packed_linear_available()``); raises
+ValueError naming the bad argument.)doc");
   m.def("_packed_prefetch_blocks", &detail::SetPackedPrefetchBlocks, py::arg("blocks") = -1,
         "linear_packed's prefetch distance in blocks of 4 weight rows (0: none; negative: only "
         "read it). A benchmark knob; returns the distance in use.");
   m.def("_packed_linear_available", &detail::PackedLinearAvailable,
-        "Whether linear_packed can run here (the AVX-512 float32 linear kernel is in use).");
+        "Whether linear_packed can run here (the float32 linear kernel in use is the AVX2 or "
+        "the AVX-512 build).");
+  m.def("_packed_max_rows", &detail::PackedLinearMaxRows,
+        "Input rows up to which linear_packed beats linear on the float32 matrix with the kernel "
+        "in use (64 AVX-512, 4 AVX2, 0 where it cannot run).");
   m.def("_linear_isa", &detail::LinearIsa,
         "Instruction set of the CPU linear kernel in use ('generic', 'avx2', 'avx512' or 'amx').");
   m.def("_set_linear_isa", &detail::SetLinearIsa, py::arg("isa"),

@@ -190,8 +190,8 @@ class LlamaForCausalLM:
         then reads for the few rows of decoding and verification: 5-6x fewer bytes per step, the
         same results bit for bit (the codes rebuild each weight exactly and the kernel accumulates
         as the float32 one does). The float32 matrices stay (prefill, other devices, drafters
-        that read them). Only float32 models on the CPU whose linear kernel is the AVX-512 build;
-        returns how many matrices were packed (0 otherwise)."""
+        that read them). Only float32 models on the CPU whose float32 linear kernel is the AVX2 or
+        AVX-512 build; returns how many matrices were packed (0 otherwise)."""
         from pyspec import _C
         from pyspec.linear import pack_exact
 

@@ -248,61 +248,73 @@ TEST(Linear, RejectsBadArguments) {
 // Packed weights: codes on a 4-bit (d * q + m) or 8-bit (d * q) grid with float16-valued d give
 // Linear's float32 results on the rebuilt matrix bit for bit, at every M.
 TEST(LinearPacked, EqualsFloat32KernelBitForBit) {
-  if (!detail::PackedLinearAvailable()) GTEST_SKIP() << "no AVX-512 float32 kernel on this CPU";
-  std::mt19937 rng(11);
-  std::uniform_int_distribution<int> q4(0, 15), q8(-127, 127);
-  std::uniform_real_distribution<float> ud(1e-3f, 2e-2f), um(-0.2f, 0.0f);
-  auto f16 = [](float v) { return half::HalfToFloat(half::FloatToHalf(v)); };
-  for (int bits : {4, 8}) {
-    for (auto nk : {std::pair<int64_t, int64_t>{13, 96}, {300, 576}, {64, 1536}}) {
-      const int64_t N = nk.first, K = nk.second, G = K / 32;
-      std::vector<float> w(N * K), d(N * G), m(N * G);
-      std::vector<uint8_t> q(bits == 4 ? N * K / 2 : N * K);
-      for (int64_t n = 0; n < N; ++n) {
-        for (int64_t g = 0; g < G; ++g) {
-          d[n * G + g] = f16(ud(rng));
-          m[n * G + g] = f16(um(rng));
-          for (int j = 0; j < 32; ++j) {
-            const int64_t k = g * 32 + j;
-            if (bits == 4) {
-              const int v = q4(rng);
-              w[n * K + k] = d[n * G + g] * static_cast<float>(v) + m[n * G + g];
-              uint8_t& byte = q[n * K / 2 + g * 16 + j % 16];
-              byte = static_cast<uint8_t>(j < 16 ? (byte & 0xf0) | v : (byte & 0x0f) | (v << 4));
-            } else {
-              const int v = q8(rng);
-              w[n * K + k] = d[n * G + g] * static_cast<float>(v);
-              q[n * K + k] = static_cast<uint8_t>(static_cast<int8_t>(v));
+  int isas_run = 0;
+  for (const char* isa : {"avx2", "avx512"}) {
+    try {
+      detail::SetLinearIsa(isa);
+    } catch (const ValueError&) {
+      continue;  // this CPU lacks it
+    }
+    SCOPED_TRACE(isa);
+    ASSERT_TRUE(detail::PackedLinearAvailable());
+    ++isas_run;
+    std::mt19937 rng(11);
+    std::uniform_int_distribution<int> q4(0, 15), q8(-127, 127);
+    std::uniform_real_distribution<float> ud(1e-3f, 2e-2f), um(-0.2f, 0.0f);
+    auto f16 = [](float v) { return half::HalfToFloat(half::FloatToHalf(v)); };
+    for (int bits : {4, 8}) {
+      for (auto nk : {std::pair<int64_t, int64_t>{13, 96}, {300, 576}, {64, 1536}}) {
+        const int64_t N = nk.first, K = nk.second, G = K / 32;
+        std::vector<float> w(N * K), d(N * G), m(N * G);
+        std::vector<uint8_t> q(bits == 4 ? N * K / 2 : N * K);
+        for (int64_t n = 0; n < N; ++n) {
+          for (int64_t g = 0; g < G; ++g) {
+            d[n * G + g] = f16(ud(rng));
+            m[n * G + g] = f16(um(rng));
+            for (int j = 0; j < 32; ++j) {
+              const int64_t k = g * 32 + j;
+              if (bits == 4) {
+                const int v = q4(rng);
+                w[n * K + k] = d[n * G + g] * static_cast<float>(v) + m[n * G + g];
+                uint8_t& byte = q[n * K / 2 + g * 16 + j % 16];
+                byte = static_cast<uint8_t>(j < 16 ? (byte & 0xf0) | v : (byte & 0x0f) | (v << 4));
+              } else {
+                const int v = q8(rng);
+                w[n * K + k] = d[n * G + g] * static_cast<float>(v);
+                q[n * K + k] = static_cast<uint8_t>(static_cast<int8_t>(v));
+              }
             }
           }
         }
-      }
-      std::vector<float> bias(N);
-      for (float& b : bias) b = um(rng);
-      const TensorView qv = TensorView::Contiguous(q.data(), bits == 4 ? DType::kUInt8 : DType::kInt8,
-                                                   {N, bits == 4 ? K / 2 : K});
-      const TensorView dv = TensorView::Contiguous(d.data(), DType::kFloat32, {N, G});
-      const TensorView mv = TensorView::Contiguous(m.data(), DType::kFloat32, {N, G});
-      const TensorView bv = TensorView::Contiguous(bias.data(), DType::kFloat32, {N});
-      for (int64_t M : {1, 2, 4, 5, 8, 9, 16, 37}) {
-        SCOPED_TRACE(::testing::Message() << "bits=" << bits << " N=" << N << " K=" << K
-                                          << " M=" << M);
-        std::vector<float> x(M * K), want(M * N), got(M * N, NAN);
-        for (float& v : x) v = um(rng) * 10.0f + 1.0f;
-        const TensorView xv = TensorView::Contiguous(x.data(), DType::kFloat32, {M, K});
-        for (const TensorView* b : {static_cast<const TensorView*>(nullptr), &bv}) {
-          Linear(xv, TensorView::Contiguous(w.data(), DType::kFloat32, {N, K}), b,
-                 TensorView::Contiguous(want.data(), DType::kFloat32, {M, N}));
-          LinearPacked(xv, qv, dv, bits == 4 ? &mv : nullptr, b,
-                       TensorView::Contiguous(got.data(), DType::kFloat32, {M, N}));
-          for (int64_t i = 0; i < M * N; ++i) {
-            ASSERT_EQ(ToBits(got[i], DType::kFloat32), ToBits(want[i], DType::kFloat32))
-                << "output " << i << ": " << got[i] << " vs " << want[i];
+        std::vector<float> bias(N);
+        for (float& b : bias) b = um(rng);
+        const DType qt = bits == 4 ? DType::kUInt8 : DType::kInt8;
+        const TensorView qv = TensorView::Contiguous(q.data(), qt, {N, bits == 4 ? K / 2 : K});
+        const TensorView dv = TensorView::Contiguous(d.data(), DType::kFloat32, {N, G});
+        const TensorView mv = TensorView::Contiguous(m.data(), DType::kFloat32, {N, G});
+        const TensorView bv = TensorView::Contiguous(bias.data(), DType::kFloat32, {N});
+        for (int64_t M : {1, 2, 4, 5, 8, 9, 16, 37}) {
+          SCOPED_TRACE(::testing::Message() << "bits=" << bits << " N=" << N << " K=" << K
+                                            << " M=" << M);
+          std::vector<float> x(M * K), want(M * N), got(M * N, NAN);
+          for (float& v : x) v = um(rng) * 10.0f + 1.0f;
+          const TensorView xv = TensorView::Contiguous(x.data(), DType::kFloat32, {M, K});
+          for (const TensorView* b : {static_cast<const TensorView*>(nullptr), &bv}) {
+            Linear(xv, TensorView::Contiguous(w.data(), DType::kFloat32, {N, K}), b,
+                   TensorView::Contiguous(want.data(), DType::kFloat32, {M, N}));
+            LinearPacked(xv, qv, dv, bits == 4 ? &mv : nullptr, b,
+                         TensorView::Contiguous(got.data(), DType::kFloat32, {M, N}));
+            for (int64_t i = 0; i < M * N; ++i) {
+              ASSERT_EQ(ToBits(got[i], DType::kFloat32), ToBits(want[i], DType::kFloat32))
+                  << "output " << i << ": " << got[i] << " vs " << want[i];
+            }
           }
         }
       }
     }
   }
+  detail::SetLinearIsa("auto");
+  if (isas_run == 0) GTEST_SKIP() << "no AVX2 or AVX-512 float32 kernel on this CPU";
 }
 
 TEST(LinearPacked, RejectsBadArguments) {

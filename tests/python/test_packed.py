@@ -18,7 +18,8 @@ from pyspec.runner import ModelRunner, SeqStep
 from test_llm import write_tiny_model
 
 needs_kernel = pytest.mark.skipif(not _C._packed_linear_available(),
-                                  reason="the packed kernel needs the AVX-512 float32 build")
+                                  reason="the packed kernel needs the AVX2 or AVX-512 float32 "
+                                         "build")
 
 
 def q4_grid(n, k, seed=0):
@@ -105,11 +106,44 @@ def test_big_matrix_of_another_format_fails_fast_and_still_packs_right():
     assert pack_exact(w2, bits=(4,)) is None
 
 
-@needs_kernel
+def _packed_isas():
+    isas = []
+    for isa in ("avx2", "avx512"):
+        try:
+            _C._set_linear_isa(isa)
+        except ValueError:  # this CPU lacks it
+            continue
+        if _C._packed_linear_available():
+            isas.append(isa)
+    _C._set_linear_isa("auto")
+    return isas
+
+
+@pytest.fixture(params=_packed_isas() or [pytest.param("none", marks=pytest.mark.skip(
+    reason="the packed kernel needs the AVX2 or AVX-512 float32 build"))])
+def packed_isa(request):
+    _C._set_linear_isa(request.param)
+    yield request.param
+    _C._set_linear_isa("auto")
+
+
+def test_packed_rows_follow_the_kernel():
+    try:
+        for isa, rows in (("generic", 0), ("avx2", 4), ("avx512", 64)):
+            try:
+                _C._set_linear_isa(isa)
+            except ValueError:
+                continue
+            assert _C._packed_max_rows() == rows
+            assert _C._packed_linear_available() == (rows > 0)
+    finally:
+        _C._set_linear_isa("auto")
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("nk", [(7, 64), (13, 96), (960, 576), (576, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_packed_linear_equals_float32_kernel_bit_for_bit(bits, nk, with_bias):
+def test_packed_linear_equals_float32_kernel_bit_for_bit(packed_isa, bits, nk, with_bias):
     n, k = nk
     w = q4_grid(n, k, seed=n) if bits == 4 else q8_grid(n, k, seed=n)
     p = pack_exact(w)
@@ -123,7 +157,7 @@ def test_packed_linear_equals_float32_kernel_bit_for_bit(bits, nk, with_bias):
         if m <= max_fast_rows(torch.float32):
             out = torch.full((m, n), float("nan"))
             _C.linear_packed(x, p.q, p.d, p.m, b, out)  # the op itself, whatever the route
-            assert bits_equal(out, want)
+            assert bits_equal(out, want), (packed_isa, m)
     torch.testing.assert_close(linear(x, p, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
 
 
@@ -157,7 +191,7 @@ def test_packed_linear_follows_the_kernel_in_use():
         assert not _C._packed_linear_available()
         assert bits_equal(linear(x, p), linear(x, w))
         out = torch.empty(3, 32)
-        with pytest.raises(ValueError, match="AVX-512"):
+        with pytest.raises(ValueError, match="AVX2 or AVX-512"):
             _C.linear_packed(x, p.q, p.d, p.m, None, out)
     finally:
         _C._set_linear_isa("auto")
@@ -236,8 +270,7 @@ def test_from_pretrained_packs_exact_matrices_only(grid_dir, tmp_path, monkeypat
     assert LlamaForCausalLM.from_pretrained(plain_dir)._packed is None
 
 
-@needs_kernel
-def test_packed_model_steps_equal_the_float32_model_bit_for_bit(grid_dir):
+def test_packed_model_steps_equal_the_float32_model_bit_for_bit(grid_dir, packed_isa):
     packed = LlamaForCausalLM.from_pretrained(grid_dir)
     dense = LlamaForCausalLM.from_pretrained(grid_dir, packed_weights="off")
     assert packed._packed is not None and dense._packed is None

@@ -44,17 +44,21 @@ void Linear(const TensorView& x, const TensorView& w, const TensorView* bias,
 // group holding element j in its low nibble and element j + 16 in its high one; d, m [N, K / 32]
 // float32), or 8-bit when `m` is null, w = d * q (q [N, K] int8). x [M, K] and out [M, N] float32,
 // bias [N] float32 or nullptr, K a multiple of 32. Each output accumulates exactly as Linear's
-// AVX-512 float32 kernel does over the rebuilt weights, so where those equal a float32 matrix bit
+// float32 kernel in use does over the rebuilt weights, so where those equal a float32 matrix bit
 // for bit (d * q exact, as with d a float16 value) the result equals Linear on that matrix bit for
-// bit, for any M. Needs the AVX-512 kernel (detail::PackedLinearAvailable()); ValueError otherwise
-// and for bad arguments.
+// bit, for any M. Needs the AVX2 or AVX-512 build of the float32 kernel
+// (detail::PackedLinearAvailable()), and matches that build; ValueError otherwise and for bad
+// arguments.
 void LinearPacked(const TensorView& x, const TensorView& q, const TensorView& d,
                   const TensorView* m, const TensorView* bias, const TensorView& out,
                   ThreadPool* pool = nullptr);
 
 namespace detail {
-// Whether LinearPacked can run: the AVX-512 float32 kernel is the one in use.
+// Whether LinearPacked can run: the float32 kernel in use is the AVX2 or the AVX-512 build.
 bool PackedLinearAvailable();
+// Input rows up to which LinearPacked beats Linear on the float32 matrix with the kernel in use
+// (64 for AVX-512, 4 for AVX2; 0 where it cannot run). Any M is correct.
+int64_t PackedLinearMaxRows();
 // LinearPacked's prefetch distance in blocks of 4 weight rows (0: none); a negative value only
 // reads it. Returns the distance now in use. A benchmark knob.
 int64_t SetPackedPrefetchBlocks(int64_t blocks);
