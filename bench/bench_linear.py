@@ -12,7 +12,9 @@ over the repetitions (they alternate, so all see the same machine load): ``pyspe
 core kernel at every M, ``torch`` ``F.linear``. With ``--packed`` the float32 weights are moved onto
 the block grids of a Q4_1 / Q8_0 GGUF (4-bit groups for the layers, 8-bit for lm_head: the default
 model's formats) and ``packed`` times ``pyspec.linear`` on their exact codes (``pack_exact``; the
-same results as the others bit for bit; ``packed_mb`` is what it reads). The machine's read bandwidth is measured in the same run as a
+same results as the float32 kernel bit for bit; ``packed_mb`` is what it reads; past
+``_C._packed_max_rows()`` rows it reads the float32 matrices, as a model does). ``--isa`` forces
+the kernels' build (``avx2``: what a CPU without AVX-512 runs). The machine's read bandwidth is measured in the same run as a
 ``sum()`` over a 256 MiB fp32 tensor with the same thread count. Prints one JSON document;
 ``speedup`` is pyspec GB/s / torch GB/s (medians). Also reports the per-call Python overhead of
 ``pyspec.linear`` on a tiny layer next to ``F.linear``'s.
@@ -68,7 +70,7 @@ def snap_to_blocks(w: torch.Tensor, bits: int) -> torch.Tensor:
         q = torch.round((g - lo) / d).clamp(0, 15)
         return (q * d + lo).reshape(w.shape).contiguous()
     d = (g.abs().amax(-1, keepdim=True) / 127).half().float()
-    return (torch.round(g / d).clamp(-127, 127) * d).reshape(w.shape).contiguous()
+    return (torch.round(g / d).clamp(-127, 127) * d + 0.0).reshape(w.shape).contiguous()  # no -0.0
 
 
 def bench_case(weights, m: int, dtype, reps: int, packed=None) -> dict:
@@ -96,9 +98,9 @@ def bench_case(weights, m: int, dtype, reps: int, packed=None) -> dict:
            "weight_mb": round(nbytes / 1e6, 1)}
     if packed is not None:
         res["packed_mb"] = round(sum(p.nbytes for p in packed) / 1e6, 1)
-        y = {w.shape[0]: (linear(xs[w.shape[1]], w), impls["packed"](xs[w.shape[1]], w))
-             for w in weights}
-        res["packed_equals_pyspec"] = all(torch.equal(a, b) for a, b in y.values())
+        res["packed_equals_pyspec"] = all(  # every matrix, bit for bit
+            torch.equal(linear(xs[w.shape[1]], w).view(torch.int32),
+                        impls["packed"](xs[w.shape[1]], w).view(torch.int32)) for w in weights)
     for name, ts in times.items():
         res[name] = {
             "best_gbps": round(nbytes / min(ts) / 1e9, 2),
@@ -137,6 +139,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     ap.add_argument("--rows", default="1,4,16", help="input rows M, comma-separated")
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--isa", default="auto", choices=["auto", "avx2", "avx512"])
     ap.add_argument("--packed", action="store_true",
                     help="float32 weights on Q4_1 / Q8_0 block grids, plus their packed codes")
     ap.add_argument("--huge-pages", type=int, default=1,
@@ -150,10 +153,12 @@ def main(argv=None) -> dict:
         ap.error("--rows must be positive integers; --dtypes float32, bfloat16 or float16")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    _C._set_linear_isa(args.isa)
     layers, reps = (4, 3) if args.quick else (LAYERS, args.reps)
     report = {
         "threads": torch.get_num_threads(),
         "linear_isa": _C._linear_isa(),
+        "packed_max_rows": _C._packed_max_rows(),
         "layers": layers,
         "reps": reps,
         "huge_pages": bool(args.huge_pages) and hugepages_enabled(),

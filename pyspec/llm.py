@@ -241,7 +241,7 @@ class LLM:
         packed_weights: "auto" (default): dense matrices whose float32 values are exactly a 4-bit
             or 8-bit block format (a model converted from a Q4_1 / Q8_0 GGUF, like the default
             model) are also held as those codes, which decoding reads instead: the same outputs
-            bit for bit, 5-6x fewer weight bytes per step (float32 on CPUs with AVX2 or AVX-512;
+            bit for bit, about 5x fewer weight bytes per step (float32 on CPUs with AVX2 or AVX-512;
             see ``LlamaForCausalLM.pack_weights``); "off": never.
     """
 

@@ -105,7 +105,7 @@ ValueError naming the bad argument.)doc");
         "the AVX-512 build).");
   m.def("_packed_max_rows", &detail::PackedLinearMaxRows,
         "Input rows up to which linear_packed beats linear on the float32 matrix with the kernel "
-        "in use (64 AVX-512, 4 AVX2, 0 where it cannot run).");
+        "in use (32 AVX-512, 4 AVX2, 0 where it cannot run).");
   m.def("_linear_isa", &detail::LinearIsa,
         "Instruction set of the CPU linear kernel in use ('generic', 'avx2', 'avx512' or 'amx').");
   m.def("_set_linear_isa", &detail::SetLinearIsa, py::arg("isa"),

@@ -468,7 +468,7 @@ __attribute__((target("avx512f,avx2,fma"))) void RunBlocksAvx512(const Ctx& c, i
 // of K in ascending order, then Reduce4. With d a float16 value (11 significant bits) every d * q
 // is exact in fp32, so the rebuilt weight is one rounding of d * q + m whichever way it is
 // computed; where those equal the float32 weights bit for bit (the packer checks), a packed layer
-// gives the float32 kernel's outputs bit for bit while reading 5-6x fewer bytes.
+// gives the float32 kernel's outputs bit for bit while reading 3.6x (8-bit) to 5.3x (4-bit) fewer bytes.
 // ---------------------------------------------------------------------------------------------
 
 std::atomic<int64_t> g_packed_pf_blocks{2};  // prefetch distance in blocks (a benchmark knob)
@@ -890,10 +890,10 @@ int64_t PackedLinearMaxRows() {
 #ifdef PYSPEC_X86
   // Measured on the SmolLM2-135M shapes, 2 threads (one decoding step's dense layers): AVX-512
   // 8.0 / 9.9 / 16.9 / 27.3 ms at 1 / 4 / 8 / 16 rows against 21.1 / 23.2 / 27.3 / 34.0 for
-  // float32, level at 32-64; AVX2 9.3 / 17.8 ms at 1 / 4 rows against 21.3 / 23.0, but 29.6 /
+  // float32, 41.0 against 42.9 at 32 and 76.3 against 74.5 at 64; AVX2 9.3 / 17.8 ms at 1 / 4 rows against 21.3 / 23.0, but 29.6 /
   // 44.1 at 8 / 16 against 26.9 / 37.4 (its 16 registers hold fewer rows per rebuilt weight).
   const BlocksFn fn = SelectKernel(DType::kFloat32).fn;
-  if (fn == &RunBlocksAvx512) return 64;
+  if (fn == &RunBlocksAvx512) return 32;
   if (fn == &RunBlocksAvx2) return 4;
 #endif
   return 0;
@@ -1010,10 +1010,15 @@ void LinearPacked(const TensorView& x, const TensorView& q, const TensorView& d,
   const int64_t M = x.shape[0], K = x.shape[1];
   PYSPEC_CHECK(K % 32 == 0 && K > 0, "packed weights need K to be a positive multiple of 32; got ",
                K);
-  CheckDType(q, "q", {DType::kUInt8, DType::kInt8});
+  const int bits = mn != nullptr ? 4 : 8;
+  // uint8 nibble pairs with 'm' (4-bit), int8 codes without (8-bit): another pairing would be
+  // read as the other format.
+  CheckDType(q, "q", {bits == 4 ? DType::kUInt8 : DType::kInt8});
   PYSPEC_CHECK(q.ndim == 2, "'q' must be 2-D; got shape ", q.ShapeString());
   const int64_t N = q.shape[0];
-  const int bits = mn != nullptr ? 4 : 8;
+  PYSPEC_CHECK(q.shape[1] == (bits == 4 ? K / 2 : K), "'q' has shape ", q.ShapeString(),
+               ": ", bits == 4 ? q.shape[1] * 2 : q.shape[1], " weights per row, but 'x' has K = ",
+               K, " (", bits, "-bit codes: [N, ", bits == 4 ? "K / 2" : "K", "])");
   CheckShape(q, "q", {N, bits == 4 ? K / 2 : K});
   CheckContiguous(q, "q");
   CheckDType(d, "d", {DType::kFloat32});

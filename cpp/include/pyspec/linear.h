@@ -57,7 +57,7 @@ namespace detail {
 // Whether LinearPacked can run: the float32 kernel in use is the AVX2 or the AVX-512 build.
 bool PackedLinearAvailable();
 // Input rows up to which LinearPacked beats Linear on the float32 matrix with the kernel in use
-// (64 for AVX-512, 4 for AVX2; 0 where it cannot run). Any M is correct.
+// (32 for AVX-512, 4 for AVX2; 0 where it cannot run). Any M is correct.
 int64_t PackedLinearMaxRows();
 // LinearPacked's prefetch distance in blocks of 4 weight rows (0: none); a negative value only
 // reads it. Returns the distance now in use. A benchmark knob.
