@@ -484,6 +484,32 @@ struct PackedCtx {
   int bits;
 };
 
+// res[m][r] from the accumulators as the float32 kernel reduces them: Reduce4 for a full block
+// of 4 weight rows, Reduce1 for the rows past the last full block.
+template <int MR, int NR, class V>
+PYSPEC_INLINE void ReduceRows(const V (&acc)[MR][NR], float* res) {
+  for (int m = 0; m < MR; ++m) {
+    if constexpr (NR == 4) {
+      Reduce4(acc[m], res + m * NR);
+    } else {
+      for (int r = 0; r < NR; ++r) res[m * NR + r] = Reduce1(acc[m][r]);
+    }
+  }
+}
+
+// out[m0 .. m0 + rows, n0 .. n0 + nr] = res (+ bias), as the float32 kernel stores fp32 rows.
+inline void StorePackedRows(const PackedCtx& c, int64_t m0, int rows, int64_t n0, int nr,
+                            const float* res) {
+  for (int m = 0; m < rows; ++m) {
+    float* o = c.out + (m0 + m) * c.N + n0;
+    for (int r = 0; r < nr; ++r) {
+      float v = res[m * nr + r];
+      if (c.bias != nullptr) v += c.bias[n0 + r];
+      o[r] = v;
+    }
+  }
+}
+
 typedef float VQ __attribute__((vector_size(64)));
 typedef int32_t IQ __attribute__((vector_size(64)));
 
@@ -549,13 +575,7 @@ __attribute__((target("avx512f,avx2,fma"))) PYSPEC_INLINE void DotBlockPacked(
       for (int r = 0; r < NR; ++r) acc[m][r] += xv * w1[r];
     }
   }
-  for (int m = 0; m < MR; ++m) {
-    if constexpr (NR == 4) {
-      Reduce4(acc[m], res + m * NR);
-    } else {
-      for (int r = 0; r < NR; ++r) res[m * NR + r] = Reduce1(acc[m][r]);
-    }
-  }
+  ReduceRows<MR, NR>(acc, res);
 }
 
 template <int MR, int NR, int BITS>
@@ -598,14 +618,7 @@ __attribute__((target("avx512f,avx2,fma"))) void PackedRowBlock(const PackedCtx&
   for (int64_t m0 = 0; m0 < c.M; m0 += MR) {
     const int rows = static_cast<int>(std::min<int64_t>(MR, c.M - m0));
     DotRowsPacked<MR, NR, BITS>(rows, c, c.x + m0 * c.ldx, n0, res);
-    for (int m = 0; m < rows; ++m) {
-      float* o = c.out + (m0 + m) * c.N + n0;
-      for (int r = 0; r < NR; ++r) {
-        float v = res[m * NR + r];
-        if (c.bias != nullptr) v += c.bias[n0 + r];
-        o[r] = v;
-      }
-    }
+    StorePackedRows(c, m0, rows, n0, NR, res);
   }
 }
 
@@ -661,13 +674,7 @@ __attribute__((target("avx2,fma"))) PYSPEC_INLINE void DotBlockPacked8(
       }
     }
   }
-  for (int m = 0; m < MR; ++m) {
-    if constexpr (NR == 4) {
-      Reduce4(acc[m], res + m * NR);
-    } else {
-      for (int r = 0; r < NR; ++r) res[m * NR + r] = Reduce1(acc[m][r]);
-    }
-  }
+  ReduceRows<MR, NR>(acc, res);
 }
 
 template <int MR, int NR, int BITS>
@@ -707,14 +714,7 @@ __attribute__((target("avx2,fma"))) void PackedRowBlock8(const PackedCtx& c, int
   for (int64_t m0 = 0; m0 < c.M; m0 += MR) {
     const int rows = static_cast<int>(std::min<int64_t>(MR, c.M - m0));
     DotRowsPacked8<MR, NR, BITS>(rows, c, c.x + m0 * c.ldx, n0, res);
-    for (int m = 0; m < rows; ++m) {
-      float* o = c.out + (m0 + m) * c.N + n0;
-      for (int r = 0; r < NR; ++r) {
-        float v = res[m * NR + r];
-        if (c.bias != nullptr) v += c.bias[n0 + r];
-        o[r] = v;
-      }
-    }
+    StorePackedRows(c, m0, rows, n0, NR, res);
   }
 }
 

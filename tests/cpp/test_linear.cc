@@ -44,6 +44,17 @@ struct Buf {
   }
 };
 
+// Runs fn and expects a ValueError whose message contains needle.
+template <class Fn>
+void ExpectValueError(Fn fn, const std::string& needle) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error; expected one naming " << needle;
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
 struct Case {
   int64_t M, N, K;
   bool bias;
@@ -219,26 +230,18 @@ TEST(Linear, RejectsBadArguments) {
   auto H = [&](std::initializer_list<int64_t> s) {
     return TensorView::Contiguous(h.data(), DType::kBFloat16, s);
   };
-  auto expect_error = [](auto fn, const std::string& needle) {
-    try {
-      fn();
-      ADD_FAILURE() << "no error; expected one naming " << needle;
-    } catch (const ValueError& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-  };
-  expect_error([&] { Linear(F({2, 4}), H({3, 4}), nullptr, F({2, 3})); }, "'w'");
-  expect_error([&] { Linear(F({2, 4}), F({3, 4}), nullptr, H({2, 3})); }, "'out'");
-  expect_error([&] { Linear(F({2, 4}), F({3, 5}), nullptr, F({2, 3})); }, "'w'");
-  expect_error([&] { Linear(F({2, 4}), F({3, 4}), nullptr, F({2, 4})); }, "'out'");
+  ExpectValueError([&] { Linear(F({2, 4}), H({3, 4}), nullptr, F({2, 3})); }, "'w'");
+  ExpectValueError([&] { Linear(F({2, 4}), F({3, 4}), nullptr, H({2, 3})); }, "'out'");
+  ExpectValueError([&] { Linear(F({2, 4}), F({3, 5}), nullptr, F({2, 3})); }, "'w'");
+  ExpectValueError([&] { Linear(F({2, 4}), F({3, 4}), nullptr, F({2, 4})); }, "'out'");
   TensorView bad_bias = F({4});
-  expect_error([&] { Linear(F({2, 4}), F({3, 4}), &bad_bias, F({2, 3})); }, "'bias'");
-  expect_error([&] { Linear(F({8}), F({3, 8}), nullptr, F({1, 3})); }, "'x'");
+  ExpectValueError([&] { Linear(F({2, 4}), F({3, 4}), &bad_bias, F({2, 3})); }, "'bias'");
+  ExpectValueError([&] { Linear(F({8}), F({3, 8}), nullptr, F({1, 3})); }, "'x'");
   TensorView ints = TensorView::Contiguous(f.data(), DType::kInt32, {2, 4});
-  expect_error([&] { Linear(ints, F({3, 4}), nullptr, F({2, 3})); }, "'x'");
+  ExpectValueError([&] { Linear(ints, F({3, 4}), nullptr, F({2, 3})); }, "'x'");
   TensorView strided = F({2, 4});
   strided.strides[0] = 8;
-  expect_error([&] { Linear(strided, F({3, 4}), nullptr, F({2, 3})); }, "'x'");
+  ExpectValueError([&] { Linear(strided, F({3, 4}), nullptr, F({2, 3})); }, "'x'");
   TensorView cuda = F({3, 4});
   cuda.device = Device{DeviceType::kCUDA, 0};
   EXPECT_THROW(Linear(F({2, 4}), cuda, nullptr, F({2, 3})), RuntimeError);
@@ -326,28 +329,20 @@ TEST(LinearPacked, RejectsBadArguments) {
   auto Q = [&](std::initializer_list<int64_t> s) {
     return TensorView::Contiguous(q.data(), DType::kUInt8, s);
   };
-  auto expect_error = [](auto fn, const std::string& needle) {
-    try {
-      fn();
-      ADD_FAILURE() << "no error; expected one naming " << needle;
-    } catch (const ValueError& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-  };
   TensorView m = F({3, 2});
-  expect_error([&] { LinearPacked(F({2, 48}), Q({3, 24}), F({3, 1}), &m, nullptr, F({2, 3})); },
+  ExpectValueError([&] { LinearPacked(F({2, 48}), Q({3, 24}), F({3, 1}), &m, nullptr, F({2, 3})); },
                "multiple of 32");
-  expect_error([&] { LinearPacked(F({2, 64}), Q({3, 31}), F({3, 2}), &m, nullptr, F({2, 3})); },
+  ExpectValueError([&] { LinearPacked(F({2, 64}), Q({3, 31}), F({3, 2}), &m, nullptr, F({2, 3})); },
                "'q'");
-  expect_error([&] { LinearPacked(F({2, 64}), Q({3, 32}), F({3, 3}), &m, nullptr, F({2, 3})); },
+  ExpectValueError([&] { LinearPacked(F({2, 64}), Q({3, 32}), F({3, 3}), &m, nullptr, F({2, 3})); },
                "'d'");
   TensorView bad_m = F({3, 1});
-  expect_error(
+  ExpectValueError(
       [&] { LinearPacked(F({2, 64}), Q({3, 32}), F({3, 2}), &bad_m, nullptr, F({2, 3})); }, "'m'");
-  expect_error([&] { LinearPacked(F({2, 64}), Q({3, 32}), F({3, 2}), &m, nullptr, F({2, 4})); },
+  ExpectValueError([&] { LinearPacked(F({2, 64}), Q({3, 32}), F({3, 2}), &m, nullptr, F({2, 4})); },
                "'out'");
   TensorView bias = F({4});
-  expect_error([&] { LinearPacked(F({2, 64}), Q({3, 32}), F({3, 2}), &m, &bias, F({2, 3})); },
+  ExpectValueError([&] { LinearPacked(F({2, 64}), Q({3, 32}), F({3, 2}), &m, &bias, F({2, 3})); },
                "'bias'");
 }
 

@@ -352,8 +352,11 @@ def test_packed_generation_equals_float32_generation(grid_dir, draft):
     sp = pyspec.SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     spt = pyspec.SamplingParams(max_tokens=40, temperature=0.8, seed=7, ignore_eos=True)
     prompts = ["the cat sat on the mat. the cat sat on the", "abc abc abc abc", "x"]
-    a = pyspec.LLM(grid_dir, draft=draft, kv_cache_tokens=4096, progress=False)
-    b = pyspec.LLM(grid_dir, draft=draft, kv_cache_tokens=4096, progress=False,
+    # Fixed draft lengths: the cost model's follow step timings, which differ between the two
+    # (and a sampled chain's tokens depend on how long it drafts).
+    fixed = pyspec.SpecConfig(adaptive=False)
+    a = pyspec.LLM(grid_dir, draft=draft, spec=fixed, kv_cache_tokens=4096, progress=False)
+    b = pyspec.LLM(grid_dir, draft=draft, spec=fixed, kv_cache_tokens=4096, progress=False,
                    packed_weights="off")
     assert a.model._packed is not None and b.model._packed is None
     for params in (sp, spt):
