@@ -19,6 +19,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
     print(f"CPU op threads: {_C.num_threads()}")
     print("dense layer kernels: " + ", ".join(
         f"{dt} {_C._linear_kernel(dt)}" for dt in ("float32", "bfloat16", "float16")))
+    rows = _C._packed_max_rows()
+    print("packed exact weights: " + (f"read as codes up to {rows} rows" if rows else
+                                      "unavailable (needs the AVX2 or AVX-512 float32 kernel)"))
     return 0
 
 

@@ -36,6 +36,9 @@ def test_cli_info_runs():
     assert "built with CUDA" in out.stdout
     kernels = {dt: pyspec._C._linear_kernel(dt) for dt in ("float32", "bfloat16", "float16")}
     assert "dense layer kernels: " + ", ".join(f"{d} {k}" for d, k in kernels.items()) in out.stdout
+    rows = pyspec._C._packed_max_rows()
+    assert (f"packed exact weights: read as codes up to {rows} rows" if rows else
+            "packed exact weights: unavailable") in out.stdout
 
 
 def test_two_imports_share_nothing_mutable():
