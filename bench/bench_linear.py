@@ -14,7 +14,8 @@ the block grids of a Q4_1 / Q8_0 GGUF (4-bit groups for the layers, 8-bit for lm
 model's formats) and ``packed`` times ``pyspec.linear`` on their exact codes (``pack_exact``; the
 same results as the float32 kernel bit for bit; ``packed_mb`` is what it reads; past
 ``_C._packed_max_rows()`` rows it reads the float32 matrices, as a model does). ``--isa`` forces
-the kernels' build (``avx2``: what a CPU without AVX-512 runs). The machine's read bandwidth is measured in the same run as a
+the kernels' build (``avx2``: what a CPU without AVX-512 runs). The machine's read bandwidth is
+measured in the same run as a
 ``sum()`` over a 256 MiB fp32 tensor with the same thread count. Prints one JSON document;
 ``speedup`` is pyspec GB/s / torch GB/s (medians). Also reports the per-call Python overhead of
 ``pyspec.linear`` on a tiny layer next to ``F.linear``'s.

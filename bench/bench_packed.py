@@ -34,7 +34,8 @@ def main(argv=None):
                     "for 8)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--drafters", default="none,default",
-                    help="comma-separated drafter specs ('none' = plain decoding; it is always run)")
+                    help="comma-separated drafter specs ('none' = plain decoding; it is always "
+                         "run)")
     ap.add_argument("--isa", default="auto", choices=["auto", "avx2", "avx512"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -85,7 +86,8 @@ def main(argv=None):
         same_plain = res[weights, "none"]["tokens"] / res[weights, "none"]["seconds"]
         engines[f"{weights} {d}"] = {
             "weights": weights, "drafter": d, "tokens_per_s": round(tps, 1),
-            "vs_float32_plain": round(tps / base, 2), "vs_plain_same_weights": round(tps / same_plain, 2),
+            "vs_float32_plain": round(tps / base, 2),
+            "vs_plain_same_weights": round(tps / same_plain, 2),
             "tokens_per_target_step": round(r["tokens"] / r["steps"], 3) if r["steps"] else None,
             "identical_to_float32_plain": f"{r['identical']}/{len(prompts)}",
             "load_seconds": round(llms[weights, d].load_seconds_measured, 2)}

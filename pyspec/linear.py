@@ -16,8 +16,8 @@ A float32 matrix whose values are exactly those of a 4-bit or 8-bit block format
 along K: ``w = d * q + m`` with q in 0..15, or ``w = d * q`` with q in -128..127, d a float16
 value; a model converted from a Q4_1 / Q8_0 GGUF, like the embedded default model, is one) can be
 held as those codes too (:func:`pack_exact`, :class:`PackedWeight`): ``linear`` then reads about
-5x fewer bytes per call (4-bit codes 5.3x, 8-bit 3.6x) and, rebuilding each weight exactly and accumulating as the float32 kernel
-does, returns the float32 kernel's results bit for bit.
+5x fewer bytes per call (4-bit codes 5.3x, 8-bit 3.6x) and, rebuilding each weight exactly and
+accumulating as the float32 kernel does, returns the float32 kernel's results bit for bit.
 """
 
 from __future__ import annotations

@@ -178,6 +178,19 @@ PYSPEC_INLINE void DotBf16(V* acc, const V& x, const V& w) {
   *acc = a;
 }
 
+// res[m][r] from the accumulators: Reduce4 for a full block of 4 weight rows, Reduce1 for the rows
+// past the last full block (the packed kernels reduce exactly so too).
+template <int MR, int NR, class V>
+PYSPEC_INLINE void ReduceRows(const V (&acc)[MR][NR], float* res) {
+  for (int m = 0; m < MR; ++m) {
+    if constexpr (NR == 4) {
+      Reduce4(acc[m], res + m * NR);
+    } else {
+      for (int r = 0; r < NR; ++r) res[m * NR + r] = Reduce1(acc[m][r]);
+    }
+  }
+}
+
 // x: MR input rows of ldx elements (XSize<WK>() bytes each). With pf, also prefetches pf_bytes
 // at pf (a share of the weight block after this one) into L2, spread evenly over the steps, so
 // its DRAM reads overlap this call's compute. Into L2: a block of 4 long rows and the inputs need
@@ -256,13 +269,7 @@ PYSPEC_INLINE void DotBlock(int64_t K, int64_t ldw, int64_t ldx, const char* x, 
     }
     step(&tail[0][0], sizeof(V), k_full);
   }
-  for (int m = 0; m < MR; ++m) {
-    if constexpr (NR == 4) {
-      Reduce4(acc[m], res + m * NR);
-    } else {
-      for (int r = 0; r < NR; ++r) res[m * NR + r] = Reduce1(acc[m][r]);
-    }
-  }
+  ReduceRows<MR, NR>(acc, res);
 }
 
 // 1 <= rows <= MR input rows: the MR-row kernel, or the one for a remainder of fewer rows.
@@ -468,7 +475,8 @@ __attribute__((target("avx512f,avx2,fma"))) void RunBlocksAvx512(const Ctx& c, i
 // of K in ascending order, then Reduce4. With d a float16 value (11 significant bits) every d * q
 // is exact in fp32, so the rebuilt weight is one rounding of d * q + m whichever way it is
 // computed; where those equal the float32 weights bit for bit (the packer checks), a packed layer
-// gives the float32 kernel's outputs bit for bit while reading 3.6x (8-bit) to 5.3x (4-bit) fewer bytes.
+// gives the float32 kernel's outputs bit for bit while reading 3.6x (8-bit) to 5.3x (4-bit) fewer
+// bytes.
 // ---------------------------------------------------------------------------------------------
 
 std::atomic<int64_t> g_packed_pf_blocks{2};  // prefetch distance in blocks (a benchmark knob)
@@ -481,34 +489,10 @@ struct PackedCtx {
   const float* bias;    // [N] or nullptr
   float* out;           // [M, N]
   int64_t M, N, K, ldx;
-  int bits;
+
+  // The same call as a float32 one (no weights): for the float32 kernel's tiles and stores.
+  Ctx Dense() const { return Ctx{x, nullptr, bias, out, M, N, K, ldx, DType::kFloat32}; }
 };
-
-// res[m][r] from the accumulators as the float32 kernel reduces them: Reduce4 for a full block
-// of 4 weight rows, Reduce1 for the rows past the last full block.
-template <int MR, int NR, class V>
-PYSPEC_INLINE void ReduceRows(const V (&acc)[MR][NR], float* res) {
-  for (int m = 0; m < MR; ++m) {
-    if constexpr (NR == 4) {
-      Reduce4(acc[m], res + m * NR);
-    } else {
-      for (int r = 0; r < NR; ++r) res[m * NR + r] = Reduce1(acc[m][r]);
-    }
-  }
-}
-
-// out[m0 .. m0 + rows, n0 .. n0 + nr] = res (+ bias), as the float32 kernel stores fp32 rows.
-inline void StorePackedRows(const PackedCtx& c, int64_t m0, int rows, int64_t n0, int nr,
-                            const float* res) {
-  for (int m = 0; m < rows; ++m) {
-    float* o = c.out + (m0 + m) * c.N + n0;
-    for (int r = 0; r < nr; ++r) {
-      float v = res[m * nr + r];
-      if (c.bias != nullptr) v += c.bias[n0 + r];
-      o[r] = v;
-    }
-  }
-}
 
 typedef float VQ __attribute__((vector_size(64)));
 typedef int32_t IQ __attribute__((vector_size(64)));
@@ -607,7 +591,7 @@ __attribute__((target("avx512f,avx2,fma"))) void PackedRowBlock(const PackedCtx&
         std::memcpy(scratch + r * c.K + g * 32 + 16, &w1, sizeof(VQ));
       }
     }
-    const Ctx f{c.x, nullptr, c.bias, c.out, c.M, c.N, c.K, c.ldx, DType::kFloat32};
+    const Ctx f = c.Dense();
     Tiles<VQ, WKind::kF32, Avx512Isa::kMr, NR>(f, n0, c.K, c.K * 4,
                                                  reinterpret_cast<const char*>(scratch), nullptr,
                                                  0);
@@ -618,7 +602,7 @@ __attribute__((target("avx512f,avx2,fma"))) void PackedRowBlock(const PackedCtx&
   for (int64_t m0 = 0; m0 < c.M; m0 += MR) {
     const int rows = static_cast<int>(std::min<int64_t>(MR, c.M - m0));
     DotRowsPacked<MR, NR, BITS>(rows, c, c.x + m0 * c.ldx, n0, res);
-    StorePackedRows(c, m0, rows, n0, NR, res);
+    StoreBlock(c.Dense(), m0, n0, rows, NR, res);
   }
 }
 
@@ -704,7 +688,7 @@ __attribute__((target("avx2,fma"))) void PackedRowBlock8(const PackedCtx& c, int
         }
       }
     }
-    const Ctx f{c.x, nullptr, c.bias, c.out, c.M, c.N, c.K, c.ldx, DType::kFloat32};
+    const Ctx f = c.Dense();
     Tiles<V8, WKind::kF32, Avx2Isa::kMr, NR>(f, n0, c.K, c.K * 4,
                                                reinterpret_cast<const char*>(scratch), nullptr, 0);
     return;
@@ -714,7 +698,7 @@ __attribute__((target("avx2,fma"))) void PackedRowBlock8(const PackedCtx& c, int
   for (int64_t m0 = 0; m0 < c.M; m0 += MR) {
     const int rows = static_cast<int>(std::min<int64_t>(MR, c.M - m0));
     DotRowsPacked8<MR, NR, BITS>(rows, c, c.x + m0 * c.ldx, n0, res);
-    StorePackedRows(c, m0, rows, n0, NR, res);
+    StoreBlock(c.Dense(), m0, n0, rows, NR, res);
   }
 }
 
@@ -890,8 +874,9 @@ int64_t PackedLinearMaxRows() {
 #ifdef PYSPEC_X86
   // Measured on the SmolLM2-135M shapes, 2 threads (one decoding step's dense layers): AVX-512
   // 8.0 / 9.9 / 16.9 / 27.3 ms at 1 / 4 / 8 / 16 rows against 21.1 / 23.2 / 27.3 / 34.0 for
-  // float32, 41.0 against 42.9 at 32 and 76.3 against 74.5 at 64; AVX2 9.3 / 17.8 ms at 1 / 4 rows against 21.3 / 23.0, but 29.6 /
-  // 44.1 at 8 / 16 against 26.9 / 37.4 (its 16 registers hold fewer rows per rebuilt weight).
+  // float32, 41.0 against 42.9 at 32 and 76.3 against 74.5 at 64; AVX2 9.3 / 17.8 ms at 1 / 4
+  // rows against 21.3 / 23.0, but 29.6 / 44.1 at 8 / 16 against 26.9 / 37.4 (its 16 registers
+  // hold fewer rows per rebuilt weight).
   const BlocksFn fn = SelectKernel(DType::kFloat32).fn;
   if (fn == &RunBlocksAvx512) return 32;
   if (fn == &RunBlocksAvx2) return 4;
@@ -1051,7 +1036,7 @@ void LinearPacked(const TensorView& x, const TensorView& q, const TensorView& d,
   PackedCtx c{xa, static_cast<const uint8_t*>(q.data), d.ptr<float>(),
               mn != nullptr ? mn->ptr<float>() : nullptr,
               bias != nullptr ? bias->ptr<float>() : nullptr, static_cast<float*>(out.data),
-              M, N, K, ldx, bits};
+              M, N, K, ldx};
   const int64_t blocks = (N + kNr - 1) / kNr;
   const int64_t block_bytes = kNr * (K * bits / 8 + (K / 32) * (bits == 4 ? 8 : 4));
   const int64_t grain = std::max<int64_t>(1, kMinChunkBytes / block_bytes);

@@ -214,27 +214,27 @@ class LlamaForCausalLM:
             return 0
         from pyspec.hugepages import Arena
 
-        codes = [t for lp in packed for p in lp.values() if not isinstance(p, torch.Tensor)
-                 for t in (p.q, p.d, p.m) if t is not None]
-        codes += [t for t in (lm.q, lm.d, lm.m) if t is not None] if lm is not None else []
-        arena = Arena.for_tensors(codes)
+        self._packed = packed
+        self._packed_lm_head = lm
+        ps = self._packed_weights()
+        arena = Arena.for_tensors([t for p in ps for t in (p.q, p.d, p.m) if t is not None])
         if arena is not None:  # the codes stream every step: on huge pages like the weights
-            for p in [p for lp in packed for p in lp.values()
-                      if not isinstance(p, torch.Tensor)] + ([lm] if lm is not None else []):
+            for p in ps:
                 p.q = arena.copy(p.q)
                 p.d = arena.copy(p.d)
                 p.m = None if p.m is None else arena.copy(p.m)
-        self._packed = packed
-        self._packed_lm_head = lm
         return count
+
+    def _packed_weights(self) -> list:
+        """The PackedWeight objects the forward reads (layers, then lm_head)."""
+        ps = [p for lp in (self._packed or []) for p in lp.values()
+              if not isinstance(p, torch.Tensor)]
+        return ps + ([self._packed_lm_head] if self._packed_lm_head is not None else [])
 
     @property
     def packed_bytes(self) -> int:
         """Bytes a decoding step reads for the packed matrices' codes (0 when none are packed)."""
-        ps = [p for lp in (self._packed or []) for p in lp.values()
-              if not isinstance(p, torch.Tensor)]
-        ps += [self._packed_lm_head] if self._packed_lm_head is not None else []
-        return sum(p.nbytes for p in ps)
+        return sum(p.nbytes for p in self._packed_weights())
 
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0, dtype=torch.float32) -> "LlamaForCausalLM":

@@ -794,10 +794,9 @@ def _draft_bytes(engine) -> int:
         if m is not None and not getattr(d, "share", False):
             for t in _model_tensors(m):
                 add(t)
-            packed = getattr(m, "_packed", None) or []  # a draft model's packed codes
-            lm = getattr(m, "_packed_lm_head", None)
-            for p in [p for lp in packed for p in lp.values()] + ([lm] if lm is not None else []):
-                for t in (getattr(p, "q", None), getattr(p, "d", None), getattr(p, "m", None)):
+            # A draft model's packed codes.
+            for p in (m._packed_weights() if hasattr(m, "_packed_weights") else []):
+                for t in (p.q, p.d, p.m):
                     add(t)
         head = getattr(d, "head", None)
         if head is not None:
