@@ -150,6 +150,25 @@ PYSPEC_INLINE float Reduce1(const V& a) {
   return s;
 }
 
+// One row of Reduce4's tree (the same additions in the same order, so the same bits), for a
+// block that holds fewer than four weight rows of a full one.
+template <class V>
+PYSPEC_INLINE float ReduceTree1(const V& a) {
+  typedef float V4 __attribute__((vector_size(16)));
+  V4 q;
+  if constexpr (sizeof(V) == 64) {
+    typedef float V8 __attribute__((vector_size(32)));
+    const V8 h = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+    q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  } else if constexpr (sizeof(V) == 32) {
+    q = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  } else {
+    q = a;
+  }
+  return (q[0] + q[1]) + (q[2] + q[3]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Micro-kernel: res[MR][NR] = x[MR rows] . w[NR rows] over all K
 // ---------------------------------------------------------------------------------------------
@@ -529,7 +548,8 @@ __attribute__((target("avx512f,avx2,fma"))) PYSPEC_INLINE void RebuildGroup(
 
 // res[MR][NR] for rows x[0..MR) against packed weight rows [n0, n0 + NR), rebuilding the
 // weights in registers (few input rows).
-template <int MR, int NR, int BITS>
+// kTree: reduce every row with Reduce4's tree (NR < 4 rows of a full block of 4).
+template <int MR, int NR, int BITS, bool kTree = false>
 __attribute__((target("avx512f,avx2,fma"))) PYSPEC_INLINE void DotBlockPacked(
     const PackedCtx& c, const float* x, int64_t n0, float* res) {
   const int64_t G = c.K / 32;
@@ -559,19 +579,25 @@ __attribute__((target("avx512f,avx2,fma"))) PYSPEC_INLINE void DotBlockPacked(
       for (int r = 0; r < NR; ++r) acc[m][r] += xv * w1[r];
     }
   }
-  ReduceRows<MR, NR>(acc, res);
+  if constexpr (kTree) {
+    for (int m = 0; m < MR; ++m) {
+      for (int r = 0; r < NR; ++r) res[m * NR + r] = ReduceTree1(acc[m][r]);
+    }
+  } else {
+    ReduceRows<MR, NR>(acc, res);
+  }
 }
 
-template <int MR, int NR, int BITS>
+template <int MR, int NR, int BITS, bool kTree = false>
 __attribute__((target("avx512f,avx2,fma"))) PYSPEC_INLINE void DotRowsPacked(
     int rows, const PackedCtx& c, const float* x, int64_t n0, float* res) {
   if constexpr (MR > 1) {
     if (rows < MR) {
-      DotRowsPacked<MR - 1, NR, BITS>(rows, c, x, n0, res);
+      DotRowsPacked<MR - 1, NR, BITS, kTree>(rows, c, x, n0, res);
       return;
     }
   }
-  DotBlockPacked<MR, NR, BITS>(c, x, n0, res);
+  DotBlockPacked<MR, NR, BITS, kTree>(c, x, n0, res);
 }
 
 // Up to this many input rows the weights are rebuilt in registers for each tile of 4 rows;
@@ -596,6 +622,20 @@ __attribute__((target("avx512f,avx2,fma"))) void PackedRowBlock(const PackedCtx&
                                                  reinterpret_cast<const char*>(scratch), nullptr,
                                                  0);
     return;
+  }
+  if constexpr (NR == 4) {
+    if (c.M > 4) {
+      // 5 to 8 rows: one pass over the codes, two weight rows at a time (8 x 2 accumulators),
+      // rather than rebuilding every weight for two tiles of 4 rows; reduced with Reduce4's
+      // tree, so each output has the bits the float32 kernel's full block gives it.
+      float res[8 * 2];
+      const int rows = static_cast<int>(c.M);
+      for (int r0 = 0; r0 < 4; r0 += 2) {
+        DotRowsPacked<8, 2, BITS, true>(rows, c, c.x, n0 + r0, res);
+        StoreBlock(c.Dense(), 0, n0 + r0, rows, 2, res);
+      }
+      return;
+    }
   }
   constexpr int MR = 4;
   float res[MR * NR];
