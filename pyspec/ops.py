@@ -88,6 +88,22 @@ def rms_norm(x, w, eps: float):
     return w * xf.to(x.dtype)
 
 
+def silu_mul(gu, inter: int):
+    """``silu(gu[:, :inter]) * gu[:, inter:]`` for a fused gate/up projection ``gu`` ``[T, 2 *
+    inter]``. CPU tensors (contiguous, no autograd) take the core's one-call op
+    (``_C.silu_mul``); others torch ops. Each result is rounded to the dtype as torch's
+    ``silu(gate) * up`` does; the core computes ``exp`` with the C library, so a value can differ
+    from torch's in its last bit."""
+    import torch
+    import torch.nn.functional as F
+
+    if gu.dim() == 2 and gu.shape[1] == 2 * inter and _core_ok(gu) and gu.numel():
+        out = torch.empty(gu.shape[0], inter, dtype=gu.dtype)
+        _C.silu_mul(gu, out)
+        return out
+    return F.silu(gu[:, :inter]) * gu[:, inter:]
+
+
 def rotary_qkv(qkv, cos, sin, num_heads: int, num_kv_heads: int, k_out, v_out):
     """Split a fused projection ``qkv`` ``[T, (H + 2 Hkv) D]`` into rotated ``q`` (returned,
     ``[T, H, D]``), rotated ``k`` and plain ``v`` (written into ``k_out`` / ``v_out``,

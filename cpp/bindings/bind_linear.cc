@@ -3,20 +3,94 @@
 // The op runs ~8 times per layer per decoded token, so the binding's own cost matters; ToView
 // reads torch tensors through torch._C._to_dlpack, the cheap path.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "dlpack_view.h"
+#include "pyspec/attention.h"
 #include "pyspec/check.h"
+#include "pyspec/decoder.h"
 #include "pyspec/layer_ops.h"
 #include "pyspec/linear.h"
 #include "registry.h"
+#include "uninitialized.h"
 
 namespace py = pybind11;
 
 namespace pyspec {
 namespace bindings {
+namespace {
+
+// The weights of a decoder stack as views, with references that keep the tensors alive.
+class DecoderStack {
+ public:
+  DecoderStack(const py::list& layers, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+               int64_t intermediate, double eps) {
+    cfg_.num_heads = num_heads;
+    cfg_.num_kv_heads = num_kv_heads;
+    cfg_.head_dim = head_dim;
+    cfg_.intermediate = intermediate;
+    cfg_.eps = static_cast<float>(eps);
+    for (py::handle item : layers) {
+      const py::dict d = py::reinterpret_borrow<py::dict>(item);
+      DecoderLayerWeights w;
+      w.ln1 = Keep(d["ln1"], "ln1");
+      w.ln2 = Keep(d["ln2"], "ln2");
+      w.wqkv = Matrix(d["wqkv"], "wqkv");
+      w.wo = Matrix(d["wo"], "wo");
+      w.wgu = Matrix(d["wgu"], "wgu");
+      w.wd = Matrix(d["wd"], "wd");
+      if (d.contains("bqkv") && !d["bqkv"].is_none()) w.bqkv = Keep(d["bqkv"], "bqkv");
+      if (d.contains("bo") && !d["bo"].is_none()) w.bo = Keep(d["bo"], "bo");
+      layers_.push_back(w);
+    }
+  }
+
+  void Run(py::handle x, py::handle cos, py::handle sin, const AttentionPlan& plan,
+           py::handle k_pages, py::handle v_pages, py::handle k_new, py::handle v_new,
+           int64_t begin, int64_t end) const {
+    const TensorView xv = ToView(x, "x"), cv = ToView(cos, "cos"), sv = ToView(sin, "sin");
+    const TensorView kp = ToView(k_pages, "k_pages"), vp = ToView(v_pages, "v_pages");
+    const TensorView kn = ToView(k_new, "k_new"), vn = ToView(v_new, "v_new");
+    py::gil_scoped_release release;
+    DecoderLayers(cfg_, layers_, xv, cv, sv, plan, kp, vp, kn, vn, begin, end);
+  }
+
+  int64_t size() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  TensorView Keep(py::handle t, const char* name) {
+    keep_.push_back(py::reinterpret_borrow<py::object>(t));
+    return ToView(t, name);
+  }
+  // A tensor, or a (dense, q, d, m) tuple of packed codes (m None for 8-bit).
+  DecoderMatrix Matrix(py::handle t, const char* name) {
+    DecoderMatrix mat;
+    if (py::isinstance<py::tuple>(t)) {
+      const py::tuple tup = py::reinterpret_borrow<py::tuple>(t);
+      PYSPEC_CHECK(tup.size() == 4, "'", name, "' must be a tensor or a (dense, q, d, m) tuple");
+      mat.w = Keep(tup[0], name);
+      mat.packed = true;
+      mat.q = Keep(tup[1], "q");
+      mat.d = Keep(tup[2], "d");
+      if (!tup[3].is_none()) mat.m = Keep(tup[3], "m");
+    } else {
+      mat.w = Keep(t, name);
+    }
+    return mat;
+  }
+
+  DecoderConfig cfg_;
+  std::vector<DecoderLayerWeights> layers_;
+  std::vector<py::object> keep_;
+};
+
+}  // namespace
+
 void RegisterLinear(py::module_& m) {
   m.def(
       "rms_norm",
@@ -97,6 +171,37 @@ tensors; K a multiple of 32. Accumulates as the float32 kernel of ``linear`` in 
 or AVX-512 build), so where the rebuilt weights equal a float32 matrix the outputs equal
 ``linear``'s on it bit for bit. Needs one of those builds (``_packed_linear_available()``); raises
 ValueError naming the bad argument.)doc");
+  py::class_<DecoderStack>(m, "DecoderStack", R"doc(A Llama-style decoder stack's CPU weights
+for ``run``, which computes every layer in one call (RMSNorm, fused QKV, RoPE, tree attention
+over the paged KV, output projection, RMSNorm, gate/up, SiLU-times-up, down projection, residual
+adds) with the same kernels as the ops one by one, so with the same results bit for bit.)doc")
+      .def(py::init<const py::list&, int64_t, int64_t, int64_t, int64_t, double>(),
+           py::arg("layers"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
+           py::arg("intermediate"), py::arg("eps"),
+           "layers: dicts with ln1, ln2, wqkv, bqkv (or None), wo, bo (or None), wgu (gate then "
+           "up), wd; a matrix is a tensor or a (dense, q, d, m) tuple of packed codes. The "
+           "stack keeps references to them.")
+      .def("run", &DecoderStack::Run, py::arg("x"), py::arg("cos"), py::arg("sin"),
+           py::arg("plan"), py::arg("k_pages"), py::arg("v_pages"), py::arg("k_new"),
+           py::arg("v_new"), py::arg("begin") = 0, py::arg("end") = -1,
+           "x [T, hidden] in place through layers [begin, end) (end -1: the last); each layer's new K/V into k_new[l] / "
+           "v_new[l] ([L, T, Hkv, D]); k_pages/v_pages [L, blocks, block_size, Hkv, D]; cos/sin "
+           "[T, head_dim] float32. Raises ValueError naming a bad argument.")
+      .def("__len__", &DecoderStack::size);
+  RefuseUninitialized<DecoderStack>();
+  m.def(
+      "silu_mul",
+      [](py::handle gu, py::handle out) {
+        const TensorView g = ToView(gu, "gu"), o = ToView(out, "out");
+        CheckNoOverlap({{&o, "out"}}, {{&g, "gu"}});
+        py::gil_scoped_release release;
+        SiluMul(g, o);
+      },
+      py::arg("gu"), py::arg("out"),
+      R"doc(``out = silu(gu[:, :I]) * gu[:, I:]`` for gu [T, 2 I] (gate then up), out [T, I], written
+in place; fp32 arithmetic, each result rounded to the dtype as torch's silu(gate) * up does.
+Contiguous cpu tensors of one dtype (float32, bfloat16 or float16). Raises ValueError naming the
+bad argument.)doc");
   m.def("_packed_prefetch_blocks", &detail::SetPackedPrefetchBlocks, py::arg("blocks") = -1,
         "linear_packed's prefetch distance in blocks of 4 weight rows (0: none; negative: only "
         "read it). A benchmark knob; returns the distance in use.");

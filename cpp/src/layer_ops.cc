@@ -215,4 +215,64 @@ void RotaryQKV(const TensorView& qkv, const TensorView& cos, const TensorView& s
   });
 }
 
+namespace {
+template <DType DT>
+void SiluMulRow(const void* gu, void* out, int64_t t, int64_t I) {
+  const int64_t g0 = t * 2 * I, o0 = t * I;
+  for (int64_t i = 0; i < I; ++i) {
+    const float a = Load(gu, DT, g0 + i);
+    const float act = Round(a / (1.0f + std::exp(-a)), DT);
+    Store(out, DT, o0 + i, act * Load(gu, DT, g0 + I + i));
+  }
+}
+
+template <DType DT>
+void AddRow(void* x, const void* y, int64_t t, int64_t H) {
+  for (int64_t j = t * H; j < (t + 1) * H; ++j) Store(x, DT, j, Load(x, DT, j) + Load(y, DT, j));
+}
+}  // namespace
+
+void SiluMul(const TensorView& gu, const TensorView& out, ThreadPool* pool) {
+  for (const TensorView* t : {&gu, &out}) CheckCpu(*t, "silu_mul");
+  CheckDType(gu, "gu", {DType::kFloat32, DType::kBFloat16, DType::kFloat16});
+  PYSPEC_CHECK(gu.ndim == 2 && gu.shape[1] % 2 == 0,
+               "'gu' must be 2-D [T, 2 * I] (gate then up); got shape ", gu.ShapeString());
+  CheckContiguous(gu, "gu");
+  const int64_t T = gu.shape[0], I = gu.shape[1] / 2;
+  CheckLike(out, "out", gu.dtype, "gu", {T, I});
+  const DType dt = gu.dtype;
+  ForRows(T, I, pool, [&](int64_t r0, int64_t r1) {
+    for (int64_t t = r0; t < r1; ++t) {
+      if (dt == DType::kFloat32) {
+        SiluMulRow<DType::kFloat32>(gu.data, out.data, t, I);
+      } else if (dt == DType::kBFloat16) {
+        SiluMulRow<DType::kBFloat16>(gu.data, out.data, t, I);
+      } else {
+        SiluMulRow<DType::kFloat16>(gu.data, out.data, t, I);
+      }
+    }
+  });
+}
+
+void AddInPlace(const TensorView& x, const TensorView& y, ThreadPool* pool) {
+  for (const TensorView* t : {&x, &y}) CheckCpu(*t, "add");
+  CheckDType(x, "x", {DType::kFloat32, DType::kBFloat16, DType::kFloat16});
+  PYSPEC_CHECK(x.ndim == 2, "'x' must be 2-D [T, H]; got shape ", x.ShapeString());
+  CheckContiguous(x, "x");
+  const int64_t T = x.shape[0], H = x.shape[1];
+  CheckLike(y, "y", x.dtype, "x", {T, H});
+  const DType dt = x.dtype;
+  ForRows(T, H, pool, [&](int64_t r0, int64_t r1) {
+    for (int64_t t = r0; t < r1; ++t) {
+      if (dt == DType::kFloat32) {
+        AddRow<DType::kFloat32>(x.data, y.data, t, H);
+      } else if (dt == DType::kBFloat16) {
+        AddRow<DType::kBFloat16>(x.data, y.data, t, H);
+      } else {
+        AddRow<DType::kFloat16>(x.data, y.data, t, H);
+      }
+    }
+  });
+}
+
 }  // namespace pyspec

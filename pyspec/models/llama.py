@@ -24,6 +24,10 @@ from pyspec.linear import fast_rows
 from pyspec.models.config import ModelConfig
 from pyspec.models.loader import load_weights, resolve_dtype
 
+# PYSPEC_FUSED_LAYERS=0: run the CPU decoder layers op by op even where the core's one-call stack
+# applies (the same results; for comparing their speed).
+_FUSED_ON = os.environ.get("PYSPEC_FUSED_LAYERS", "1") != "0"
+
 
 def rope_inv_freq(cfg: ModelConfig, seq_len: int) -> torch.Tensor:
     """Inverse frequencies [head_dim / 2] (float32) for the config's RoPE variant."""
@@ -163,6 +167,9 @@ class LlamaForCausalLM:
         self._packed: Optional[list] = None
         self._packed_lm_head = None
         self.packed_weights = "auto"  # from_pretrained's setting (draft models loaded for it follow)
+        # (layers list, packed list, _C.DecoderStack) for steps that run every layer in one core
+        # call (_fused_stack); rebuilt when either list is replaced.
+        self._fused = None
 
     @classmethod
     def from_pretrained(cls, path: str, dtype="float32", device: str = "cpu",
@@ -216,6 +223,7 @@ class LlamaForCausalLM:
 
         self._packed = packed
         self._packed_lm_head = lm
+        self._fused = None
         ps = self._packed_weights()
         arena = Arena.for_tensors([t for p in ps for t in (p.q, p.d, p.m) if t is not None])
         if arena is not None:  # the codes stream every step: on huge pages like the weights
@@ -281,6 +289,7 @@ class LlamaForCausalLM:
             for k, t in layer.items():
                 if t is not None:
                     layer[k] = arena.copy(t)
+        self._fused = None
         return self
 
     def to(self, device) -> "LlamaForCausalLM":
@@ -293,6 +302,7 @@ class LlamaForCausalLM:
         self.lm_head = self.embed if tied else mv(self.lm_head)
         self.norm = mv(self.norm)
         self.layers = [{k: mv(v) for k, v in layer.items()} for layer in self.layers]
+        self._fused = None
         self._inv_freq = self._inv_freq.to(dev)
         self.device = dev
         if dev.type != "cpu":  # packed codes are a CPU kernel's
@@ -337,6 +347,7 @@ class LlamaForCausalLM:
         view.cfg = dataclasses.replace(self.cfg, num_hidden_layers=num_layers)
         view.layers = self.layers[:num_layers]
         view._packed = None if self._packed is None else self._packed[:num_layers]
+        view._fused = None
         return view
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -379,6 +390,67 @@ class LlamaForCausalLM:
         t = input_ids.shape[0]
         cos, sin = self.rope_tables(positions, rope_lens)
         x = F.embedding(input_ids, self.embed) if inputs_embeds is None else inputs_embeds
+        stack = self._fused_stack(t, x, k_pages)
+        if stack is not None:
+            # Every layer in one core call (in place: x is this step's own tensor), stopping at
+            # each tapped layer to keep its output.
+            if x is inputs_embeds or not x.is_contiguous():
+                x = x.contiguous().clone()
+            begin = 0
+            for n in sorted(taps or ()):
+                stack.run(x, cos, sin, plan, k_pages, v_pages, k_new, v_new, begin, n)
+                kept[n] = x.clone() if n < cfg.num_hidden_layers else x
+                begin = n
+            stack.run(x, cos, sin, plan, k_pages, v_pages, k_new, v_new, begin, -1)
+        else:
+            x = self._layers_one_by_one(x, cos, sin, plan, k_pages, v_pages, k_new, v_new, taps,
+                                        kept)
+        hidden = x if taps is None else kept[taps[0]] if len(taps) == 1 else torch.cat(
+            [kept[n] for n in taps], -1)
+        xs = x if logits_rows is None else x.index_select(0, logits_rows)
+        lm = self.lm_head if self._packed_lm_head is None else self._packed_lm_head
+        logits = self.linear(self._rms(xs, self.norm), lm).float()
+        return (logits, hidden) if taps is not None else logits
+
+    def _fused_stack(self, t: int, x: torch.Tensor, k_pages: torch.Tensor):
+        """The core's decoder stack for a step of ``t`` rows when it applies (CPU, the core's
+        linear kernel, at most its fast rows, the model's dtype, no autograd; not with
+        ``PYSPEC_FUSED_LAYERS=0``), else None. The stack computes exactly what
+        :meth:`_layers_one_by_one` does, in one call instead of about a dozen per layer."""
+        if (t > self._serial_rows or self.device.type != "cpu" or x.dtype != self.dtype
+                or k_pages.dtype != self.dtype or not k_pages.is_contiguous()
+                or (torch.is_grad_enabled() and x.requires_grad) or not _FUSED_ON):
+            return None
+        f = self._fused
+        if f is not None and f[0] is self.layers and f[1] is self._packed:
+            return f[2]
+        from pyspec import _C
+        from pyspec.linear import PackedWeight
+
+        cfg = self.cfg
+        layers = []
+        usable = True
+        for li, layer in enumerate(self.layers):
+            mats = layer if self._packed is None else self._packed[li]
+            d = {k: layer[k] for k in ("ln1", "ln2", "bqkv", "bo")}
+            for k in ("wqkv", "wo", "wgu", "wd"):
+                w = mats[k]
+                d[k] = (w.dense, w.q, w.d, w.m) if type(w) is PackedWeight else w
+            for v in layer.values():
+                if v is not None and (v.requires_grad or not v.is_contiguous()
+                                      or v.dtype != self.dtype):
+                    usable = False
+            layers.append(d)
+        stack = None
+        if usable:
+            stack = _C.DecoderStack(layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                    cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
+        self._fused = (self.layers, self._packed, stack)
+        return stack
+
+    def _layers_one_by_one(self, x, cos, sin, plan, k_pages, v_pages, k_new, v_new, taps, kept):
+        cfg = self.cfg
+        t = x.shape[0]
         qs = cfg.q_size
         packed = self._packed
         for li, layer in enumerate(self.layers):
@@ -392,12 +464,7 @@ class LlamaForCausalLM:
             h = self._rms(x, layer["ln2"])
             gu = self.linear(h, mats["wgu"])
             inter = cfg.intermediate_size
-            x = x + self.linear(F.silu(gu[:, :inter]) * gu[:, inter:], mats["wd"])
+            x = x + self.linear(ops.silu_mul(gu, inter), mats["wd"])
             if taps is not None and li + 1 in taps:
                 kept[li + 1] = x
-        hidden = x if taps is None else kept[taps[0]] if len(taps) == 1 else torch.cat(
-            [kept[n] for n in taps], -1)
-        xs = x if logits_rows is None else x.index_select(0, logits_rows)
-        lm = self.lm_head if self._packed_lm_head is None else self._packed_lm_head
-        logits = self.linear(self._rms(xs, self.norm), lm).float()
-        return (logits, hidden) if taps is not None else logits
+        return x

@@ -7,8 +7,11 @@
 #include <vector>
 
 #include "half_bits.h"
+#include "pyspec/attention.h"
 #include "pyspec/check.h"
+#include "pyspec/decoder.h"
 #include "pyspec/layer_ops.h"
+#include "pyspec/linear.h"
 #include "pyspec/thread_pool.h"
 
 namespace pyspec {
@@ -127,6 +130,37 @@ TEST_P(LayerOps, RotaryQKVMatchesReference) {
   }
 }
 
+TEST_P(LayerOps, SiluMulAndAddRoundLikeTorch) {
+  const DType dt = GetParam();
+  ThreadPool pool(2);
+  for (int64_t T : {1, 3, 70}) {
+    for (int64_t I : {5, 1536}) {
+      SCOPED_TRACE(::testing::Message() << "T=" << T << " I=" << I << " " << DTypeName(dt));
+      std::mt19937 rng(static_cast<uint32_t>(T * 7 + I));
+      Buf gu(dt, T * 2 * I, &rng, 3.0f), out(dt, T * I, nullptr, 0.0f);
+      SiluMul(gu.View({T, 2 * I}), out.View({T, I}), &pool);
+      for (int64_t t = 0; t < T; ++t) {
+        for (int64_t i = 0; i < I; ++i) {
+          const double a = gu.at(t * 2 * I + i), b = gu.at(t * 2 * I + I + i);
+          // silu rounded to the dtype, then the product rounded: within two roundings.
+          const double want = a / (1.0 + std::exp(-a)) * b;
+          EXPECT_NEAR(out.at(t * I + i), want, 2 * Tol(dt) * (std::fabs(want) + 1e-3));
+        }
+      }
+      // x += y, one rounding: the dtype's rounding of the float sum.
+      Buf x(dt, T * I, &rng, 1.0f), y(dt, T * I, &rng, 1.0f);
+      std::vector<float> before(T * I);
+      for (int64_t i = 0; i < T * I; ++i) before[i] = x.at(i);
+      AddInPlace(x.View({T, I}), y.View({T, I}), &pool);
+      for (int64_t i = 0; i < T * I; ++i) {
+        const float sum = before[i] + y.at(i);
+        const float want = dt == DType::kFloat32 ? sum : FromBits(ToBits(sum, dt), dt);
+        ASSERT_EQ(x.at(i), want);
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Dtypes, LayerOps,
                          ::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16),
                          [](const auto& info) { return std::string(DTypeName(info.param)); });
@@ -169,6 +203,161 @@ TEST(LayerOpsArgs, BadInputsNameTheArgument) {
     RotaryQKV(f32(qkv3, {2, 15}), f32(c3, {2, 3}), f32(s3, {2, 3}), f32(q3, {2, 3, 3}),
               f32(k3, {2, 1, 3}), f32(v3, {2, 1, 3}));
   }, "even");
+}
+
+TEST(LayerOpsArgs, SiluMulAndAddNameTheArgument) {
+  std::vector<float> a(64, 1.0f), b(64, 1.0f);
+  auto f32 = [](std::vector<float>& v, std::initializer_list<int64_t> s) {
+    return TensorView::Contiguous(v.data(), DType::kFloat32, s);
+  };
+  auto expect = [](auto fn, const char* needle) {
+    try {
+      fn();
+      ADD_FAILURE() << "no error; expected one mentioning " << needle;
+    } catch (const ValueError& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  SiluMul(f32(a, {4, 8}), f32(b, {4, 4}));  // valid
+  expect([&] { SiluMul(f32(a, {4, 7}), f32(b, {4, 3})); }, "'gu'");
+  expect([&] { SiluMul(f32(a, {4, 8}), f32(b, {4, 8})); }, "'out'");
+  expect([&] { AddInPlace(f32(a, {4, 8}), f32(b, {8, 4})); }, "'y'");
+  expect([&] { AddInPlace(f32(a, {32}), f32(b, {32})); }, "'x'");
+}
+
+// A small Llama-style stack: DecoderLayers equals the ops run one at a time, bit for bit, over a
+// step of a causal chunk and a tree after a prefix in the pages.
+TEST(Decoder, LayersEqualTheOpsOneByOne) {
+  const int64_t H = 32, Hq = 4, Hkv = 2, D = 8, I = 48, L = 2, bs = 4, blocks = 8;
+  const int64_t qkv_n = (Hq + 2 * Hkv) * D;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 0.3f);
+  auto rnd = [&](int64_t n, float add = 0.0f) {
+    std::vector<float> v(n);
+    for (float& f : v) f = normal(rng) + add;
+    return v;
+  };
+  struct LayerData {
+    std::vector<float> ln1, ln2, wqkv, bqkv, wo, wgu, wd;
+  };
+  std::vector<LayerData> data(L);
+  for (auto& d : data) {
+    d = {rnd(H, 1.0f), rnd(H, 1.0f), rnd(qkv_n * H), rnd(qkv_n), rnd(H * Hq * D), rnd(2 * I * H),
+         rnd(H * I)};
+  }
+  std::vector<DecoderLayerWeights> layers(L);
+  auto f32 = [](std::vector<float>& v, std::initializer_list<int64_t> s) {
+    return TensorView::Contiguous(v.data(), DType::kFloat32, s);
+  };
+  for (int64_t l = 0; l < L; ++l) {
+    LayerData& d = data[l];
+    layers[l].ln1 = f32(d.ln1, {H});
+    layers[l].ln2 = f32(d.ln2, {H});
+    layers[l].wqkv.w = f32(d.wqkv, {qkv_n, H});
+    layers[l].bqkv = f32(d.bqkv, {qkv_n});
+    layers[l].wo.w = f32(d.wo, {H, Hq * D});
+    layers[l].wgu.w = f32(d.wgu, {2 * I, H});
+    layers[l].wd.w = f32(d.wd, {H, I});
+  }
+  // Two requests: 3 causal rows after 5 committed tokens, and a 4-node tree after 9.
+  const int64_t T = 7;
+  std::vector<int64_t> q_indptr = {0, 3, 7}, prefix = {5, 9}, tree_indptr = {0, 0, 4};
+  std::vector<int64_t> tables = {0, 1, -1, 2, 3, 4};
+  std::vector<int64_t> parents = {-1, 0, 0, 1};
+  auto i64 = [](std::vector<int64_t>& v, std::initializer_list<int64_t> s) {
+    return TensorView::Contiguous(v.data(), DType::kInt64, s);
+  };
+  const AttentionPlan plan =
+      PlanAttention(i64(q_indptr, {3}), i64(prefix, {2}), i64(tables, {2, 3}), bs,
+                    i64(parents, {4}), i64(tree_indptr, {3}), blocks, {Hq, Hkv});
+  std::vector<float> kp = rnd(L * blocks * bs * Hkv * D), vp = rnd(L * blocks * bs * Hkv * D);
+  std::vector<float> cs(T * D), sn(T * D);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t i = 0; i < D; ++i) {
+      cs[t * D + i] = std::cos(0.1f * (t + 5) * (i % (D / 2) + 1));
+      sn[t * D + i] = std::sin(0.1f * (t + 5) * (i % (D / 2) + 1));
+    }
+  }
+  const std::vector<float> x0 = rnd(T * H);
+  DecoderConfig cfg;
+  cfg.num_heads = Hq;
+  cfg.num_kv_heads = Hkv;
+  cfg.head_dim = D;
+  cfg.intermediate = I;
+  cfg.eps = 1e-5f;
+  // Fused.
+  std::vector<float> x = x0, kn(L * T * Hkv * D), vn(L * T * Hkv * D);
+  DecoderLayers(cfg, layers, f32(x, {T, H}), f32(cs, {T, D}), f32(sn, {T, D}), plan,
+                f32(kp, {L, blocks, bs, Hkv, D}), f32(vp, {L, blocks, bs, Hkv, D}),
+                f32(kn, {L, T, Hkv, D}), f32(vn, {L, T, Hkv, D}));
+  // One op at a time.
+  std::vector<float> y = x0, kn2(L * T * Hkv * D), vn2(L * T * Hkv * D);
+  std::vector<float> h(T * H), qkv(T * qkv_n), q(T * Hq * D), a(T * Hq * D), o(T * H);
+  std::vector<float> gu(T * 2 * I), act(T * I);
+  const int64_t page = blocks * bs * Hkv * D, nw = T * Hkv * D;
+  const float scale = static_cast<float>(1.0 / std::sqrt(double(D)));
+  for (int64_t l = 0; l < L; ++l) {
+    const DecoderLayerWeights& w = layers[l];
+    auto sub = [&](std::vector<float>& v, int64_t off, std::initializer_list<int64_t> s) {
+      return TensorView::Contiguous(v.data() + off, DType::kFloat32, s);
+    };
+    RmsNorm(f32(y, {T, H}), w.ln1, cfg.eps, f32(h, {T, H}));
+    Linear(f32(h, {T, H}), w.wqkv.w, &w.bqkv, f32(qkv, {T, qkv_n}));
+    RotaryQKV(f32(qkv, {T, qkv_n}), f32(cs, {T, D}), f32(sn, {T, D}), f32(q, {T, Hq, D}),
+              sub(kn2, l * nw, {T, Hkv, D}), sub(vn2, l * nw, {T, Hkv, D}));
+    RunAttention(plan, f32(q, {T, Hq, D}), sub(kp, l * page, {blocks, bs, Hkv, D}),
+                 sub(vp, l * page, {blocks, bs, Hkv, D}), sub(kn2, l * nw, {T, Hkv, D}),
+                 sub(vn2, l * nw, {T, Hkv, D}), f32(a, {T, Hq, D}), nullptr, scale);
+    Linear(f32(a, {T, Hq * D}), w.wo.w, nullptr, f32(o, {T, H}));
+    AddInPlace(f32(y, {T, H}), f32(o, {T, H}));
+    RmsNorm(f32(y, {T, H}), w.ln2, cfg.eps, f32(h, {T, H}));
+    Linear(f32(h, {T, H}), w.wgu.w, nullptr, f32(gu, {T, 2 * I}));
+    SiluMul(f32(gu, {T, 2 * I}), f32(act, {T, I}));
+    Linear(f32(act, {T, I}), w.wd.w, nullptr, f32(o, {T, H}));
+    AddInPlace(f32(y, {T, H}), f32(o, {T, H}));
+  }
+  ASSERT_EQ(0, std::memcmp(x.data(), y.data(), x.size() * sizeof(float)));
+  ASSERT_EQ(0, std::memcmp(kn.data(), kn2.data(), kn.size() * sizeof(float)));
+  ASSERT_EQ(0, std::memcmp(vn.data(), vn2.data(), vn.size() * sizeof(float)));
+  // Layers [0, 1) then [1, 2) give the same as [0, 2).
+  std::vector<float> z = x0;
+  for (int64_t l = 0; l < L; ++l) {
+    DecoderLayers(cfg, layers, f32(z, {T, H}), f32(cs, {T, D}), f32(sn, {T, D}), plan,
+                  f32(kp, {L, blocks, bs, Hkv, D}), f32(vp, {L, blocks, bs, Hkv, D}),
+                  f32(kn, {L, T, Hkv, D}), f32(vn, {L, T, Hkv, D}), l, l + 1);
+  }
+  ASSERT_EQ(0, std::memcmp(x.data(), z.data(), x.size() * sizeof(float)));
+  // Bad arguments name what is wrong.
+  auto expect = [](auto fn, const char* needle) {
+    try {
+      fn();
+      ADD_FAILURE() << "no error; expected one mentioning " << needle;
+    } catch (const ValueError& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect([&] {
+    DecoderLayers(cfg, layers, f32(z, {T, H}), f32(cs, {T, D}), f32(sn, {T, D}), plan,
+                  f32(kp, {L * blocks, bs, Hkv, D}), f32(vp, {L, blocks, bs, Hkv, D}),
+                  f32(kn, {L, T, Hkv, D}), f32(vn, {L, T, Hkv, D}));
+  }, "'k_pages'");
+  expect([&] {
+    DecoderLayers(cfg, layers, f32(z, {T, H}), f32(cs, {T, D}), f32(sn, {T, D}), plan,
+                  f32(kp, {L, blocks, bs, Hkv, D}), f32(vp, {L, blocks, bs, Hkv, D}),
+                  f32(kn, {L, T - 1, Hkv, D}), f32(vn, {L, T, Hkv, D}));
+  }, "'k_new'");
+  expect([&] {
+    DecoderLayers(cfg, layers, f32(z, {T, H}), f32(cs, {T, D}), f32(sn, {T, D}), plan,
+                  f32(kp, {L, blocks, bs, Hkv, D}), f32(vp, {L, blocks, bs, Hkv, D}),
+                  f32(kn, {L, T, Hkv, D}), f32(vn, {L, T, Hkv, D}), 1, 3);
+  }, "layers [1, 3)");
+  DecoderConfig bad = cfg;
+  bad.num_heads = 3;
+  expect([&] {
+    DecoderLayers(bad, layers, f32(z, {T, H}), f32(cs, {T, D}), f32(sn, {T, D}), plan,
+                  f32(kp, {L, blocks, bs, Hkv, D}), f32(vp, {L, blocks, bs, Hkv, D}),
+                  f32(kn, {L, T, Hkv, D}), f32(vn, {L, T, Hkv, D}));
+  }, "bad decoder config");
 }
 
 }  // namespace

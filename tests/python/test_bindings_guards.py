@@ -180,6 +180,7 @@ _ARGS = {
     ("SuffixIndex", "longest_match"): "([1],)",
     ("SuffixIndex", "propose"): "([1], 4, 2)",
     ("CudaAttentionPlan", "uses_tensor_cores"): "('float32', 'float32')",
+    ("DecoderStack", "run"): "(0, 0, 0, _C.AttentionPlan.__new__(_C.AttentionPlan), 0, 0, 0, 0)",
 }
 
 _SWEEP = textwrap.dedent(r'''

@@ -313,8 +313,12 @@ def test_from_pretrained_packs_exact_matrices_only(grid_dir, tmp_path, monkeypat
     assert LlamaForCausalLM.from_pretrained(plain_dir)._packed is None
 
 
-def test_packed_model_steps_equal_the_float32_model_bit_for_bit(grid_dir, packed_isa,
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "op-by-op"])
+def test_packed_model_steps_equal_the_float32_model_bit_for_bit(grid_dir, packed_isa, fused,
                                                                 monkeypatch):
+    import pyspec.models.llama as llama_mod
+
+    monkeypatch.setattr(llama_mod, "_FUSED_ON", fused)
     count = CountPacked(monkeypatch)
     packed = LlamaForCausalLM.from_pretrained(grid_dir)
     dense = LlamaForCausalLM.from_pretrained(grid_dir, packed_weights="off")
@@ -340,10 +344,45 @@ def test_packed_model_steps_equal_the_float32_model_bit_for_bit(grid_dir, packed
         assert bits_equal(a, b), (name, (a - b).abs().max().item())
     # The packed model's steps within the kernel's rows read the codes: every matrix of the
     # one-row decode step (o4), and with AVX-512 those of the 30-row chunk and the 9-node tree.
-    assert count.calls == (3 if packed_isa == "avx512" else 1) * (4 * 2 + 1)
+    # Op by op they are counted here; the fused stack reads the layers' codes in the core, so
+    # only lm_head's calls pass through Python (test_fused_stack_reads_the_codes checks it).
+    steps = 3 if packed_isa == "avx512" else 1
+    assert count.calls == steps * ((4 * 2 if not fused else 0) + 1)
+    assert (packed._fused is not None and packed._fused[2] is not None) == fused
     # The truncated view (layer skipping) keeps the packed layers it runs.
     view = packed.truncated(1)
     assert len(view._packed) == 1 and view._packed[0] is packed._packed[0]
+
+
+@needs_kernel
+def test_fused_stack_reads_the_codes(grid_dir, monkeypatch):
+    """The fused stack reads a packed matrix's codes for steps within the packed rows and its
+    float32 values beyond them: with the float32 copies scaled after packing (in place, so the
+    stack's views see it), a decode step is unchanged and a 40-row step is not."""
+    import pyspec.models.llama as llama_mod
+
+    if _C._packed_max_rows() < 1:
+        pytest.skip("no packed kernel")
+    m = LlamaForCausalLM.from_pretrained(grid_dir)
+    runner = ModelRunner(m, num_blocks=16, block_size=16)
+    g = torch.Generator().manual_seed(1)
+    ctx = torch.randint(3, 250, (40,), generator=g).tolist()
+
+    def steps():
+        a = runner.step([SeqStep(ctx[:1], 0, list(range(16)), None, "last")]).logits
+        b = runner.step([SeqStep(ctx, 0, list(range(16)), None, "last")]).logits
+        return a, b
+
+    monkeypatch.setattr(llama_mod, "_FUSED_ON", True)
+    before = steps()
+    assert m._fused is not None and m._fused[2] is not None
+    for lp in m._packed:
+        for p in lp.values():
+            p.dense.mul_(2)
+    after = steps()
+    assert bits_equal(before[0], after[0])
+    if _C._packed_max_rows() < 40:
+        assert not torch.allclose(before[1], after[1])
 
 
 @needs_kernel

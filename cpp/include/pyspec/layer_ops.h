@@ -34,4 +34,15 @@ void RotaryQKV(const TensorView& qkv, const TensorView& cos, const TensorView& s
                const TensorView& q, const TensorView& k, const TensorView& v,
                ThreadPool* pool = nullptr);
 
+// The gated MLP activation: out[t, i] = round(round(silu(gu[t, i])) * gu[t, I + i]) for
+// gu [T, 2 * I] (gate then up, as a fused gate/up projection writes them) and out [T, I], with
+// silu(a) = a / (1 + exp(-a)) in fp32 and each result rounded to the dtype as torch's
+// silu(gate) * up does. Contiguous CPU tensors of one dtype (float32, bfloat16 or float16).
+// Throws ValueError naming the bad argument.
+void SiluMul(const TensorView& gu, const TensorView& out, ThreadPool* pool = nullptr);
+
+// x[t, j] = round(x[t, j] + y[t, j]) (a residual connection), x and y [T, H] contiguous CPU
+// tensors of one dtype. Throws ValueError naming the bad argument.
+void AddInPlace(const TensorView& x, const TensorView& y, ThreadPool* pool = nullptr);
+
 }  // namespace pyspec

@@ -1,0 +1,181 @@
+"""The CPU decoder stack in one core call (``_C.DecoderStack``, used by LlamaForCausalLM for steps
+within the core kernel's rows) against the same layers run op by op: the same bits for logits,
+hidden states and new K/V, in every dtype, with biases, trees, batches and tapped layers."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pyspec.models.llama as llama_mod
+from pyspec import TokenTree, _C, ops
+from pyspec.linear import max_fast_rows
+from pyspec.models.llama import LlamaForCausalLM
+from pyspec.runner import ModelRunner, SeqStep
+from pyspec.smoke import tiny_config
+
+
+def _model(dtype, bias=False, layers=2):
+    cfg = dataclasses.replace(tiny_config(), attention_bias=bias, num_hidden_layers=layers)
+    m = LlamaForCausalLM.random(cfg, seed=3, dtype=dtype)
+    if bias:  # an o_proj bias too (Llama checkpoints may carry one)
+        g = torch.Generator().manual_seed(9)
+        for layer in m.layers:
+            layer["bo"] = (0.1 * torch.randn(cfg.hidden_size, generator=g)).to(dtype)
+        m._fused = None
+    return m
+
+
+def _steps(model, fused, monkeypatch, return_hidden=False):
+    monkeypatch.setattr(llama_mod, "_FUSED_ON", fused)
+    runner = ModelRunner(model, num_blocks=32, block_size=16)
+    g = torch.Generator().manual_seed(0)
+    v = model.cfg.vocab_size
+    ctx = torch.randint(0, v, (40,), generator=g).tolist()
+    other = torch.randint(0, v, (20,), generator=g).tolist()
+    nodes = torch.randint(0, v, (7,), generator=g).tolist()
+    outs = []
+    o = runner.step([SeqStep(ctx, 0, list(range(3)), None, "all"),
+                     SeqStep(other, 0, list(range(3, 5)), None, "all")],
+                    return_hidden=return_hidden)
+    outs.append(o)
+    runner.commit_kv(o, 0, range(40), range(40))
+    runner.commit_kv(o, 0, range(40, 60), range(48, 68))
+    # A tree for one request and a decode row for the other, in one step.
+    o = runner.step([SeqStep(nodes, 40, list(range(3)), TokenTree([-1, 0, 0, 1, 1, 2, 5]), "all"),
+                     SeqStep(other[:1], 20, list(range(3, 5)), None, "last")],
+                    return_hidden=return_hidden)
+    outs.append(o)
+    return outs
+
+
+def _same(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_steps_equal_op_by_op(dtype, bias, monkeypatch):
+    m = _model(dtype, bias)
+    fused = _steps(m, True, monkeypatch)
+    assert m._fused is not None and m._fused[2] is not None and len(m._fused[2]) == 2
+    plain = _steps(m, False, monkeypatch)
+    for a, b in zip(fused, plain):
+        assert _same(a.logits, b.logits)
+        assert _same(a.k_new, b.k_new) and _same(a.v_new, b.v_new)
+
+
+def test_fused_tapped_layers_equal_op_by_op(monkeypatch):
+    m = _model(torch.float32, layers=4)
+    for taps in (True, [2, 4], [4, 1, 3]):
+        a = _steps(m, True, monkeypatch, return_hidden=taps)
+        b = _steps(m, False, monkeypatch, return_hidden=taps)
+        for x, y in zip(a, b):
+            assert _same(x.logits, y.logits) and _same(x.hidden, y.hidden), taps
+
+
+def test_fused_keeps_inputs_embeds_and_follows_weight_changes(monkeypatch):
+    m = _model(torch.float32)
+    runner = ModelRunner(m, num_blocks=8, block_size=16)
+    emb = torch.randn(5, m.cfg.hidden_size)
+    keep = emb.clone()
+    monkeypatch.setattr(llama_mod, "_FUSED_ON", True)
+    a = runner.step([SeqStep([1, 2, 3, 4, 5], 0, [0], None, "all")], inputs_embeds=emb).logits
+    assert torch.equal(emb, keep)  # the stack runs in place, but on a copy
+    monkeypatch.setattr(llama_mod, "_FUSED_ON", False)
+    b = runner.step([SeqStep([1, 2, 3, 4, 5], 0, [0], None, "all")], inputs_embeds=emb).logits
+    assert _same(a, b)
+    # Moving the weights (huge pages, a truncated view) gives a stack over the new tensors.
+    monkeypatch.setattr(llama_mod, "_FUSED_ON", True)
+    m.place_on_huge_pages()
+    c = runner.step([SeqStep([1, 2, 3, 4, 5], 0, [0], None, "all")], inputs_embeds=emb).logits
+    assert _same(a, c)
+    view = m.truncated(1)
+    ModelRunner(view, num_blocks=8, block_size=16).step([SeqStep([1, 2], 0, [0], None, "last")])
+    assert len(view._fused[2]) == 1 and m._fused[2] is not view._fused[2]
+
+
+def test_fused_path_only_where_it_applies(monkeypatch):
+    """Larger steps than the core kernel's rows, inputs that need a gradient and inputs of
+    another dtype run op by op."""
+    m = _model(torch.float32)
+    monkeypatch.setattr(llama_mod, "_FUSED_ON", True)
+    calls = []
+    real = _C.DecoderStack
+
+    class Counting:
+        def __init__(self, *a, **k):
+            self.s = real(*a, **k)
+
+        def run(self, *a):
+            calls.append(a[0].shape[0])
+            return self.s.run(*a)
+
+        def __len__(self):
+            return len(self.s)
+
+    monkeypatch.setattr(_C, "DecoderStack", Counting)
+    runner = ModelRunner(m, num_blocks=16, block_size=16)
+    big = max_fast_rows(torch.float32) + 1
+    runner.step([SeqStep([i % 100 for i in range(big)], 0, list(range(16)), None, "last")])
+    assert calls == []
+    runner.step([SeqStep([1, 2, 3], 0, [0], None, "last")])
+    assert calls == [3]
+    emb = torch.randn(3, m.cfg.hidden_size, requires_grad=True)
+    with torch.enable_grad():
+        assert m._fused_stack(3, emb, runner.kv.k) is None
+    with torch.no_grad():
+        assert m._fused_stack(3, emb, runner.kv.k) is not None
+    assert m._fused_stack(3, emb.detach().double(), runner.kv.k) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_silu_mul_matches_torch(dtype):
+    g = torch.Generator().manual_seed(2)
+    gu = (3 * torch.randn(9, 2 * 70, generator=g)).to(dtype)
+    got = ops.silu_mul(gu, 70)
+    want = F.silu(gu[:, :70]) * gu[:, 70:]
+    assert got.dtype == dtype and got.shape == (9, 70)
+    # The core's exp may differ from torch's in the last bit: one rounding step of the dtype.
+    tol = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    assert torch.allclose(got.float(), want.float(), rtol=2 * tol, atol=1e-6)
+    # Non-contiguous or autograd inputs take torch's ops.
+    t = (3 * torch.randn(9, 140, generator=g)).t().contiguous().t()
+    assert torch.equal(ops.silu_mul(t, 70), F.silu(t[:, :70]) * t[:, 70:])
+    with pytest.raises(ValueError, match="'out'"):
+        _C.silu_mul(gu, torch.empty(9, 71, dtype=dtype))
+    with pytest.raises(ValueError, match="'gu'"):
+        _C.silu_mul(torch.empty(9, 7, dtype=dtype), torch.empty(9, 3, dtype=dtype))
+
+
+def test_decoder_stack_argument_errors():
+    m = _model(torch.float32)
+    layers = [{k: layer[k] for k in ("ln1", "ln2", "bqkv", "bo", "wqkv", "wo", "wgu", "wd")}
+              for layer in m.layers]
+    cfg = m.cfg
+    stack = _C.DecoderStack(layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+                            cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
+    assert len(stack) == 2
+    runner = ModelRunner(m, num_blocks=4, block_size=16)
+    from pyspec.attention import plan_attention
+
+    plan = plan_attention([0, 2], [0], [[0]], 16, num_blocks=4,
+                          num_q_heads=cfg.num_attention_heads,
+                          num_kv_heads=cfg.num_key_value_heads)
+    x = torch.randn(2, cfg.hidden_size)
+    cos, sin = m.rope_tables(torch.tensor([0, 1]))
+    kn = torch.empty(2, 2, cfg.num_key_value_heads, cfg.head_dim)
+    vn = torch.empty_like(kn)
+    stack.run(x, cos, sin, plan, runner.kv.k, runner.kv.v, kn, vn)
+    with pytest.raises(ValueError, match="'k_new'"):
+        stack.run(x, cos, sin, plan, runner.kv.k, runner.kv.v, kn[:, :1], vn)
+    with pytest.raises(ValueError, match=r"layers \[0, 3\)"):
+        stack.run(x, cos, sin, plan, runner.kv.k, runner.kv.v, kn, vn, 0, 3)
+    with pytest.raises(ValueError, match="'x'"):
+        stack.run(x.double(), cos, sin, plan, runner.kv.k, runner.kv.v, kn, vn)
+    bad = [dict(layers[0], wqkv=(layers[0]["wqkv"],))]
+    with pytest.raises(ValueError, match="'wqkv' must be a tensor or a"):
+        _C.DecoderStack(bad, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                        cfg.intermediate_size, cfg.rms_norm_eps)
