@@ -35,8 +35,15 @@ class DecoderStack {
     cfg_.head_dim = head_dim;
     cfg_.intermediate = intermediate;
     cfg_.eps = static_cast<float>(eps);
+    int64_t index = 0;
     for (py::handle item : layers) {
+      PYSPEC_CHECK(py::isinstance<py::dict>(item), "layers[", index, "] must be a dict of the "
+                   "layer's tensors; got ", std::string(py::str(item.get_type().attr("__name__"))));
       const py::dict d = py::reinterpret_borrow<py::dict>(item);
+      for (const char* key : {"ln1", "ln2", "wqkv", "wo", "wgu", "wd"}) {
+        PYSPEC_CHECK(d.contains(key), "layers[", index, "] has no '", key, "'");
+      }
+      ++index;
       DecoderLayerWeights w;
       w.ln1 = Keep(d["ln1"], "ln1");
       w.ln2 = Keep(d["ln2"], "ln2");
@@ -48,6 +55,8 @@ class DecoderStack {
       if (d.contains("bo") && !d["bo"].is_none()) w.bo = Keep(d["bo"], "bo");
       layers_.push_back(w);
     }
+    hidden_ = layers_.empty() ? 0 : layers_[0].ln1.size(0);
+    if (!layers_.empty()) CheckDecoderLayers(cfg_, layers_, hidden_, layers_[0].ln1.dtype);
   }
 
   void Run(py::handle x, py::handle cos, py::handle sin, const AttentionPlan& plan,
@@ -56,6 +65,8 @@ class DecoderStack {
     const TensorView xv = ToView(x, "x"), cv = ToView(cos, "cos"), sv = ToView(sin, "sin");
     const TensorView kp = ToView(k_pages, "k_pages"), vp = ToView(v_pages, "v_pages");
     const TensorView kn = ToView(k_new, "k_new"), vn = ToView(v_new, "v_new");
+    CheckNoOverlap({{&xv, "x"}, {&kn, "k_new"}, {&vn, "v_new"}},
+                   {{&cv, "cos"}, {&sv, "sin"}, {&kp, "k_pages"}, {&vp, "v_pages"}});
     py::gil_scoped_release release;
     DecoderLayers(cfg_, layers_, xv, cv, sv, plan, kp, vp, kn, vn, begin, end);
   }
@@ -63,9 +74,14 @@ class DecoderStack {
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
+  // The view and a reference to its memory: for a torch tensor a detached alias, which holds the
+  // storage even if the tensor itself is later given another (w.data = ...).
   TensorView Keep(py::handle t, const char* name) {
-    keep_.push_back(py::reinterpret_borrow<py::object>(t));
-    return ToView(t, name);
+    py::object ref = py::hasattr(t, "detach") ? t.attr("detach")()
+                                              : py::reinterpret_borrow<py::object>(t);
+    const TensorView v = ToView(ref, name);
+    keep_.push_back(std::move(ref));
+    return v;
   }
   // A tensor, or a (dense, q, d, m) tuple of packed codes (m None for 8-bit).
   DecoderMatrix Matrix(py::handle t, const char* name) {
@@ -85,6 +101,7 @@ class DecoderStack {
   }
 
   DecoderConfig cfg_;
+  int64_t hidden_ = 0;
   std::vector<DecoderLayerWeights> layers_;
   std::vector<py::object> keep_;
 };

@@ -2,6 +2,7 @@
 #include "pyspec/decoder.h"
 
 #include <cmath>
+#include <string>
 #include <cstdint>
 #include <vector>
 
@@ -29,6 +30,39 @@ TensorView Slice0(const TensorView& t, int64_t l) {
 
 const TensorView* Opt(const TensorView& t) { return t.data != nullptr ? &t : nullptr; }
 
+// Shape, dtype and layout of one matrix [N, K] (and its codes) in the model's dtype.
+void CheckMatrix(const DecoderMatrix& m, const std::string& name, int64_t N, int64_t K,
+                 DType dtype) {
+  PYSPEC_CHECK(m.w.dtype == dtype, "'", name, "' has dtype ", DTypeName(m.w.dtype),
+               " but the model's is ", DTypeName(dtype));
+  PYSPEC_CHECK(m.w.ndim == 2 && m.w.shape[0] == N && m.w.shape[1] == K, "'", name,
+               "' must be [", N, ", ", K, "]; got shape ", m.w.ShapeString());
+  CheckContiguous(m.w, name.c_str());
+  if (!m.packed) return;
+  const bool four = m.m.data != nullptr;
+  PYSPEC_CHECK(dtype == DType::kFloat32 && K % 32 == 0, "'", name,
+               "': packed codes need a float32 model and K a multiple of 32");
+  PYSPEC_CHECK(m.q.ndim == 2 && m.q.shape[0] == N && m.q.shape[1] == (four ? K / 2 : K) &&
+                   m.q.dtype == (four ? DType::kUInt8 : DType::kInt8),
+               "'", name, "' codes must be ", four ? "uint8 [N, K / 2]" : "int8 [N, K]",
+               " for N = ", N, ", K = ", K, "; got ", DTypeName(m.q.dtype), " ",
+               m.q.ShapeString());
+  for (const TensorView* t : {&m.d, four ? &m.m : &m.d}) {
+    PYSPEC_CHECK(t->ndim == 2 && t->shape[0] == N && t->shape[1] == K / 32 &&
+                     t->dtype == DType::kFloat32,
+                 "'", name, "' scales must be float32 [", N, ", ", K / 32, "]; got ",
+                 DTypeName(t->dtype), " ", t->ShapeString());
+    CheckContiguous(*t, name.c_str());
+  }
+  CheckContiguous(m.q, name.c_str());
+}
+
+void CheckVector(const TensorView& t, const std::string& name, int64_t n, DType dtype) {
+  PYSPEC_CHECK(t.dtype == dtype && t.ndim == 1 && t.shape[0] == n, "'", name, "' must be [", n,
+               "] ", DTypeName(dtype), "; got ", DTypeName(t.dtype), " ", t.ShapeString());
+  CheckContiguous(t, name.c_str());
+}
+
 void RunLinear(const TensorView& x, const DecoderMatrix& w, const TensorView* bias,
                const TensorView& out, int64_t packed_rows, ThreadPool* pool) {
   if (w.packed && x.shape[0] <= packed_rows) {
@@ -39,6 +73,31 @@ void RunLinear(const TensorView& x, const DecoderMatrix& w, const TensorView* bi
 }
 
 }  // namespace
+
+void CheckDecoderLayers(const DecoderConfig& cfg, const std::vector<DecoderLayerWeights>& layers,
+                        int64_t hidden, DType dtype) {
+  const int64_t Hq = cfg.num_heads, Hkv = cfg.num_kv_heads, D = cfg.head_dim;
+  const int64_t I = cfg.intermediate;
+  PYSPEC_CHECK(Hq > 0 && Hkv > 0 && Hq % Hkv == 0 && D > 0 && D % 2 == 0 && I > 0 && hidden > 0,
+               "bad decoder config: ", Hq, " heads, ", Hkv, " KV heads, head dim ", D,
+               ", intermediate size ", I, ", hidden size ", hidden,
+               " (heads a multiple of the KV heads, an even head dim)");
+  PYSPEC_CHECK(std::isfinite(cfg.eps) && cfg.eps >= 0.f, "'eps' must be finite and >= 0; got ",
+               cfg.eps);
+  const int64_t qkv_n = (Hq + 2 * Hkv) * D;
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const DecoderLayerWeights& w = layers[l];
+    const std::string p = "layer " + std::to_string(l) + " ";
+    CheckVector(w.ln1, p + "ln1", hidden, dtype);
+    CheckVector(w.ln2, p + "ln2", hidden, dtype);
+    CheckMatrix(w.wqkv, p + "wqkv", qkv_n, hidden, dtype);
+    CheckMatrix(w.wo, p + "wo", hidden, Hq * D, dtype);
+    CheckMatrix(w.wgu, p + "wgu", 2 * I, hidden, dtype);
+    CheckMatrix(w.wd, p + "wd", hidden, I, dtype);
+    if (w.bqkv.data != nullptr) CheckVector(w.bqkv, p + "bqkv", qkv_n, dtype);
+    if (w.bo.data != nullptr) CheckVector(w.bo, p + "bo", hidden, dtype);
+  }
+}
 
 void DecoderLayers(const DecoderConfig& cfg, const std::vector<DecoderLayerWeights>& layers,
                    const TensorView& x, const TensorView& cos, const TensorView& sin,
@@ -56,9 +115,7 @@ void DecoderLayers(const DecoderConfig& cfg, const std::vector<DecoderLayerWeigh
   const int64_t T = x.shape[0], H = x.shape[1];
   const int64_t Hq = cfg.num_heads, Hkv = cfg.num_kv_heads, D = cfg.head_dim;
   const int64_t I = cfg.intermediate;
-  PYSPEC_CHECK(Hq > 0 && Hkv > 0 && Hq % Hkv == 0 && D > 0 && D % 2 == 0 && I > 0,
-               "bad decoder config: ", Hq, " heads, ", Hkv, " KV heads, head dim ", D,
-               ", intermediate size ", I, " (heads a multiple of the KV heads, an even head dim)");
+  CheckDecoderLayers(cfg, layers, H, x.dtype);
   const int64_t L = static_cast<int64_t>(layers.size());
   if (end < 0) end = L;
   PYSPEC_CHECK(0 <= begin && begin <= end && end <= L, "layers [", begin, ", ", end,
@@ -82,6 +139,26 @@ void DecoderLayers(const DecoderConfig& cfg, const std::vector<DecoderLayerWeigh
     PYSPEC_CHECK(t->dtype == x.dtype, "'", name, "' has dtype ", DTypeName(t->dtype),
                  " but 'x' has ", DTypeName(x.dtype));
   }
+  for (const auto& [t, name] : {std::pair<const TensorView*, const char*>{&cos, "cos"},
+                               {&sin, "sin"}}) {
+    PYSPEC_CHECK(t->dtype == DType::kFloat32 && t->ndim == 2 && t->shape[0] == T &&
+                     t->shape[1] == D,
+                 "'", name, "' must be float32 [", T, ", ", D, "]; got ", DTypeName(t->dtype),
+                 " ", t->ShapeString());
+    CheckContiguous(*t, name);
+  }
+  PYSPEC_CHECK(plan.num_queries() == T, "the plan is for ", plan.num_queries(),
+               " query rows but 'x' has ", T);
+  PYSPEC_CHECK(plan.num_kv_heads() == 0 ||
+                   (plan.num_q_heads() == Hq && plan.num_kv_heads() == Hkv),
+               "the plan was built for ", plan.num_q_heads(), "/", plan.num_kv_heads(),
+               " q/kv heads but the config has ", Hq, "/", Hkv);
+  PYSPEC_CHECK(k_pages.shape[1] == plan.num_blocks() && k_pages.shape[2] == plan.block_size(),
+               "'k_pages' has ", k_pages.shape[1], " blocks of ", k_pages.shape[2],
+               " tokens but the plan is for ", plan.num_blocks(), " of ", plan.block_size());
+  PYSPEC_CHECK(v_pages.shape[1] == k_pages.shape[1] && v_pages.shape[2] == k_pages.shape[2],
+               "'v_pages' has shape ", v_pages.ShapeString(), " but 'k_pages' ",
+               k_pages.ShapeString());
   if (T == 0 || begin == end) return;
   const int64_t es = DTypeSize(x.dtype);
   const int64_t qkv_n = (Hq + 2 * Hkv) * D;

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import os
 from typing import Dict, Optional, Tuple
 
@@ -167,9 +168,16 @@ class LlamaForCausalLM:
         self._packed: Optional[list] = None
         self._packed_lm_head = None
         self.packed_weights = "auto"  # from_pretrained's setting (draft models loaded for it follow)
-        # (layers list, packed list, _C.DecoderStack) for steps that run every layer in one core
-        # call (_fused_stack); rebuilt when either list is replaced.
+        # (layers list, packed list, _C.DecoderStack, the tensors it holds) for steps that run
+        # every layer in one core call (_fused_stack); rebuilt when any of them is replaced.
         self._fused = None
+
+    def __getstate__(self):
+        # The decoder stack (views into this model's tensors) is rebuilt on the next step of a
+        # copy, never shared with it or pickled.
+        state = dict(self.__dict__)
+        state["_fused"] = None
+        return state
 
     @classmethod
     def from_pretrained(cls, path: str, dtype="float32", device: str = "cpu",
@@ -281,7 +289,8 @@ class LlamaForCausalLM:
         if arena is None:
             return self
         # As to() walks them, but in place and one at a time, so each source can go as soon as
-        # its copy exists.
+        # its copy exists (and no decoder stack holds on to them).
+        self._fused = None
         self.embed = arena.copy(self.embed)
         self.lm_head = self.embed if tied else arena.copy(self.lm_head)
         self.norm = arena.copy(self.norm)
@@ -289,20 +298,19 @@ class LlamaForCausalLM:
             for k, t in layer.items():
                 if t is not None:
                     layer[k] = arena.copy(t)
-        self._fused = None
         return self
 
     def to(self, device) -> "LlamaForCausalLM":
         """Move the weights to ``device`` (see :func:`resolve_device`), in place; returns self.
         KV pools and runners made before the move stay where they were: make them after."""
         dev = resolve_device(device)
+        self._fused = None  # its references would keep the old weights alive
         mv = lambda t: None if t is None else t.to(dev)  # noqa: E731
         tied = self.lm_head is self.embed
         self.embed = mv(self.embed)
         self.lm_head = self.embed if tied else mv(self.lm_head)
         self.norm = mv(self.norm)
         self.layers = [{k: mv(v) for k, v in layer.items()} for layer in self.layers]
-        self._fused = None
         self._inv_freq = self._inv_freq.to(dev)
         self.device = dev
         if dev.type != "cpu":  # packed codes are a CPU kernel's
@@ -419,10 +427,17 @@ class LlamaForCausalLM:
         :meth:`_layers_one_by_one` does, in one call instead of about a dozen per layer."""
         if (t > self._serial_rows or self.device.type != "cpu" or x.dtype != self.dtype
                 or k_pages.dtype != self.dtype or not k_pages.is_contiguous()
-                or (torch.is_grad_enabled() and x.requires_grad) or not _FUSED_ON):
+                or (torch.is_grad_enabled() and x.requires_grad) or not _FUSED_ON
+                or self.linear is not core_linear):
             return None
+        # The stack holds the tensors it was built from: any replaced one (a layer dict's entry,
+        # a packed matrix) makes a new stack. About 20 us for a 30-layer model.
+        sig = [v for layer in self.layers for v in layer.values()]
+        if self._packed is not None:
+            sig += [w for lp in self._packed for w in lp.values()]
         f = self._fused
-        if f is not None and f[0] is self.layers and f[1] is self._packed:
+        if (f is not None and f[0] is self.layers and f[1] is self._packed
+                and len(f[3]) == len(sig) and all(map(operator.is_, f[3], sig))):
             return f[2]
         from pyspec import _C
         from pyspec.linear import PackedWeight
@@ -445,11 +460,12 @@ class LlamaForCausalLM:
         if usable:
             stack = _C.DecoderStack(layers, cfg.num_attention_heads, cfg.num_key_value_heads,
                                     cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
-        self._fused = (self.layers, self._packed, stack)
+        self._fused = (self.layers, self._packed, stack, sig)
         return stack
 
     def _layers_one_by_one(self, x, cos, sin, plan, k_pages, v_pages, k_new, v_new, taps, kept):
         cfg = self.cfg
+        x = x.contiguous()  # as the stack reads it (the core ops need contiguous rows)
         t = x.shape[0]
         qs = cfg.q_size
         packed = self._packed

@@ -351,6 +351,22 @@ TEST(Decoder, LayersEqualTheOpsOneByOne) {
                   f32(kp, {L, blocks, bs, Hkv, D}), f32(vp, {L, blocks, bs, Hkv, D}),
                   f32(kn, {L, T, Hkv, D}), f32(vn, {L, T, Hkv, D}), 1, 3);
   }, "layers [1, 3)");
+  std::vector<float> short_wo(H * (Hq * D - 1));
+  std::vector<DecoderLayerWeights> broken = layers;
+  broken[1].wo.w = f32(short_wo, {H, Hq * D - 1});
+  expect([&] {
+    DecoderLayers(cfg, broken, f32(z, {T, H}), f32(cs, {T, D}), f32(sn, {T, D}), plan,
+                  f32(kp, {L, blocks, bs, Hkv, D}), f32(vp, {L, blocks, bs, Hkv, D}),
+                  f32(kn, {L, T, Hkv, D}), f32(vn, {L, T, Hkv, D}));
+  }, "'layer 1 wo' must be");
+  expect([&] {
+    DecoderLayers(cfg, layers, f32(z, {T, H}), f32(cs, {T - 1, D}), f32(sn, {T, D}), plan,
+                  f32(kp, {L, blocks, bs, Hkv, D}), f32(vp, {L, blocks, bs, Hkv, D}),
+                  f32(kn, {L, T, Hkv, D}), f32(vn, {L, T, Hkv, D}));
+  }, "'cos'");
+  // An error leaves x as it was: every check runs before the first layer.
+  std::vector<float> untouched = z;
+  ASSERT_EQ(0, std::memcmp(untouched.data(), z.data(), z.size() * sizeof(float)));
   DecoderConfig bad = cfg;
   bad.num_heads = 3;
   expect([&] {

@@ -339,14 +339,16 @@ def test_packed_model_steps_equal_the_float32_model_bit_for_bit(grid_dir, packed
         runner.commit_kv(o2, 0, range(30), range(60, 90))
         o3 = runner.step([SeqStep(nodes, 90, table, tree, "all")])
         o4 = runner.step([SeqStep(nodes[:1], 90, table, None, "last")])
-        outs.append((o1.logits, o2.logits, o2.hidden, o3.logits, o4.logits))
-    for name, a, b in zip(("prefill", "chunk", "hidden", "tree", "decode"), *outs):
+        o5 = runner.step([SeqStep(nodes[:6], 90, table, TokenTree.chain(5), "all")])
+        outs.append((o1.logits, o2.logits, o2.hidden, o3.logits, o4.logits, o5.logits))
+    for name, a, b in zip(("prefill", "chunk", "hidden", "tree", "decode", "chain"), *outs):
         assert bits_equal(a, b), (name, (a - b).abs().max().item())
     # The packed model's steps within the kernel's rows read the codes: every matrix of the
-    # one-row decode step (o4), and with AVX-512 those of the 30-row chunk and the 9-node tree.
-    # Op by op they are counted here; the fused stack reads the layers' codes in the core, so
-    # only lm_head's calls pass through Python (test_fused_stack_reads_the_codes checks it).
-    steps = 3 if packed_isa == "avx512" else 1
+    # one-row decode step (o4), and with AVX-512 those of the 30-row chunk, the 9-node tree and
+    # the 6-node chain (5 to 8 rows: the kernel's one-pass path). Op by op they are counted
+    # here; the fused stack reads the layers' codes in the core, so only lm_head's calls pass
+    # through Python (test_fused_stack_reads_the_codes checks it).
+    steps = 4 if packed_isa == "avx512" else 1
     assert count.calls == steps * ((4 * 2 if not fused else 0) + 1)
     assert (packed._fused is not None and packed._fused[2] is not None) == fused
     # The truncated view (layer skipping) keeps the packed layers it runs.
@@ -378,7 +380,8 @@ def test_fused_stack_reads_the_codes(grid_dir, monkeypatch):
     assert m._fused is not None and m._fused[2] is not None
     for lp in m._packed:
         for p in lp.values():
-            p.dense.mul_(2)
+            if not isinstance(p, torch.Tensor):  # packed (here every layer matrix is)
+                p.dense.mul_(2)
     after = steps()
     assert bits_equal(before[0], after[0])
     if _C._packed_max_rows() < 40:

@@ -40,13 +40,21 @@ struct DecoderConfig {
   float attn_scale = 0.f;  // 0: 1 / sqrt(head_dim)
 };
 
+// Validates a stack's weights for hidden size `hidden` and the model's dtype: every shape, dtype
+// and layout, packed codes included. Throws ValueError naming the layer and the tensor.
+void CheckDecoderLayers(const DecoderConfig& cfg, const std::vector<DecoderLayerWeights>& layers,
+                        int64_t hidden, DType dtype);
+
 // Runs x [T, hidden] (contiguous, in place) through `layers` for one step planned by `plan`.
 // cos/sin [T, head_dim] float32; k_pages/v_pages [L, num_blocks, block_size, Hkv, D]; k_new /
 // v_new [L', T, Hkv, D] with L' >= layers.size(), receiving each layer's new K/V. Every tensor on
 // the CPU in the model's dtype (float32, bfloat16 or float16) except cos/sin.
 // Only layers [begin, end) run (end < 0: to the last), so a caller can read x between them; layer l
-// always uses k_pages[l] and k_new[l]. Linear and LinearPacked are correct for any T, but a GEMM
-// library is faster for prefill-sized steps. Throws ValueError naming a bad argument.
+// always uses k_pages[l] and k_new[l]. Every argument is checked (CheckDecoderLayers included)
+// before x changes. Linear and LinearPacked are correct for any T, but a GEMM library is faster
+// for prefill-sized steps, and the per-thread scratch (about T x (2 hidden + 5 head rows + 3
+// intermediate) values) is kept for the thread's next call. Throws ValueError naming a bad
+// argument.
 void DecoderLayers(const DecoderConfig& cfg, const std::vector<DecoderLayerWeights>& layers,
                    const TensorView& x, const TensorView& cos, const TensorView& sin,
                    const AttentionPlan& plan, const TensorView& k_pages,
