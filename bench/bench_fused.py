@@ -1,0 +1,116 @@
+"""End to end: the CPU decoder stack in one core call against the same layers op by op, one run.
+
+    python bench/bench_fused.py [--prompts 8] [--max-tokens 128] [--drafters none,default]
+                                [--packed-weights auto|off] [--modes fused,op-by-op]
+                                [--out bench/results/fused.json]
+
+Loads the default model once per drafter and decodes MT-bench first turns (chat template,
+greedy, batch 1, exactly ``--max-tokens`` new tokens, EOS ignored) with each drafter twice per
+prompt: with the decoder stack in one call (``_C.DecoderStack``, what LlamaForCausalLM runs for
+steps within the core kernel's rows) and op by op (what ``PYSPEC_FUSED_LAYERS=0`` runs), the
+engines interleaved per prompt so they share the machine's state. Reports tokens/s (prefill
+included), tokens per target step, each engine against op-by-op plain decoding and against plain
+decoding in the same mode, and whether each output equals op-by-op plain decoding token for
+token (or, with ``--modes fused``, plain decoding on the one-call path). Prints one JSON document
+(and writes it with ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=8, help="MT-bench first turns (one per category "
+                    "for 8)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--drafters", default="none,default",
+                    help="drafter specs separated by commas, or by semicolons when a spec has a "
+                         "comma ('none' = plain decoding; it is always run)")
+    ap.add_argument("--packed-weights", default="auto", choices=["auto", "off"])
+    ap.add_argument("--modes", default="fused,op-by-op",
+                    help="which paths to run: fused (one core call), op-by-op, or both")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    import pyspec
+    import pyspec.models.llama as llama_mod
+    from bench_spec import load_prompts
+
+    torch.set_num_threads(2)
+    sep = ";" if ";" in args.drafters else ","
+    drafters = [d for d in args.drafters.split(sep) if d]
+    if "none" not in drafters:
+        drafters.insert(0, "none")
+    t0 = time.perf_counter()
+    llms = {d: pyspec.LLM(draft=d, progress=False, packed_weights=args.packed_weights)
+            for d in drafters}
+    prompts = load_prompts(args.prompts)
+    sp = pyspec.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    warm = pyspec.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    modes = {m: m == "fused" for m in args.modes.split(",") if m}
+    if not modes or any(m not in ("fused", "op-by-op") for m in modes):
+        raise SystemExit(f"--modes takes fused and/or op-by-op; got {args.modes!r}")
+    ref_mode = "op-by-op" if "op-by-op" in modes else "fused"
+    for llm in llms.values():
+        for on in modes.values():
+            llama_mod._FUSED_ON = on
+            llm.chat([{"role": "user", "content": "Hello"}], warm)
+    keys = [(ref_mode, "none")] + [(m, d) for d in drafters for m in modes
+                                   if (m, d) != (ref_mode, "none")]
+    res = {k: {"seconds": 0.0, "tokens": 0, "steps": 0, "identical": 0} for k in keys}
+    try:
+        for _, text in prompts:
+            msg = [{"role": "user", "content": text}]
+            ref = None
+            for mode, d in keys:
+                llama_mod._FUSED_ON = modes[mode]
+                t = time.perf_counter()
+                out = llms[d].chat(msg, sp)
+                r = res[mode, d]
+                r["seconds"] += time.perf_counter() - t
+                r["tokens"] += len(out.token_ids)
+                r["steps"] += out.stats.steps
+                if ref is None:
+                    ref = out.token_ids
+                r["identical"] += out.token_ids == ref
+    finally:
+        llama_mod._FUSED_ON = True
+    base = res[ref_mode, "none"]["tokens"] / res[ref_mode, "none"]["seconds"]
+    engines = {}
+    for (mode, d), r in res.items():
+        tps = r["tokens"] / r["seconds"]
+        same_plain = res[mode, "none"]["tokens"] / res[mode, "none"]["seconds"]
+        engines[f"{mode} {d}"] = {
+            "layers": mode, "drafter": d, "tokens_per_s": round(tps, 1),
+            f"vs_{ref_mode.replace('-', '_')}_plain": round(tps / base, 2),
+            "vs_plain_same_mode": round(tps / same_plain, 2),
+            "tokens_per_target_step": round(r["tokens"] / r["steps"], 3) if r["steps"] else None,
+            f"identical_to_{ref_mode.replace('-', '_')}_plain": f"{r['identical']}/{len(prompts)}"}
+    model = llms["none"].model
+    doc = {"config": {"prompts": len(prompts), "max_tokens": args.max_tokens,
+                      "drafters": drafters, "threads": torch.get_num_threads(),
+                      "packed_weights": args.packed_weights, "modes": list(modes),
+                      "packed": model._packed is not None,
+                      "linear_kernel": pyspec._C._linear_kernel("float32"),
+                      "wall_seconds": round(time.perf_counter() - t0, 1)},
+           "engines": engines}
+    text = json.dumps(doc, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
