@@ -11,6 +11,9 @@ tree of depth 4), float32 probabilities on the CPU.
   multinomial); it does not validate the rows, pyspec does (the rows it reads).
 * filters/top_p and filters/top_k_top_p: apply_sampling_filters on [512, 49152] logits against the
   usual torch formulation (full sort, softmax, cumsum, scatter).
+* engine_greedy (script only): one greedy request's acceptance at batch 1 from the logits of a
+  1-, 4- or 16-node chain: the engine's walk (argmax, no probability rows) against the
+  temperature-0 rows plus the acceptance op.
 
 Run as pytest-benchmark: ``pytest bench/bench_acceptance.py --benchmark-only``; or as a script,
 ``python bench/bench_acceptance.py [--repeats N]``, which prints a JSON object of median times (ms)
@@ -252,6 +255,28 @@ def main(argv=None):
         results["ms"][f"filters/{name}/pyspec"] = round(ours, 4)
         results["ms"][f"filters/{name}/torch"] = round(ref, 4)
         results["speedup_vs_torch"][f"filters/{name}"] = round(ref / ours, 2)
+    # The engine's greedy step at batch 1: its walk straight from the logits against the
+    # temperature-0 rows plus the acceptance op (what it ran before), for one request's chain.
+    from pyspec.drafters.base import Draft
+    from pyspec.engine import _greedy_walk
+
+    g = torch.Generator().manual_seed(1)
+    for n in (1, 4, 16):
+        logits = torch.randn(n, VOCAB, generator=g) * 4.0
+        chain = Draft([0] + logits.argmax(-1).tolist()[:-1], list(range(-1, n - 1)))
+
+        def op():
+            probs = sampling.apply_sampling_filters(logits, 0.0)
+            r = sampling.accept(probs, torch.tensor(chain.tokens, dtype=torch.int32),
+                                torch.tensor(chain.parents, dtype=torch.int32),
+                                torch.tensor([0, n]), greedy=True, seeds=0)
+            return r.emitted_lists()
+
+        assert op() == _greedy_walk(logits, [chain], [0, n])[0]
+        walk = _median_ms(lambda: _greedy_walk(logits, [chain], [0, n]), args.repeats)
+        ref = _median_ms(op, args.repeats)
+        results["ms"][f"engine_greedy/{n}_nodes/walk"] = round(walk, 4)
+        results["ms"][f"engine_greedy/{n}_nodes/filters+accept"] = round(ref, 4)
     print(json.dumps(results, indent=2))
     return results
 

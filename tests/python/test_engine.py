@@ -236,3 +236,35 @@ def test_bad_engine_config(model):
         Engine(runner, max_num_seqs=0)
     with pytest.raises(ValueError):
         Engine(runner, gamma=-1)
+
+
+def test_greedy_walk_equals_accept_on_one_hot_rows():
+    """The engine's greedy fast path (argmax of the logits, no probability rows) decides exactly
+    what the acceptance op decides from temperature-0 rows: random trees with repeated sibling
+    tokens, tied logits and several requests; a non-finite row defers to the op."""
+    from pyspec.drafters.base import Draft
+    from pyspec.engine import _greedy_walk
+    from pyspec.sampling import accept, apply_sampling_filters
+
+    g = torch.Generator().manual_seed(0)
+    vocab = 7  # few tokens: children often hold the argmax, and ties are common
+    for trial in range(300):
+        drafts, indptr = [], [0]
+        for _ in range(int(torch.randint(1, 4, (1,), generator=g))):
+            n = int(torch.randint(1, 9, (1,), generator=g))
+            parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+            tokens = torch.randint(0, vocab, (n,), generator=g).tolist()
+            drafts.append(Draft(tokens, parents))
+            indptr.append(indptr[-1] + n)
+        logits = torch.randint(0, 3, (indptr[-1], vocab), generator=g).float()  # many ties
+        got = _greedy_walk(logits, drafts, indptr)
+        res = accept(apply_sampling_filters(logits, 0.0),
+                     torch.tensor([t for d in drafts for t in d.tokens], dtype=torch.int32),
+                     torch.tensor([p for d in drafts for p in d.parents], dtype=torch.int32),
+                     torch.tensor(indptr), greedy=True, seeds=0)
+        n_acc = res.num_accepted.tolist()
+        assert got[2] == n_acc, trial
+        assert got[0] == res.emitted_lists(), trial
+        assert got[1] == [row[:a + 1] for row, a in zip(res.accepted_nodes.tolist(), n_acc)], trial
+    logits[0, 1] = float("nan")
+    assert _greedy_walk(logits, drafts, indptr) is None
