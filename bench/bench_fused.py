@@ -6,7 +6,7 @@
 
 Loads the default model once per drafter and decodes MT-bench first turns (chat template,
 greedy, batch 1, exactly ``--max-tokens`` new tokens, EOS ignored) with each drafter twice per
-prompt: with the decoder stack in one call (``_C.DecoderStack``, what LlamaForCausalLM runs for
+prompt (the engines' order rotating from prompt to prompt): with the decoder stack in one call (``_C.DecoderStack``, what LlamaForCausalLM runs for
 steps within the core kernel's rows) and op by op (what ``PYSPEC_FUSED_LAYERS=0`` runs), the
 engines interleaved per prompt so they share the machine's state. Reports tokens/s (prefill
 included), tokens per target step, each engine against op-by-op plain decoding and against plain
@@ -39,11 +39,15 @@ def main(argv=None):
                          "comma ('none' = plain decoding; it is always run)")
     ap.add_argument("--packed-weights", default="auto", choices=["auto", "off"])
     ap.add_argument("--modes", default="fused,op-by-op",
-                    help="which paths to run: fused (one core call), op-by-op, or both")
+                    help="which paths to run: fused (one core call), op-by-op, and/or "
+                         "fused-accept-op (one core call, greedy acceptance through the "
+                         "temperature-0 rows and the acceptance op instead of the engine's "
+                         "walk from the logits)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
     import pyspec
+    import pyspec.engine as engine_mod
     import pyspec.models.llama as llama_mod
     from bench_spec import load_prompts
 
@@ -58,34 +62,42 @@ def main(argv=None):
     prompts = load_prompts(args.prompts)
     sp = pyspec.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     warm = pyspec.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    modes = {m: m == "fused" for m in args.modes.split(",") if m}
-    if not modes or any(m not in ("fused", "op-by-op") for m in modes):
-        raise SystemExit(f"--modes takes fused and/or op-by-op; got {args.modes!r}")
+    modes = {m: m != "op-by-op" for m in args.modes.split(",") if m}
+    if not modes or any(m not in ("fused", "op-by-op", "fused-accept-op") for m in modes):
+        raise SystemExit(f"--modes takes fused, op-by-op and/or fused-accept-op; got "
+                         f"{args.modes!r}")
+    walk = engine_mod._greedy_walk
+
+    def use(mode):
+        llama_mod._FUSED_ON = modes[mode]
+        engine_mod._greedy_walk = (lambda *a: None) if mode == "fused-accept-op" else walk
     ref_mode = "op-by-op" if "op-by-op" in modes else "fused"
     for llm in llms.values():
-        for on in modes.values():
-            llama_mod._FUSED_ON = on
+        for mode in modes:
+            use(mode)
             llm.chat([{"role": "user", "content": "Hello"}], warm)
     keys = [(ref_mode, "none")] + [(m, d) for d in drafters for m in modes
                                    if (m, d) != (ref_mode, "none")]
     res = {k: {"seconds": 0.0, "tokens": 0, "steps": 0, "identical": 0} for k in keys}
     try:
-        for _, text in prompts:
+        for i, (_, text) in enumerate(prompts):
             msg = [{"role": "user", "content": text}]
-            ref = None
-            for mode, d in keys:
-                llama_mod._FUSED_ON = modes[mode]
+            # The engines' order rotates from prompt to prompt, so none always runs first.
+            outs = {}
+            for mode, d in keys[i % len(keys):] + keys[:i % len(keys)]:
+                use(mode)
                 t = time.perf_counter()
                 out = llms[d].chat(msg, sp)
                 r = res[mode, d]
                 r["seconds"] += time.perf_counter() - t
                 r["tokens"] += len(out.token_ids)
                 r["steps"] += out.stats.steps
-                if ref is None:
-                    ref = out.token_ids
-                r["identical"] += out.token_ids == ref
+                outs[mode, d] = out.token_ids
+            for key, ids in outs.items():
+                res[key]["identical"] += ids == outs[keys[0]]
     finally:
         llama_mod._FUSED_ON = True
+        engine_mod._greedy_walk = walk
     base = res[ref_mode, "none"]["tokens"] / res[ref_mode, "none"]["seconds"]
     engines = {}
     for (mode, d), r in res.items():
