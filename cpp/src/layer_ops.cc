@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "half.h"
 #include "pyspec/check.h"
@@ -216,6 +217,18 @@ void RotaryQKV(const TensorView& qkv, const TensorView& cos, const TensorView& s
 }
 
 namespace {
+// fn(std::integral_constant<DType, DT>{}) for the float dtype dt: one row loop per dtype.
+template <class F>
+void ForDType(DType dt, const F& fn) {
+  if (dt == DType::kFloat32) {
+    fn(std::integral_constant<DType, DType::kFloat32>{});
+  } else if (dt == DType::kBFloat16) {
+    fn(std::integral_constant<DType, DType::kBFloat16>{});
+  } else {
+    fn(std::integral_constant<DType, DType::kFloat16>{});
+  }
+}
+
 template <DType DT>
 void SiluMulRow(const void* gu, void* out, int64_t t, int64_t I) {
   const int64_t g0 = t * 2 * I, o0 = t * I;
@@ -242,15 +255,9 @@ void SiluMul(const TensorView& gu, const TensorView& out, ThreadPool* pool) {
   CheckLike(out, "out", gu.dtype, "gu", {T, I});
   const DType dt = gu.dtype;
   ForRows(T, I, pool, [&](int64_t r0, int64_t r1) {
-    for (int64_t t = r0; t < r1; ++t) {
-      if (dt == DType::kFloat32) {
-        SiluMulRow<DType::kFloat32>(gu.data, out.data, t, I);
-      } else if (dt == DType::kBFloat16) {
-        SiluMulRow<DType::kBFloat16>(gu.data, out.data, t, I);
-      } else {
-        SiluMulRow<DType::kFloat16>(gu.data, out.data, t, I);
-      }
-    }
+    ForDType(dt, [&](auto d) {
+      for (int64_t t = r0; t < r1; ++t) SiluMulRow<decltype(d)::value>(gu.data, out.data, t, I);
+    });
   });
 }
 
@@ -263,15 +270,9 @@ void AddInPlace(const TensorView& x, const TensorView& y, ThreadPool* pool) {
   CheckLike(y, "y", x.dtype, "x", {T, H});
   const DType dt = x.dtype;
   ForRows(T, H, pool, [&](int64_t r0, int64_t r1) {
-    for (int64_t t = r0; t < r1; ++t) {
-      if (dt == DType::kFloat32) {
-        AddRow<DType::kFloat32>(x.data, y.data, t, H);
-      } else if (dt == DType::kBFloat16) {
-        AddRow<DType::kBFloat16>(x.data, y.data, t, H);
-      } else {
-        AddRow<DType::kFloat16>(x.data, y.data, t, H);
-      }
-    }
+    ForDType(dt, [&](auto d) {
+      for (int64_t t = r0; t < r1; ++t) AddRow<decltype(d)::value>(x.data, y.data, t, H);
+    });
   });
 }
 

@@ -43,6 +43,17 @@ struct Buf {
   }
 };
 
+// Runs fn and expects a ValueError whose message contains needle.
+template <class F>
+void ExpectValueError(const F& fn, const char* needle) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error; expected one mentioning " << needle;
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
 double Tol(DType dt) { return dt == DType::kFloat32 ? 2e-6 : (dt == DType::kBFloat16 ? 1.6e-2 : 2e-3); }
 
 class LayerOps : public ::testing::TestWithParam<DType> {};
@@ -170,21 +181,13 @@ TEST(LayerOpsArgs, BadInputsNameTheArgument) {
   auto f32 = [](std::vector<float>& v, std::initializer_list<int64_t> s) {
     return TensorView::Contiguous(v.data(), DType::kFloat32, s);
   };
-  auto expect = [](auto fn, const char* needle) {
-    try {
-      fn();
-      ADD_FAILURE() << "no error; expected one mentioning " << needle;
-    } catch (const ValueError& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-  };
-  expect([&] { RmsNorm(f32(a, {4, 8}), f32(b, {7}), 1e-5f, f32(c, {4, 8})); }, "'w'");
-  expect([&] { RmsNorm(f32(a, {4, 8}), f32(b, {8}), 1e-5f, f32(c, {8, 4})); }, "'out'");
-  expect([&] { RmsNorm(f32(a, {32}), f32(b, {32}), 1e-5f, f32(c, {32})); }, "'x'");
-  expect([&] { RmsNorm(f32(a, {4, 8}), f32(b, {8}), -1.0f, f32(c, {4, 8})); }, "'eps'");
-  expect([&] { RmsNorm(f32(a, {4, 8}), f32(b, {8}), NAN, f32(c, {4, 8})); }, "'eps'");
+  ExpectValueError([&] { RmsNorm(f32(a, {4, 8}), f32(b, {7}), 1e-5f, f32(c, {4, 8})); }, "'w'");
+  ExpectValueError([&] { RmsNorm(f32(a, {4, 8}), f32(b, {8}), 1e-5f, f32(c, {8, 4})); }, "'out'");
+  ExpectValueError([&] { RmsNorm(f32(a, {32}), f32(b, {32}), 1e-5f, f32(c, {32})); }, "'x'");
+  ExpectValueError([&] { RmsNorm(f32(a, {4, 8}), f32(b, {8}), -1.0f, f32(c, {4, 8})); }, "'eps'");
+  ExpectValueError([&] { RmsNorm(f32(a, {4, 8}), f32(b, {8}), NAN, f32(c, {4, 8})); }, "'eps'");
   std::vector<uint16_t> hw(8);
-  expect([&] {
+  ExpectValueError([&] {
     RmsNorm(f32(a, {4, 8}), TensorView::Contiguous(hw.data(), DType::kBFloat16, {8}), 1e-5f,
             f32(c, {4, 8}));
   }, "dtype");
@@ -195,11 +198,11 @@ TEST(LayerOpsArgs, BadInputsNameTheArgument) {
               f32(k, {2, 1, 4}), f32(v, {2, 1, 4}));
   };
   rot({2, 20}, {2, 3, 4}, {2, 4});  // valid
-  expect([&] { rot({2, 16}, {2, 3, 4}, {2, 4}); }, "'qkv'");
-  expect([&] { rot({2, 20}, {2, 3, 4}, {2, 2}); }, "'cos'");
-  expect([&] { rot({2, 20}, {2, 12}, {2, 4}); }, "'q'");
+  ExpectValueError([&] { rot({2, 16}, {2, 3, 4}, {2, 4}); }, "'qkv'");
+  ExpectValueError([&] { rot({2, 20}, {2, 3, 4}, {2, 2}); }, "'cos'");
+  ExpectValueError([&] { rot({2, 20}, {2, 12}, {2, 4}); }, "'q'");
   std::vector<float> q3(2 * 9), k3(2 * 3), v3(2 * 3), qkv3(2 * 15), c3(2 * 3), s3(2 * 3);
-  expect([&] {
+  ExpectValueError([&] {
     RotaryQKV(f32(qkv3, {2, 15}), f32(c3, {2, 3}), f32(s3, {2, 3}), f32(q3, {2, 3, 3}),
               f32(k3, {2, 1, 3}), f32(v3, {2, 1, 3}));
   }, "even");
@@ -210,19 +213,11 @@ TEST(LayerOpsArgs, SiluMulAndAddNameTheArgument) {
   auto f32 = [](std::vector<float>& v, std::initializer_list<int64_t> s) {
     return TensorView::Contiguous(v.data(), DType::kFloat32, s);
   };
-  auto expect = [](auto fn, const char* needle) {
-    try {
-      fn();
-      ADD_FAILURE() << "no error; expected one mentioning " << needle;
-    } catch (const ValueError& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-  };
   SiluMul(f32(a, {4, 8}), f32(b, {4, 4}));  // valid
-  expect([&] { SiluMul(f32(a, {4, 7}), f32(b, {4, 3})); }, "'gu'");
-  expect([&] { SiluMul(f32(a, {4, 8}), f32(b, {4, 8})); }, "'out'");
-  expect([&] { AddInPlace(f32(a, {4, 8}), f32(b, {8, 4})); }, "'y'");
-  expect([&] { AddInPlace(f32(a, {32}), f32(b, {32})); }, "'x'");
+  ExpectValueError([&] { SiluMul(f32(a, {4, 7}), f32(b, {4, 3})); }, "'gu'");
+  ExpectValueError([&] { SiluMul(f32(a, {4, 8}), f32(b, {4, 8})); }, "'out'");
+  ExpectValueError([&] { AddInPlace(f32(a, {4, 8}), f32(b, {8, 4})); }, "'y'");
+  ExpectValueError([&] { AddInPlace(f32(a, {32}), f32(b, {32})); }, "'x'");
 }
 
 // A small Llama-style stack: DecoderLayers equals the ops run one at a time, bit for bit, over a
@@ -328,25 +323,17 @@ TEST(Decoder, LayersEqualTheOpsOneByOne) {
   }
   ASSERT_EQ(0, std::memcmp(x.data(), z.data(), x.size() * sizeof(float)));
   // Bad arguments name what is wrong.
-  auto expect = [](auto fn, const char* needle) {
-    try {
-      fn();
-      ADD_FAILURE() << "no error; expected one mentioning " << needle;
-    } catch (const ValueError& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-  };
-  expect([&] {
+  ExpectValueError([&] {
     DecoderLayers(cfg, layers, f32(z, {T, H}), f32(cs, {T, D}), f32(sn, {T, D}), plan,
                   f32(kp, {L * blocks, bs, Hkv, D}), f32(vp, {L, blocks, bs, Hkv, D}),
                   f32(kn, {L, T, Hkv, D}), f32(vn, {L, T, Hkv, D}));
   }, "'k_pages'");
-  expect([&] {
+  ExpectValueError([&] {
     DecoderLayers(cfg, layers, f32(z, {T, H}), f32(cs, {T, D}), f32(sn, {T, D}), plan,
                   f32(kp, {L, blocks, bs, Hkv, D}), f32(vp, {L, blocks, bs, Hkv, D}),
                   f32(kn, {L, T - 1, Hkv, D}), f32(vn, {L, T, Hkv, D}));
   }, "'k_new'");
-  expect([&] {
+  ExpectValueError([&] {
     DecoderLayers(cfg, layers, f32(z, {T, H}), f32(cs, {T, D}), f32(sn, {T, D}), plan,
                   f32(kp, {L, blocks, bs, Hkv, D}), f32(vp, {L, blocks, bs, Hkv, D}),
                   f32(kn, {L, T, Hkv, D}), f32(vn, {L, T, Hkv, D}), 1, 3);
@@ -354,12 +341,12 @@ TEST(Decoder, LayersEqualTheOpsOneByOne) {
   std::vector<float> short_wo(H * (Hq * D - 1));
   std::vector<DecoderLayerWeights> broken = layers;
   broken[1].wo.w = f32(short_wo, {H, Hq * D - 1});
-  expect([&] {
+  ExpectValueError([&] {
     DecoderLayers(cfg, broken, f32(z, {T, H}), f32(cs, {T, D}), f32(sn, {T, D}), plan,
                   f32(kp, {L, blocks, bs, Hkv, D}), f32(vp, {L, blocks, bs, Hkv, D}),
                   f32(kn, {L, T, Hkv, D}), f32(vn, {L, T, Hkv, D}));
   }, "'layer 1 wo' must be");
-  expect([&] {
+  ExpectValueError([&] {
     DecoderLayers(cfg, layers, f32(z, {T, H}), f32(cs, {T - 1, D}), f32(sn, {T, D}), plan,
                   f32(kp, {L, blocks, bs, Hkv, D}), f32(vp, {L, blocks, bs, Hkv, D}),
                   f32(kn, {L, T, Hkv, D}), f32(vn, {L, T, Hkv, D}));
@@ -369,7 +356,7 @@ TEST(Decoder, LayersEqualTheOpsOneByOne) {
   ASSERT_EQ(0, std::memcmp(untouched.data(), z.data(), z.size() * sizeof(float)));
   DecoderConfig bad = cfg;
   bad.num_heads = 3;
-  expect([&] {
+  ExpectValueError([&] {
     DecoderLayers(bad, layers, f32(z, {T, H}), f32(cs, {T, D}), f32(sn, {T, D}), plan,
                   f32(kp, {L, blocks, bs, Hkv, D}), f32(vp, {L, blocks, bs, Hkv, D}),
                   f32(kn, {L, T, Hkv, D}), f32(vn, {L, T, Hkv, D}));
