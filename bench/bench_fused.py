@@ -30,13 +30,10 @@ sys.path.insert(0, HERE)
 
 
 def main(argv=None):
+    from bench_spec import add_engine_args, drafter_list
+
     ap = argparse.ArgumentParser()
-    ap.add_argument("--prompts", type=int, default=8, help="MT-bench first turns (one per category "
-                    "for 8)")
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--drafters", default="none,default",
-                    help="drafter specs separated by commas, or by semicolons when a spec has a "
-                         "comma ('none' = plain decoding; it is always run)")
+    add_engine_args(ap)
     ap.add_argument("--packed-weights", default="auto", choices=["auto", "off"])
     ap.add_argument("--modes", default="fused,op-by-op",
                     help="which paths to run: fused (one core call), op-by-op, and/or "
@@ -52,10 +49,7 @@ def main(argv=None):
     from bench_spec import load_prompts
 
     torch.set_num_threads(2)
-    sep = ";" if ";" in args.drafters else ","
-    drafters = [d for d in args.drafters.split(sep) if d]
-    if "none" not in drafters:
-        drafters.insert(0, "none")
+    drafters = drafter_list(args.drafters)
     t0 = time.perf_counter()
     llms = {d: pyspec.LLM(draft=d, progress=False, packed_weights=args.packed_weights)
             for d in drafters}

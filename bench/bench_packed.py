@@ -29,13 +29,10 @@ sys.path.insert(0, HERE)
 
 
 def main(argv=None):
+    from bench_spec import add_engine_args, drafter_list
+
     ap = argparse.ArgumentParser()
-    ap.add_argument("--prompts", type=int, default=8, help="MT-bench first turns (one per category "
-                    "for 8)")
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--drafters", default="none,default",
-                    help="comma-separated drafter specs ('none' = plain decoding; it is always "
-                         "run)")
+    add_engine_args(ap)
     ap.add_argument("--isa", default="auto", choices=["auto", "avx2", "avx512"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -45,9 +42,7 @@ def main(argv=None):
 
     torch.set_num_threads(2)
     pyspec._C._set_linear_isa(args.isa)  # before loading: packing depends on the kernel in use
-    drafters = [d for d in args.drafters.split(",") if d]
-    if "none" not in drafters:
-        drafters.insert(0, "none")
+    drafters = drafter_list(args.drafters)
     llms = {}
     t0 = time.perf_counter()
     for weights in ("packed", "float32"):

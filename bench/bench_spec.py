@@ -35,6 +35,25 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPTS = os.path.join(HERE, "data", "mt_bench_questions.jsonl")
 
 
+def add_engine_args(ap):
+    """The arguments the one-process engine comparisons share (bench_packed.py, bench_fused.py):
+    --prompts, --max-tokens and --drafters (see drafter_list)."""
+    ap.add_argument("--prompts", type=int, default=8, help="MT-bench first turns (one per category "
+                    "for 8)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--drafters", default="none,default",
+                    help="drafter specs separated by commas, or by semicolons when a spec has a "
+                         "comma ('none' = plain decoding; it is always run)")
+
+
+def drafter_list(spec):
+    """--drafters as a list, plain decoding ('none') first when it is not named."""
+    drafters = [d for d in spec.split(";" if ";" in spec else ",") if d]
+    if "none" not in drafters:
+        drafters.insert(0, "none")
+    return drafters
+
+
 def load_prompts(n):
     """``n`` prompts spread over the 8 categories (the file is grouped, 10 each)."""
     from pyspec.train.evaluate import read_prompts
