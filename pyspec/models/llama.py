@@ -403,7 +403,7 @@ class LlamaForCausalLM:
             # Every layer in one core call (in place: x is this step's own tensor), stopping at
             # each tapped layer to keep its output.
             if x is inputs_embeds or not x.is_contiguous():
-                x = x.contiguous().clone()
+                x = x.clone(memory_format=torch.contiguous_format)
             begin = 0
             for n in sorted(taps or ()):
                 stack.run(x, cos, sin, plan, k_pages, v_pages, k_new, v_new, begin, n)
@@ -444,22 +444,23 @@ class LlamaForCausalLM:
 
         cfg = self.cfg
         layers = []
-        usable = True
         for li, layer in enumerate(self.layers):
             mats = layer if self._packed is None else self._packed[li]
             d = {k: layer[k] for k in ("ln1", "ln2", "bqkv", "bo")}
             for k in ("wqkv", "wo", "wgu", "wd"):
                 w = mats[k]
                 d[k] = (w.dense, w.q, w.d, w.m) if type(w) is PackedWeight else w
-            for v in layer.values():
-                if v is not None and (v.requires_grad or not v.is_contiguous()
-                                      or v.dtype != self.dtype):
-                    usable = False
             layers.append(d)
         stack = None
-        if usable:
-            stack = _C.DecoderStack(layers, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                    cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
+        if not any(v is not None and v.requires_grad for layer in self.layers
+                   for v in layer.values()):
+            try:
+                # The core checks every weight (dtype, shape, layout): weights it cannot take
+                # (e.g. a strided view) run op by op instead.
+                stack = _C.DecoderStack(layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                        cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
+            except ValueError:
+                stack = None
         self._fused = (self.layers, self._packed, stack, sig)
         return stack
 

@@ -137,6 +137,15 @@ def test_fused_path_only_where_it_applies(monkeypatch):
     with torch.no_grad():
         assert m._fused_stack(3, emb, runner.kv.k) is not None
     assert m._fused_stack(3, emb.detach().double(), runner.kv.k) is None
+    # A weight the core cannot take (a strided view) runs op by op: what PYSPEC_FUSED_LAYERS=0
+    # gives (torch's matmul for that layer), no error.
+    monkeypatch.setattr(_C, "DecoderStack", real)
+    m.layers[0]["wo"] = m.layers[0]["wo"].t().contiguous().t()
+    assert m._fused_stack(3, emb.detach(), runner.kv.k) is None
+    step = SeqStep([1, 2, 3], 0, [0], None, "last")
+    a = runner.step([step]).logits
+    monkeypatch.setattr(llama_mod, "_FUSED_ON", False)
+    assert _same(a, runner.step([step]).logits)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
