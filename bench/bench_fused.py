@@ -18,7 +18,6 @@ token (or, with ``--modes fused``, plain decoding on the one-call path). Prints 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -30,7 +29,7 @@ sys.path.insert(0, HERE)
 
 
 def main(argv=None):
-    from bench_spec import add_engine_args, drafter_list
+    from bench_spec import add_engine_args, drafter_list, emit
 
     ap = argparse.ArgumentParser()
     add_engine_args(ap)
@@ -111,11 +110,7 @@ def main(argv=None):
                       "linear_kernel": pyspec._C._linear_kernel("float32"),
                       "wall_seconds": round(time.perf_counter() - t0, 1)},
            "engines": engines}
-    text = json.dumps(doc, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(doc, args.out)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ runs). Prints one JSON document (and writes it with ``--out``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -29,7 +28,7 @@ sys.path.insert(0, HERE)
 
 
 def main(argv=None):
-    from bench_spec import add_engine_args, drafter_list
+    from bench_spec import add_engine_args, drafter_list, emit
 
     ap = argparse.ArgumentParser()
     add_engine_args(ap)
@@ -96,11 +95,7 @@ def main(argv=None):
                           for p in lp.values()) + packed_model.lm_head.numel() * 4,
                       "wall_seconds": round(time.perf_counter() - t0, 1)},
            "engines": engines}
-    text = json.dumps(doc, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(doc, args.out)
 
 
 if __name__ == "__main__":

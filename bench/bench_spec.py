@@ -54,6 +54,17 @@ def drafter_list(spec):
     return drafters
 
 
+def emit(doc, out=None):
+    """Print a result document as JSON and, with ``out``, write it there too."""
+    import json
+
+    text = json.dumps(doc, indent=2)
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+
+
 def load_prompts(n):
     """``n`` prompts spread over the 8 categories (the file is grouped, 10 each)."""
     from pyspec.train.evaluate import read_prompts
