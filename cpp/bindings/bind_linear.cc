@@ -83,13 +83,14 @@ class DecoderStack {
     keep_.push_back(std::move(ref));
     return v;
   }
-  // A tensor, or a (dense, q, d, m) tuple of packed codes (m None for 8-bit).
+  // A tensor, or a (dense, q, d, m) tuple of packed codes (m None for 8-bit; dense None when the
+  // model holds only the codes).
   DecoderMatrix Matrix(py::handle t, const char* name) {
     DecoderMatrix mat;
     if (py::isinstance<py::tuple>(t)) {
       const py::tuple tup = py::reinterpret_borrow<py::tuple>(t);
       PYSPEC_CHECK(tup.size() == 4, "'", name, "' must be a tensor or a (dense, q, d, m) tuple");
-      mat.w = Keep(tup[0], name);
+      if (!tup[0].is_none()) mat.w = Keep(tup[0], name);  // None: the codes alone
       mat.packed = true;
       mat.q = Keep(tup[1], "q");
       mat.d = Keep(tup[2], "d");
@@ -163,6 +164,24 @@ each weight row is read from memory once per call, output rows are split over th
 Correct for any M, but for M above a few dozen a GEMM library is faster (pyspec.linear routes
 those to torch). Raises ValueError naming the bad argument; RuntimeError for CUDA tensors (not implemented
 on CUDA). Tensors that require grad are read as is (no autograd).)doc");
+
+  m.def(
+      "unpack_packed",
+      [](py::handle q, py::handle d, py::handle mn, py::handle out) {
+        const TensorView qv = ToView(q, "q"), dv = ToView(d, "d"), ov = ToView(out, "out");
+        std::optional<TensorView> mv;
+        if (!mn.is_none()) mv = ToView(mn, "m");
+        CheckNoOverlap({{&ov, "out"}}, {{&qv, "q"}, {&dv, "d"}});
+        if (mv) CheckNoOverlap({{&ov, "out"}}, {{&*mv, "m"}});
+        py::gil_scoped_release release;
+        UnpackPacked(qv, dv, mv ? &*mv : nullptr, ov);
+      },
+      py::arg("q"), py::arg("d"), py::arg("m"), py::arg("out"),
+      R"doc(The float32 matrix out [N, K] that packed codes stand for, written in place: 4-bit
+``w = d * q + m`` (q [N, K/2] uint8, d and m [N, K/32] float32) or, with ``m`` None, 8-bit
+``w = d * q`` (q [N, K] int8), as ``linear_packed`` rebuilds them; out contiguous float32, K a
+multiple of 32. Equal bit for bit to the matrix ``pyspec.linear.pack_exact`` packed. Any CPU;
+raises ValueError naming the bad argument.)doc");
 
   m.def(
       "linear_packed",

@@ -33,11 +33,15 @@ const TensorView* Opt(const TensorView& t) { return t.data != nullptr ? &t : nul
 // Shape, dtype and layout of one matrix [N, K] (and its codes) in the model's dtype.
 void CheckMatrix(const DecoderMatrix& m, const std::string& name, int64_t N, int64_t K,
                  DType dtype) {
-  PYSPEC_CHECK(m.w.dtype == dtype, "'", name, "' has dtype ", DTypeName(m.w.dtype),
-               " but the model's is ", DTypeName(dtype));
-  PYSPEC_CHECK(m.w.ndim == 2 && m.w.shape[0] == N && m.w.shape[1] == K, "'", name,
-               "' must be [", N, ", ", K, "]; got shape ", m.w.ShapeString());
-  CheckContiguous(m.w, name.c_str());
+  PYSPEC_CHECK(m.w.data != nullptr || m.packed, "'", name, "' has neither a dense matrix nor "
+               "packed codes");
+  if (m.w.data != nullptr) {
+    PYSPEC_CHECK(m.w.dtype == dtype, "'", name, "' has dtype ", DTypeName(m.w.dtype),
+                 " but the model's is ", DTypeName(dtype));
+    PYSPEC_CHECK(m.w.ndim == 2 && m.w.shape[0] == N && m.w.shape[1] == K, "'", name,
+                 "' must be [", N, ", ", K, "]; got shape ", m.w.ShapeString());
+    CheckContiguous(m.w, name.c_str());
+  }
   if (!m.packed) return;
   const bool four = m.m.data != nullptr;
   PYSPEC_CHECK(dtype == DType::kFloat32 && K % 32 == 0, "'", name,
@@ -65,7 +69,8 @@ void CheckVector(const TensorView& t, const std::string& name, int64_t n, DType 
 
 void RunLinear(const TensorView& x, const DecoderMatrix& w, const TensorView* bias,
                const TensorView& out, int64_t packed_rows, ThreadPool* pool) {
-  if (w.packed && x.shape[0] <= packed_rows) {
+  // Codes alone (no dense matrix): the packed kernel at every M, with the float32 kernel's bits.
+  if (w.packed && (x.shape[0] <= packed_rows || w.w.data == nullptr)) {
     LinearPacked(x, w.q, w.d, Opt(w.m), bias, out, pool);
   } else {
     Linear(x, w.w, bias, out, pool);

@@ -21,6 +21,8 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
+#include <string>
 #include <vector>
 
 #include "cpu_isa.h"
@@ -1021,18 +1023,21 @@ void Linear(const TensorView& x, const TensorView& w, const TensorView* bias,
 }
 
 
-void LinearPacked(const TensorView& x, const TensorView& q, const TensorView& d,
-                  const TensorView* mn, const TensorView* bias, const TensorView& out,
-                  ThreadPool* pool) {
-  for (const TensorView* t : {&x, &q, &d, mn, bias, &out}) {
+namespace {
+
+void RefuseCuda(std::initializer_list<const TensorView*> ts, const char* op) {
+  for (const TensorView* t : ts) {
     if (t != nullptr && t->device.type == DeviceType::kCUDA) {
-      throw RuntimeError("pyspec linear_packed: got CUDA tensors; packed weights run on the CPU");
+      throw RuntimeError(detail::StrCat("pyspec ", op, ": got CUDA tensors; packed weights run ",
+                                        "on the CPU"));
     }
   }
-  CheckDType(x, "x", {DType::kFloat32});
-  PYSPEC_CHECK(x.ndim == 2, "'x' must be 2-D [M, K]; got shape ", x.ShapeString());
-  CheckContiguous(x, "x");
-  const int64_t M = x.shape[0], K = x.shape[1];
+}
+
+// Checks packed codes q (and scales d, m) of a matrix with K weights per row (`k_from` names the
+// argument K comes from); returns N.
+int64_t CheckPackedCodes(const TensorView& q, const TensorView& d, const TensorView* mn, int64_t K,
+                         const char* k_from) {
   PYSPEC_CHECK(K % 32 == 0 && K > 0, "packed weights need K to be a positive multiple of 32; got ",
                K);
   const int bits = mn != nullptr ? 4 : 8;
@@ -1042,8 +1047,8 @@ void LinearPacked(const TensorView& x, const TensorView& q, const TensorView& d,
   PYSPEC_CHECK(q.ndim == 2, "'q' must be 2-D; got shape ", q.ShapeString());
   const int64_t N = q.shape[0];
   PYSPEC_CHECK(q.shape[1] == (bits == 4 ? K / 2 : K), "'q' has shape ", q.ShapeString(),
-               ": ", bits == 4 ? q.shape[1] * 2 : q.shape[1], " weights per row, but 'x' has K = ",
-               K, " (", bits, "-bit codes: [N, ", bits == 4 ? "K / 2" : "K", "])");
+               ": ", bits == 4 ? q.shape[1] * 2 : q.shape[1], " weights per row, but '", k_from,
+               "' has K = ", K, " (", bits, "-bit codes: [N, ", bits == 4 ? "K / 2" : "K", "])");
   CheckShape(q, "q", {N, bits == 4 ? K / 2 : K});
   CheckContiguous(q, "q");
   CheckDType(d, "d", {DType::kFloat32});
@@ -1054,6 +1059,61 @@ void LinearPacked(const TensorView& x, const TensorView& q, const TensorView& d,
     CheckShape(*mn, "m", {N, K / 32});
     CheckContiguous(*mn, "m");
   }
+  return N;
+}
+
+}  // namespace
+
+void UnpackPacked(const TensorView& q, const TensorView& d, const TensorView* mn,
+                  const TensorView& out, ThreadPool* pool) {
+  RefuseCuda({&q, &d, mn, &out}, "unpack_packed");
+  CheckDType(out, "out", {DType::kFloat32});
+  PYSPEC_CHECK(out.ndim == 2, "'out' must be 2-D [N, K]; got shape ", out.ShapeString());
+  const int64_t K = out.shape[1];
+  const int64_t N = CheckPackedCodes(q, d, mn, K, "out");
+  CheckShape(out, "out", {N, K});
+  CheckContiguous(out, "out");
+  if (N == 0) return;
+  const int64_t G = K / 32;
+  const uint8_t* qp = static_cast<const uint8_t*>(q.data);
+  const float* dp = d.ptr<float>();
+  const float* mp = mn != nullptr ? mn->ptr<float>() : nullptr;
+  float* op = static_cast<float*>(out.data);
+  // d * q is exact in float32 (the packer's float16 scales), so a fused or a separate multiply-add
+  // gives the same one rounding.
+  auto run = [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      for (int64_t g = 0; g < G; ++g) {
+        const float dv = dp[n * G + g];
+        float* w = op + n * K + g * 32;
+        if (mp != nullptr) {
+          const float mv = mp[n * G + g];
+          const uint8_t* b = qp + n * (K / 2) + g * 16;
+          for (int j = 0; j < 16; ++j) {
+            w[j] = dv * static_cast<float>(b[j] & 15) + mv;
+            w[j + 16] = dv * static_cast<float>(b[j] >> 4) + mv;
+          }
+        } else {
+          const int8_t* b = reinterpret_cast<const int8_t*>(qp) + n * K + g * 32;
+          for (int j = 0; j < 32; ++j) w[j] = dv * static_cast<float>(b[j]);
+        }
+      }
+    }
+  };
+  ThreadPool& tp = pool != nullptr ? *pool : ThreadPool::Default();
+  tp.ParallelFor(N, std::max<int64_t>(1, (int64_t{1} << 16) / K), run);
+}
+
+void LinearPacked(const TensorView& x, const TensorView& q, const TensorView& d,
+                  const TensorView* mn, const TensorView* bias, const TensorView& out,
+                  ThreadPool* pool) {
+  RefuseCuda({&x, &q, &d, mn, bias, &out}, "linear_packed");
+  CheckDType(x, "x", {DType::kFloat32});
+  PYSPEC_CHECK(x.ndim == 2, "'x' must be 2-D [M, K]; got shape ", x.ShapeString());
+  CheckContiguous(x, "x");
+  const int64_t M = x.shape[0], K = x.shape[1];
+  const int64_t N = CheckPackedCodes(q, d, mn, K, "x");
+  const int bits = mn != nullptr ? 4 : 8;
   if (bias != nullptr) {
     CheckDType(*bias, "bias", {DType::kFloat32});
     CheckShape(*bias, "bias", {N});

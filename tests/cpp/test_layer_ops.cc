@@ -323,6 +323,13 @@ TEST(Decoder, LayersEqualTheOpsOneByOne) {
   }
   ASSERT_EQ(0, std::memcmp(x.data(), z.data(), x.size() * sizeof(float)));
   // Bad arguments name what is wrong.
+  std::vector<DecoderLayerWeights> no_wo = layers;
+  no_wo[1].wo.w = TensorView{};  // neither a dense matrix nor codes
+  ExpectValueError([&] {
+    DecoderLayers(cfg, no_wo, f32(z, {T, H}), f32(cs, {T, D}), f32(sn, {T, D}), plan,
+                  f32(kp, {L, blocks, bs, Hkv, D}), f32(vp, {L, blocks, bs, Hkv, D}),
+                  f32(kn, {L, T, Hkv, D}), f32(vn, {L, T, Hkv, D}));
+  }, "layer 1 wo' has neither");
   ExpectValueError([&] {
     DecoderLayers(cfg, layers, f32(z, {T, H}), f32(cs, {T, D}), f32(sn, {T, D}), plan,
                   f32(kp, {L * blocks, bs, Hkv, D}), f32(vp, {L, blocks, bs, Hkv, D}),

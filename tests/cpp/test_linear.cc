@@ -248,6 +248,43 @@ TEST(Linear, RejectsBadArguments) {
   EXPECT_THROW(detail::SetLinearIsa("avx9"), ValueError);
 }
 
+// A float32 matrix [N, K] on a 4-bit (d * q + m) or 8-bit (d * q) grid with float16-valued d (and
+// m), and its codes.
+struct PackedGrid {
+  int64_t N, K;
+  std::vector<float> w, d, m;
+  std::vector<uint8_t> q;
+};
+
+PackedGrid MakePackedGrid(int bits, int64_t N, int64_t K, std::mt19937& rng) {
+  std::uniform_int_distribution<int> q4(0, 15), q8(-127, 127);
+  std::uniform_real_distribution<float> ud(1e-3f, 2e-2f), um(-0.2f, 0.0f);
+  auto f16 = [](float v) { return half::HalfToFloat(half::FloatToHalf(v)); };
+  const int64_t G = K / 32;
+  PackedGrid p{N, K, std::vector<float>(N * K), std::vector<float>(N * G),
+               std::vector<float>(N * G), std::vector<uint8_t>(bits == 4 ? N * K / 2 : N * K)};
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t g = 0; g < G; ++g) {
+      p.d[n * G + g] = f16(ud(rng));
+      p.m[n * G + g] = f16(um(rng));
+      for (int j = 0; j < 32; ++j) {
+        const int64_t k = g * 32 + j;
+        if (bits == 4) {
+          const int v = q4(rng);
+          p.w[n * K + k] = p.d[n * G + g] * static_cast<float>(v) + p.m[n * G + g];
+          uint8_t& byte = p.q[n * K / 2 + g * 16 + j % 16];
+          byte = static_cast<uint8_t>(j < 16 ? (byte & 0xf0) | v : (byte & 0x0f) | (v << 4));
+        } else {
+          const int v = q8(rng);
+          p.w[n * K + k] = p.d[n * G + g] * static_cast<float>(v);
+          p.q[n * K + k] = static_cast<uint8_t>(static_cast<int8_t>(v));
+        }
+      }
+    }
+  }
+  return p;
+}
+
 // Packed weights: codes on a 4-bit (d * q + m) or 8-bit (d * q) grid with float16-valued d give
 // Linear's float32 results on the rebuilt matrix bit for bit, at every M.
 TEST(LinearPacked, EqualsFloat32KernelBitForBit) {
@@ -262,33 +299,13 @@ TEST(LinearPacked, EqualsFloat32KernelBitForBit) {
     ASSERT_TRUE(detail::PackedLinearAvailable());
     ++isas_run;
     std::mt19937 rng(11);
-    std::uniform_int_distribution<int> q4(0, 15), q8(-127, 127);
-    std::uniform_real_distribution<float> ud(1e-3f, 2e-2f), um(-0.2f, 0.0f);
-    auto f16 = [](float v) { return half::HalfToFloat(half::FloatToHalf(v)); };
+    std::uniform_real_distribution<float> um(-0.2f, 0.0f);
     for (int bits : {4, 8}) {
       for (auto nk : {std::pair<int64_t, int64_t>{13, 96}, {300, 576}, {64, 1536}}) {
-        const int64_t N = nk.first, K = nk.second, G = K / 32;
-        std::vector<float> w(N * K), d(N * G), m(N * G);
-        std::vector<uint8_t> q(bits == 4 ? N * K / 2 : N * K);
-        for (int64_t n = 0; n < N; ++n) {
-          for (int64_t g = 0; g < G; ++g) {
-            d[n * G + g] = f16(ud(rng));
-            m[n * G + g] = f16(um(rng));
-            for (int j = 0; j < 32; ++j) {
-              const int64_t k = g * 32 + j;
-              if (bits == 4) {
-                const int v = q4(rng);
-                w[n * K + k] = d[n * G + g] * static_cast<float>(v) + m[n * G + g];
-                uint8_t& byte = q[n * K / 2 + g * 16 + j % 16];
-                byte = static_cast<uint8_t>(j < 16 ? (byte & 0xf0) | v : (byte & 0x0f) | (v << 4));
-              } else {
-                const int v = q8(rng);
-                w[n * K + k] = d[n * G + g] * static_cast<float>(v);
-                q[n * K + k] = static_cast<uint8_t>(static_cast<int8_t>(v));
-              }
-            }
-          }
-        }
+        PackedGrid p = MakePackedGrid(bits, nk.first, nk.second, rng);
+        const int64_t N = p.N, K = p.K, G = K / 32;
+        std::vector<float> &w = p.w, &d = p.d, &m = p.m;
+        std::vector<uint8_t>& q = p.q;
         std::vector<float> bias(N);
         for (float& b : bias) b = um(rng);
         const DType qt = bits == 4 ? DType::kUInt8 : DType::kInt8;
@@ -318,6 +335,44 @@ TEST(LinearPacked, EqualsFloat32KernelBitForBit) {
   }
   detail::SetLinearIsa("auto");
   if (isas_run == 0) GTEST_SKIP() << "no AVX2 or AVX-512 float32 kernel on this CPU";
+}
+
+// UnpackPacked rebuilds the matrix the codes were made from, bit for bit, on any CPU.
+TEST(UnpackPacked, RebuildsTheMatrixBitForBit) {
+  std::mt19937 rng(5);
+  for (int bits : {4, 8}) {
+    for (auto nk : {std::pair<int64_t, int64_t>{1, 32}, {13, 96}, {300, 576}}) {
+      PackedGrid p = MakePackedGrid(bits, nk.first, nk.second, rng);
+      const int64_t N = p.N, K = p.K;
+      std::vector<float> got(N * K, NAN);
+      const TensorView mv = TensorView::Contiguous(p.m.data(), DType::kFloat32, {N, K / 32});
+      UnpackPacked(TensorView::Contiguous(p.q.data(), bits == 4 ? DType::kUInt8 : DType::kInt8,
+                                          {N, bits == 4 ? K / 2 : K}),
+                   TensorView::Contiguous(p.d.data(), DType::kFloat32, {N, K / 32}),
+                   bits == 4 ? &mv : nullptr,
+                   TensorView::Contiguous(got.data(), DType::kFloat32, {N, K}));
+      for (int64_t i = 0; i < N * K; ++i) {
+        ASSERT_EQ(ToBits(got[i], DType::kFloat32), ToBits(p.w[i], DType::kFloat32))
+            << "bits=" << bits << " N=" << N << " K=" << K << " element " << i;
+      }
+    }
+  }
+  std::vector<float> f(4096);
+  std::vector<uint8_t> q(4096);
+  auto F = [&](std::initializer_list<int64_t> s) {
+    return TensorView::Contiguous(f.data(), DType::kFloat32, s);
+  };
+  auto Q = [&](std::initializer_list<int64_t> s) {
+    return TensorView::Contiguous(q.data(), DType::kUInt8, s);
+  };
+  TensorView m = F({3, 2});
+  ExpectValueError([&] { UnpackPacked(Q({3, 24}), F({3, 1}), &m, F({3, 48})); }, "multiple of 32");
+  ExpectValueError([&] { UnpackPacked(Q({3, 32}), F({3, 2}), &m, F({4, 64})); }, "'out'");
+  ExpectValueError([&] { UnpackPacked(Q({3, 31}), F({3, 2}), &m, F({3, 64})); }, "'q'");
+  ExpectValueError([&] { UnpackPacked(Q({3, 32}), F({3, 2}), nullptr, F({3, 64})); }, "'q'");
+  TensorView cuda = F({3, 64});
+  cuda.device = Device{DeviceType::kCUDA, 0};
+  EXPECT_THROW(UnpackPacked(Q({3, 32}), F({3, 2}), &m, cuda), RuntimeError);
 }
 
 TEST(LinearPacked, RejectsBadArguments) {

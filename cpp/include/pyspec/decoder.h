@@ -20,7 +20,8 @@ class ThreadPool;
 
 // One weight matrix [N, K]: the dense values and, optionally, the same values as packed codes
 // (see LinearPacked; `m.data == nullptr` for 8-bit codes), read for steps of at most
-// detail::PackedLinearMaxRows() rows.
+// detail::PackedLinearMaxRows() rows. Packed codes may come without the dense values
+// (`w.data == nullptr`): then they are read at every M (the same bits; see LinearPacked).
 struct DecoderMatrix {
   TensorView w;
   bool packed = false;

@@ -53,6 +53,14 @@ void LinearPacked(const TensorView& x, const TensorView& q, const TensorView& d,
                   const TensorView* m, const TensorView* bias, const TensorView& out,
                   ThreadPool* pool = nullptr);
 
+// The float32 matrix [N, K] that packed codes stand for (as LinearPacked rebuilds it: 4-bit
+// w = d * q + m, 8-bit w = d * q, each one rounding of an exact product plus m), written into
+// `out` [N, K] float32 contiguous; the codes as for LinearPacked (m null: 8-bit). Where the codes
+// were made from a float32 matrix exactly (the packer checks every value), `out` equals it bit
+// for bit. Runs on any CPU; ValueError for bad arguments.
+void UnpackPacked(const TensorView& q, const TensorView& d, const TensorView* m,
+                  const TensorView& out, ThreadPool* pool = nullptr);
+
 namespace detail {
 // Whether LinearPacked can run: the float32 kernel in use is the AVX2 or the AVX-512 build.
 bool PackedLinearAvailable();
