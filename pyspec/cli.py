@@ -170,9 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu",
                    help="cpu, or cuda / cuda:N (a CUDA build with a GPU): where the model runs")
-    p.add_argument("--packed-weights", default="auto", choices=["auto", "off"],
+    p.add_argument("--packed-weights", default="auto", choices=["auto", "codes", "off"],
                    help="auto: float32 matrices that are exactly 4-bit / 8-bit block codes (the "
-                        "default model's) are read as those codes, same output bit for bit")
+                        "default model's) are read as those codes, same output bit for bit; "
+                        "codes: also free the decoder layers' float32 copies (about 5x less "
+                        "memory for them, same output; long prefills rebuild them per step)")
     p.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
     p.add_argument("--compare", action="store_true",
                    help="also run plain decoding and print both speeds, the speedup and whether "

@@ -22,6 +22,7 @@ accumulating as the float32 kernel does, returns the float32 kernel's results bi
 
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
@@ -74,7 +75,12 @@ class PackedWeight:
     nibble of byte j, element j + 16 in its high nibble; 8-bit: int8 [N, K]), ``d`` and, for
     4-bit, ``m`` (float32 [N, K / 32]). :func:`linear` reads the codes for the few rows of decoding
     where the float32 kernel in use is the AVX2 or AVX-512 build and ``dense`` otherwise; both
-    give the same bits."""
+    give the same bits.
+
+    ``dense`` is None when only the codes are held (``drop_dense()``; a model loaded with
+    ``packed_weights="codes"``): :func:`linear` then reads the codes wherever the core kernel
+    runs and rebuilds the float32 matrix (:meth:`unpack`) for the rows beyond, the same bits as
+    with ``dense`` at every M."""
 
     __slots__ = ("dense", "q", "d", "m", "bits")
 
@@ -83,7 +89,23 @@ class PackedWeight:
 
     @property
     def shape(self):
-        return self.dense.shape
+        n, c = self.q.shape
+        return torch.Size((n, c * 2 if self.bits == 4 else c))
+
+    def unpack(self, out=None) -> torch.Tensor:
+        """The float32 matrix [N, K] the codes stand for, equal bit for bit to the one packed
+        (``dense`` itself when it is held and no ``out`` is given)."""
+        if self.dense is not None and out is None:
+            return self.dense
+        if out is None:
+            out = _empty(tuple(self.shape), dtype=torch.float32)
+        _C.unpack_packed(self.q, self.d, self.m, out)
+        return out
+
+    def drop_dense(self) -> "PackedWeight":
+        """Hold only the codes (about 5x fewer bytes for 4-bit, 3.6x for 8-bit); returns self."""
+        self.dense = None
+        return self
 
     @property
     def nbytes(self) -> int:
@@ -153,24 +175,46 @@ _packed_rows = _C._packed_max_rows
 _core_packed = _C.linear_packed
 
 
+_tls = threading.local()
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    """This thread's float32 buffer of at least ``numel`` elements, for a matrix rebuilt from its
+    codes for one call: reused (no fresh pages to fault in on every prefill step) and on huge
+    pages (the GEMM that reads it walks it many times)."""
+    buf = getattr(_tls, "buf", None)
+    if buf is None or buf.numel() < numel:
+        from pyspec.hugepages import huge_page_empty
+
+        buf = None
+        _tls.buf = None
+        buf = _tls.buf = huge_page_empty((numel,), torch.float32)
+    return buf[:numel]
+
+
 def _linear_packed(x, w: PackedWeight, bias, out):
     dense = w.dense
     if (x.dtype is not torch.float32 or not x.is_cpu
-            or (_is_grad_enabled() and (x.requires_grad or dense.requires_grad
+            or (_is_grad_enabled() and (x.requires_grad
+                                        or (dense is not None and dense.requires_grad)
                                         or (bias is not None and bias.requires_grad)))):
-        return linear(x, dense, bias, out)
+        return linear(x, w.unpack(), bias, out)  # autograd keeps it: a tensor of its own
     shape = x.shape
     rows = x.numel() // shape[-1] if len(shape) and shape[-1] else 0
     # Up to the rows where the codes beat the float32 matrix with the kernel in use (32 on
     # AVX-512, 4 on AVX2, 0 where the packed kernel cannot run: other ISAs), and never past the
-    # rows the dense route gives the core kernel (beyond them it takes torch's GEMM).
-    if (rows == 0 or rows > _packed_rows() or rows > _MAX_ROWS[torch.float32]
-            or shape[-1] != dense.shape[1] or not x.is_contiguous()
+    # rows the dense route gives the core kernel (beyond them it takes torch's GEMM). With the
+    # codes alone, up to the core kernel's rows (the packed kernel has its bits at every M).
+    limit = _packed_rows() if dense is not None else (_MAX_ROWS[torch.float32]
+                                                      if _packed_rows() else 0)
+    n, k = w.shape
+    if (rows == 0 or rows > limit or rows > _MAX_ROWS[torch.float32]
+            or shape[-1] != k or not x.is_contiguous()
             or (bias is not None and (bias.dtype is not torch.float32
                                       or not bias.is_contiguous()))):
-        return linear(x, dense, bias, out)
+        return linear(x, w.unpack() if dense is not None else w.unpack(_scratch(n * k).view(n, k)),
+                      bias, out)
     x2 = x if len(shape) == 2 else x.view(rows, shape[-1])
-    n = dense.shape[0]
     res = _empty((rows, n), dtype=torch.float32) if out is None else (
         out if out.dim() == 2 else out.view(rows, n))
     _core_packed(x2, w.q, w.d, w.m, bias, res)

@@ -242,7 +242,10 @@ class LLM:
             or 8-bit block format (a model converted from a Q4_1 / Q8_0 GGUF, like the default
             model) are also held as those codes, which decoding reads instead: the same outputs
             bit for bit, about 5x fewer weight bytes per step (float32 on CPUs with AVX2 or AVX-512;
-            see ``LlamaForCausalLM.pack_weights``); "off": never.
+            see ``LlamaForCausalLM.pack_weights``); "codes": as "auto", then the decoder layers'
+            float32 copies of those matrices are freed (``LlamaForCausalLM.drop_dense``; the same
+            outputs, about 5x less memory for them; prefills past the core kernel's 64 rows rebuild
+            each matrix for the step); "off": never.
     """
 
     def __init__(self, model: Optional[str] = None, draft="default",

@@ -28,6 +28,8 @@ from pyspec.models.loader import load_weights, resolve_dtype
 # PYSPEC_FUSED_LAYERS=0: run the CPU decoder layers op by op even where the core's one-call stack
 # applies (the same results; for comparing their speed).
 _FUSED_ON = os.environ.get("PYSPEC_FUSED_LAYERS", "1") != "0"
+# from_pretrained's packed_weights settings (the CLI's --packed-weights choices).
+PACKED_WEIGHTS_CHOICES = ("auto", "codes", "off")
 
 
 def rope_inv_freq(cfg: ModelConfig, seq_len: int) -> torch.Tensor:
@@ -184,10 +186,13 @@ class LlamaForCausalLM:
                         packed_weights: str = "auto") -> "LlamaForCausalLM":
         """``packed_weights``: ``"auto"`` (default) holds every float32 CPU matrix that is exactly
         a 4-bit or 8-bit block format also as its codes (:meth:`pack_weights`; the same outputs
-        bit for bit, fewer bytes per decoding step), ``"off"`` never; ``PYSPEC_PACKED_WEIGHTS=0``
-        in the environment turns ``"auto"`` off."""
-        if packed_weights not in ("auto", "off"):
-            raise ValueError(f"packed_weights must be 'auto' or 'off'; got {packed_weights!r}")
+        bit for bit, fewer bytes per decoding step), ``"codes"`` as ``"auto"`` but then holds the
+        decoder layers' packed matrices as codes only (:meth:`drop_dense`: the same outputs bit for
+        bit, about 5x less memory for them), ``"off"`` never; ``PYSPEC_PACKED_WEIGHTS=0`` in the
+        environment turns ``"auto"`` and ``"codes"`` off."""
+        if packed_weights not in PACKED_WEIGHTS_CHOICES:
+            raise ValueError(f"packed_weights must be one of {', '.join(PACKED_WEIGHTS_CHOICES)}; "
+                             f"got {packed_weights!r}")
         if not os.path.isdir(path):
             raise ValueError(f"model path {path!r} is not a directory")
         device = str(resolve_device(device))
@@ -197,9 +202,44 @@ class LlamaForCausalLM:
         m.source_path = path
         m.packed_weights = packed_weights
         m.place_on_huge_pages()
-        if packed_weights == "auto" and os.environ.get("PYSPEC_PACKED_WEIGHTS", "1") != "0":
+        if packed_weights != "off" and os.environ.get("PYSPEC_PACKED_WEIGHTS", "1") != "0":
             m.pack_weights()
+            if packed_weights == "codes":
+                m.drop_dense()
         return m
+
+    def drop_dense(self) -> int:
+        """Hold each packed decoder-layer matrix as its codes only (:meth:`pack_weights` first):
+        the layer's entry becomes the :class:`~pyspec.linear.PackedWeight` and the float32 matrix
+        is freed. Outputs stay the same bit for bit: the core kernel reads the codes at every row
+        count it runs, and steps beyond it (long prefills) rebuild each matrix from its codes
+        for the call (:meth:`PackedWeight.unpack`). ``lm_head`` keeps its float32 matrix (for
+        the default model it is the embedding table). Returns how many matrices were dropped.
+        Readers of ``layers[i][k]`` get a PackedWeight there: :meth:`layer_weight` gives the
+        float32 matrix in either case."""
+        from pyspec.linear import PackedWeight
+
+        if self._packed is None:
+            return 0
+        count = 0
+        for layer, lp in zip(self.layers, self._packed):
+            for k, p in lp.items():
+                if type(p) is PackedWeight and p.dense is not None:
+                    p.drop_dense()
+                    layer[k] = p
+                    count += 1
+        if count:
+            self._fused = None
+            # The float32 matrices share one huge-page mapping with the rest: copying the rest
+            # into a new one lets the old mapping go.
+            self.place_on_huge_pages()
+        return count
+
+    def layer_weight(self, index: int, name: str) -> torch.Tensor:
+        """Layer ``index``'s matrix ``name`` ("wqkv", "wo", "wgu", "wd") as a float32 tensor,
+        rebuilt from its codes when the model holds only those (:meth:`drop_dense`)."""
+        w = self.layers[index][name]
+        return w if isinstance(w, torch.Tensor) else w.unpack()
 
     def pack_weights(self) -> int:
         """Also hold each dense matrix (and lm_head) whose float32 values are exactly a 4-bit or
@@ -282,22 +322,34 @@ class LlamaForCausalLM:
         from pyspec.hugepages import Arena
 
         tied = self.lm_head is self.embed
-        layer_ts = [t for layer in self.layers for t in layer.values() if t is not None]
+        layer_ts = [t for layer in self.layers for t in layer.values()
+                    if isinstance(t, torch.Tensor)]  # not codes-only matrices (their own arena)
         arena = Arena.for_tensors([self.embed, self.norm] + ([] if tied else [self.lm_head])
                                   + layer_ts)
         del layer_ts
         if arena is None:
             return self
         # As to() walks them, but in place and one at a time, so each source can go as soon as
-        # its copy exists (and no decoder stack holds on to them).
+        # its copy exists (and no decoder stack or packed matrix holds on to them).
         self._fused = None
-        self.embed = arena.copy(self.embed)
-        self.lm_head = self.embed if tied else arena.copy(self.lm_head)
-        self.norm = arena.copy(self.norm)
+        owners: Dict[int, list] = {}  # id(float32 matrix) -> the PackedWeights holding it
+        for p in self._packed_weights():
+            if p.dense is not None:
+                owners.setdefault(id(p.dense), []).append(p)
+
+        def copy(t):
+            new = arena.copy(t)
+            for p in owners.pop(id(t), ()):
+                p.dense = new
+            return new
+
+        self.embed = copy(self.embed)
+        self.lm_head = self.embed if tied else copy(self.lm_head)
+        self.norm = copy(self.norm)
         for layer in self.layers:
             for k, t in layer.items():
-                if t is not None:
-                    layer[k] = arena.copy(t)
+                if isinstance(t, torch.Tensor):
+                    layer[k] = copy(t)
         return self
 
     def to(self, device) -> "LlamaForCausalLM":
@@ -306,11 +358,17 @@ class LlamaForCausalLM:
         dev = resolve_device(device)
         self._fused = None  # its references would keep the old weights alive
         mv = lambda t: None if t is None else t.to(dev)  # noqa: E731
+
+        def mv_layer(t):  # codes-only matrices stay codes on the CPU, else are rebuilt
+            if t is None or isinstance(t, torch.Tensor):
+                return mv(t)
+            return t if dev.type == "cpu" else t.unpack().to(dev)
+
         tied = self.lm_head is self.embed
         self.embed = mv(self.embed)
         self.lm_head = self.embed if tied else mv(self.lm_head)
         self.norm = mv(self.norm)
-        self.layers = [{k: mv(v) for k, v in layer.items()} for layer in self.layers]
+        self.layers = [{k: mv_layer(v) for k, v in layer.items()} for layer in self.layers]
         self._inv_freq = self._inv_freq.to(dev)
         self.device = dev
         if dev.type != "cpu":  # packed codes are a CPU kernel's
@@ -452,7 +510,7 @@ class LlamaForCausalLM:
                 d[k] = (w.dense, w.q, w.d, w.m) if type(w) is PackedWeight else w
             layers.append(d)
         stack = None
-        if not any(v is not None and v.requires_grad for layer in self.layers
+        if not any(getattr(v, "requires_grad", False) for layer in self.layers
                    for v in layer.values()):
             try:
                 # The core checks every weight (dtype, shape, layout): weights it cannot take

@@ -744,10 +744,13 @@ def _chat_chars(msgs, overhead) -> int:
 
 
 def _model_tensors(model):
+    import torch
+
     seen = set()
+    # Codes-only matrices (packed_weights="codes") count through the model's packed_bytes.
     for t in [model.embed, model.lm_head, model.norm] + [v for layer in model.layers
                                                          for v in layer.values()]:
-        if t is not None and id(t) not in seen:
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
             seen.add(id(t))
             yield t
 

@@ -32,7 +32,10 @@ class DraftLM(nn.Module):
         self.inter = cfg.intermediate_size
         self.layers = nn.ModuleList()
         qs, ks = cfg.q_size, cfg.kv_size
-        for layer in target.layers[:num_layers]:
+        for li, layer in enumerate(target.layers[:num_layers]):
+            # The float32 matrices, rebuilt from the codes if the target holds only those.
+            layer = {k: target.layer_weight(li, k) if k in ("wqkv", "wo", "wgu", "wd") else v
+                     for k, v in layer.items()}
             m = nn.Module()
             m.ln1 = nn.Parameter(layer["ln1"].detach().float().clone())
             m.ln2 = nn.Parameter(layer["ln2"].detach().float().clone())

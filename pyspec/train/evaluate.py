@@ -332,7 +332,7 @@ def add_parser(sub):
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--packed-weights", default="auto", choices=["auto", "off"],
+    p.add_argument("--packed-weights", default="auto", choices=["auto", "codes", "off"],
                    help="auto: the target reads float32 matrices that are exactly 4-bit / 8-bit "
                         "block codes as those codes (same outputs, other speedups); off: float32, "
                         "as evaluations recorded before packed weights existed")

@@ -304,7 +304,7 @@ def test_from_pretrained_packs_exact_matrices_only(grid_dir, tmp_path, monkeypat
     monkeypatch.setenv("PYSPEC_PACKED_WEIGHTS", "0")
     assert LlamaForCausalLM.from_pretrained(grid_dir)._packed is None
     monkeypatch.delenv("PYSPEC_PACKED_WEIGHTS")
-    with pytest.raises(ValueError, match="packed_weights must be 'auto' or 'off'"):
+    with pytest.raises(ValueError, match="packed_weights must be one of auto, codes, off"):
         LlamaForCausalLM.from_pretrained(grid_dir, packed_weights="yes")
     with pytest.raises(ValueError, match="packed_weights"):
         pyspec.LLM(grid_dir, packed_weights=True, progress=False)

@@ -1,0 +1,181 @@
+"""Codes-only packed weights (packed_weights="codes", LlamaForCausalLM.drop_dense,
+PackedWeight.unpack, _C.unpack_packed): the decoder layers' float32 copies are freed and every
+output stays the one the float32 matrices give, bit for bit."""
+
+import pytest
+import torch
+
+import pyspec
+from pyspec import TokenTree, _C
+from pyspec.linear import PackedWeight, linear, pack_exact
+from pyspec.models.llama import LlamaForCausalLM
+from pyspec.runner import ModelRunner, SeqStep
+
+from test_packed import bits_equal, needs_kernel, packed_isa, q4_grid, q8_grid, snap_model_dir  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def grid_dir(tmp_path_factory):
+    return snap_model_dir(tmp_path_factory.mktemp("tiny_grid_codes"))
+
+
+@pytest.mark.parametrize("grid", [q4_grid, q8_grid], ids=["4-bit", "8-bit"])
+@pytest.mark.parametrize("nk", [(1, 32), (7, 64), (300, 576)])
+def test_unpack_rebuilds_the_packed_matrix_bit_for_bit(grid, nk):
+    w = grid(*nk)
+    p = pack_exact(w)
+    assert p is not None and p.bits == (4 if grid is q4_grid else 8)
+    out = torch.full(nk, float("nan"))
+    assert p.unpack(out) is out and bits_equal(out, w)
+    assert p.unpack() is p.dense  # the float32 matrix itself while it is held
+    assert p.drop_dense() is p and p.dense is None and p.shape == w.shape
+    assert bits_equal(p.unpack(), w)
+
+
+def test_unpack_packed_names_bad_arguments():
+    p = pack_exact(q4_grid(16, 64))
+    with pytest.raises(ValueError, match="'out'"):
+        _C.unpack_packed(p.q, p.d, p.m, torch.empty(15, 64))
+    with pytest.raises(ValueError, match="'out'"):
+        _C.unpack_packed(p.q, p.d, p.m, torch.empty(16, 64, dtype=torch.float64))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        _C.unpack_packed(p.q, p.d, p.m, torch.empty(16, 48))
+    with pytest.raises(ValueError, match="'q'"):  # 4-bit nibbles without 'm'
+        _C.unpack_packed(p.q, p.d, None, torch.empty(16, 64))
+    with pytest.raises(ValueError, match="'m'"):
+        _C.unpack_packed(p.q, p.d, p.m[:8].contiguous(), torch.empty(16, 64))
+    buf = torch.zeros(16 * 64)  # out overlapping the scales' memory
+    d = buf[:32].view(16, 2)
+    d.copy_(p.d)
+    with pytest.raises(ValueError, match="'out'"):
+        _C.unpack_packed(p.q, d, p.m, buf.view(16, 64))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 5, 33, 64, 65, 100])
+def test_codes_only_linear_equals_the_float32_matrix(packed_isa, bits, rows):
+    w = (q4_grid if bits == 4 else q8_grid)(96, 128, seed=rows)
+    bias = torch.randn(96)
+    p = pack_exact(w)
+    codes = PackedWeight(None, p.q, p.d, p.m, p.bits)
+    x = torch.randn(rows, 128)
+    for b in (None, bias):
+        want = linear(x, w, b)
+        got = linear(x, codes, b)
+        if rows <= 64:  # the core kernel's rows: the codes at every M, the float32 kernel's bits
+            assert bits_equal(got, want), rows
+        else:  # torch's GEMM on the rebuilt matrix (it may vary between calls past 64 rows)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        out = torch.empty(rows, 96)
+        assert linear(x, codes, b, out=out) is out and bits_equal(out, got)
+    # Autograd reads a matrix of its own (not the reused scratch buffer).
+    xg = x.clone().requires_grad_(True)
+    linear(xg, codes, bias).sum().backward()
+    assert torch.allclose(xg.grad, w.sum(0).expand(rows, -1), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "op-by-op"])
+def test_codes_model_steps_equal_the_float32_model_bit_for_bit(grid_dir, fused, monkeypatch):
+    import pyspec.models.llama as llama_mod
+
+    monkeypatch.setattr(llama_mod, "_FUSED_ON", fused)
+    codes = LlamaForCausalLM.from_pretrained(grid_dir, packed_weights="codes")
+    dense = LlamaForCausalLM.from_pretrained(grid_dir, packed_weights="off")
+    # Every layer matrix is held as codes alone; lm_head keeps its float32 matrix.
+    for i, layer in enumerate(codes.layers):
+        for k in ("wqkv", "wo", "wgu", "wd"):
+            assert type(layer[k]) is PackedWeight and layer[k].dense is None
+            assert bits_equal(codes.layer_weight(i, k), dense.layers[i][k])
+    assert isinstance(codes.lm_head, torch.Tensor) and codes._packed_lm_head.dense is codes.lm_head
+    g = torch.Generator().manual_seed(2)
+    ctx = torch.randint(3, 250, (100,), generator=g).tolist()
+    tree = TokenTree([-1, 0, 0, 1, 1, 2, 3, 3, 4])
+    nodes = torch.randint(3, 250, (9,), generator=g).tolist()
+    outs = []
+    for model in (codes, dense):
+        runner = ModelRunner(model, num_blocks=16, block_size=16)
+        table = list(range(16))
+        # 60 rows: within the core kernel's 64, past the packed kernel's usual 32 (the dense model
+        # reads its float32 matrices there, the codes model its codes); then 30, a tree, a decode
+        # step, a chain.
+        o1 = runner.step([SeqStep(ctx[:60], 0, table, None, "all")])
+        runner.commit_kv(o1, 0, range(60), range(60))
+        o2 = runner.step([SeqStep(ctx[60:90], 60, table, None, "all")], return_hidden=True)
+        runner.commit_kv(o2, 0, range(30), range(60, 90))
+        o3 = runner.step([SeqStep(nodes, 90, table, tree, "all")])
+        o4 = runner.step([SeqStep(nodes[:1], 90, table, None, "last")])
+        o5 = runner.step([SeqStep(nodes[:6], 90, table, TokenTree.chain(5), "all")])
+        # Past 64 rows: the matrices rebuilt for the step, then torch's GEMM.
+        o6 = ModelRunner(model, num_blocks=16, block_size=16).step(
+            [SeqStep(ctx, 0, table, None, "all")])
+        outs.append((o1.logits, o2.logits, o2.hidden, o3.logits, o4.logits, o5.logits,
+                     o6.logits))
+    for name, a, b in zip(("prefill", "chunk", "hidden", "tree", "decode", "chain"), *outs):
+        assert bits_equal(a, b), (name, (a - b).abs().max().item())
+    torch.testing.assert_close(outs[0][-1], outs[1][-1], rtol=1e-5, atol=1e-5)
+    assert (codes._fused is not None and codes._fused[2] is not None) == fused
+    view = codes.truncated(1)
+    assert len(view._packed) == 1 and view._packed[0] is codes._packed[0]
+
+
+@needs_kernel
+def test_codes_model_frees_the_float32_matrices(grid_dir):
+    from pyspec.serve.app import _model_tensors
+
+    auto = LlamaForCausalLM.from_pretrained(grid_dir)
+    codes = LlamaForCausalLM.from_pretrained(grid_dir, packed_weights="codes")
+
+    def held(m):  # bytes of the tensors the model holds, packed codes included
+        return sum(t.numel() * t.element_size() for t in _model_tensors(m)) + m.packed_bytes
+
+    layer_f32 = sum(auto.layer_weight(i, k).numel() * 4 for i in range(len(auto.layers))
+                    for k in ("wqkv", "wo", "wgu", "wd"))
+    assert held(codes) == held(auto) - layer_f32
+    # No float32 copy is left behind: not in a layer, not under a PackedWeight, not in the stack.
+    assert all(p.dense is None for lp in codes._packed for p in lp.values())
+    assert codes.drop_dense() == 0  # idempotent
+    assert codes.to("cpu") is codes and type(codes.layers[0]["wqkv"]) is PackedWeight
+    # Without packed codes there is nothing to drop.
+    assert LlamaForCausalLM.from_pretrained(grid_dir, packed_weights="off").drop_dense() == 0
+
+
+@needs_kernel
+@pytest.mark.parametrize("draft", ["none", "ngram", "layer-skip:1"])
+def test_codes_generation_equals_float32_generation(grid_dir, draft):
+    # A prompt past 64 tokens runs the rebuilt-matrix path in its prefill.
+    prompts = ["the cat sat on the mat. the cat sat on the", "abc abc abc abc",
+               " ".join(["word"] * 80)]
+    fixed = pyspec.SpecConfig(adaptive=False)
+    a = pyspec.LLM(grid_dir, draft=draft, spec=fixed, kv_cache_tokens=4096, progress=False,
+                   packed_weights="codes")
+    b = pyspec.LLM(grid_dir, draft=draft, spec=fixed, kv_cache_tokens=4096, progress=False,
+                   packed_weights="off")
+    assert a.model._packed is not None and a.model.layers[0]["wo"].dense is None
+    for params in (pyspec.SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
+                   pyspec.SamplingParams(max_tokens=30, temperature=0.8, seed=3, ignore_eos=True)):
+        ra, rb = a.generate(prompts, params), b.generate(prompts, params)
+        assert [r.token_ids for r in ra] == [r.token_ids for r in rb]
+
+
+@needs_kernel
+def test_draft_model_from_a_codes_target(grid_dir):
+    from pyspec.train.draft_model import DraftLM
+
+    codes = LlamaForCausalLM.from_pretrained(grid_dir, packed_weights="codes")
+    dense = LlamaForCausalLM.from_pretrained(grid_dir, packed_weights="off")
+    a, b = DraftLM(codes, 1), DraftLM(dense, 1)
+    for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert na == nb and bits_equal(pa.detach(), pb.detach()), na
+
+
+def test_cli_codes_option(grid_dir, capsys):
+    from pyspec import cli
+
+    args = ["generate", "abc abc abc abc", "--model", grid_dir, "--draft", "ngram",
+            "--max-tokens", "12", "--compare", "--ignore-eos", "--no-chat",
+            "--packed-weights", "codes"]
+    assert cli.main(args) == 0
+    assert "outputs identical: True" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="packed_weights must be one of auto, codes, off"):
+        LlamaForCausalLM.from_pretrained(grid_dir, packed_weights="yes")
