@@ -1,7 +1,8 @@
 """End to end: the default model on packed exact weights against its float32 weights, one run.
 
     python bench/bench_packed.py [--prompts 8] [--max-tokens 128] [--drafters none,default]
-                                 [--isa auto|avx2|avx512] [--out bench/results/packed.json]
+                                 [--isa auto|avx2|avx512] [--weights packed,float32]
+                                 [--prefill-tokens 0] [--out bench/results/packed.json]
 
 Loads the default model twice in one process, with ``packed_weights="auto"`` (its Q4_1 layers
 and Q8_0 lm_head also held as codes, see ``pyspec.linear.pack_exact``) and ``"off"`` (float32
@@ -11,7 +12,12 @@ interleaved per prompt so they share the machine's state. Reports tokens/s (pref
 tokens per target step, each engine against plain decoding on float32 weights and against plain
 decoding on the same weights, and whether each output equals plain decoding on float32 weights
 token for token. ``--isa`` forces the dense kernels' build (``avx2``: what a CPU without AVX-512
-runs). Prints one JSON document (and writes it with ``--out``).
+runs). ``--weights packed,codes,float32`` adds the model loaded with ``packed_weights="codes"``
+(the layers' float32 copies freed); each engine reports the weight bytes its model holds.
+``--prefill-tokens N`` also times, per weights, a prefill of an N-token prompt (from the prompts
+joined, another start each repetition so nothing comes from the prefix cache; ``max_tokens=1``,
+median of 5, the weights alternating). Prints one JSON document (and
+writes it with ``--out``).
 """
 
 from __future__ import annotations
@@ -27,12 +33,23 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 
+def held_bytes(model) -> int:
+    """Bytes of the weights a model holds: its tensors (as the server's memory gauge counts them)
+    and its packed codes."""
+    from pyspec.serve.app import _model_tensors
+
+    return sum(t.numel() * t.element_size() for t in _model_tensors(model)) + model.packed_bytes
+
+
 def main(argv=None):
     from bench_spec import add_engine_args, drafter_list, emit
 
     ap = argparse.ArgumentParser()
     add_engine_args(ap)
     ap.add_argument("--isa", default="auto", choices=["auto", "avx2", "avx512"])
+    ap.add_argument("--weights", default="packed,float32",
+                    help="comma-separated: packed (packed_weights='auto'), codes, float32 ('off')")
+    ap.add_argument("--prefill-tokens", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -42,13 +59,18 @@ def main(argv=None):
     torch.set_num_threads(2)
     pyspec._C._set_linear_isa(args.isa)  # before loading: packing depends on the kernel in use
     drafters = drafter_list(args.drafters)
+    setting = {"packed": "auto", "codes": "codes", "float32": "off"}
+    kinds = [w for w in args.weights.split(",") if w]
+    if "float32" not in kinds or "packed" not in kinds or any(w not in setting for w in kinds):
+        raise SystemExit(f"--weights takes packed, codes and float32 (packed and float32 "
+                         f"required); got {args.weights!r}")
     llms = {}
     t0 = time.perf_counter()
-    for weights in ("packed", "float32"):
+    for weights in kinds:
         for d in drafters:
             t = time.perf_counter()
             llms[weights, d] = pyspec.LLM(draft=d, progress=False,
-                                         packed_weights="auto" if weights == "packed" else "off")
+                                         packed_weights=setting[weights])
             llms[weights, d].load_seconds_measured = time.perf_counter() - t
     packed_model = llms["packed", "none"].model
     if packed_model._packed is None:
@@ -59,6 +81,22 @@ def main(argv=None):
     warm = pyspec.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     for llm in llms.values():
         llm.chat([{"role": "user", "content": "Hello"}], warm)
+    prefill_ms = {}
+    if args.prefill_tokens > 0:
+        tok = llms["float32", "none"].tokenizer
+        ids = tok.encode(" ".join(text for _, text in load_prompts(80)))
+        while len(ids) < args.prefill_tokens + 5:
+            ids = ids + ids
+        one = pyspec.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        times = {w: [] for w in kinds}
+        for rep in range(5):
+            # Another first token each time: nothing comes from the prefix cache.
+            prompt = ids[rep:rep + args.prefill_tokens]
+            for w in kinds:
+                t = time.perf_counter()
+                llms[w, "none"].generate([prompt], one)
+                times[w].append(time.perf_counter() - t)
+        prefill_ms = {w: round(1e3 * sorted(v)[len(v) // 2], 1) for w, v in times.items()}
     res = {k: {"seconds": 0.0, "tokens": 0, "steps": 0, "identical": 0} for k in llms}
     for _, text in prompts:
         msg = [{"role": "user", "content": text}]
@@ -84,7 +122,10 @@ def main(argv=None):
             "vs_plain_same_weights": round(tps / same_plain, 2),
             "tokens_per_target_step": round(r["tokens"] / r["steps"], 3) if r["steps"] else None,
             "identical_to_float32_plain": f"{r['identical']}/{len(prompts)}",
-            "load_seconds": round(llms[weights, d].load_seconds_measured, 2)}
+            "load_seconds": round(llms[weights, d].load_seconds_measured, 2),
+            "target_weight_mb": round(held_bytes(llms[weights, d].model) / 2**20, 1)}
+        if weights in prefill_ms and d == "none":
+            engines[f"{weights} {d}"][f"prefill_{args.prefill_tokens}_ms"] = prefill_ms[weights]
     doc = {"config": {"prompts": len(prompts), "max_tokens": args.max_tokens,
                       "drafters": drafters, "threads": torch.get_num_threads(),
                       "linear_kernel": pyspec._C._linear_kernel("float32"),
