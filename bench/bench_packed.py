@@ -123,7 +123,7 @@ def main(argv=None):
             "tokens_per_target_step": round(r["tokens"] / r["steps"], 3) if r["steps"] else None,
             "identical_to_float32_plain": f"{r['identical']}/{len(prompts)}",
             "load_seconds": round(llms[weights, d].load_seconds_measured, 2),
-            "target_weight_mb": round(held_bytes(llms[weights, d].model) / 2**20, 1)}
+            "target_weight_mb": round(held_bytes(llms[weights, d].model) / 1e6, 1)}
         if weights in prefill_ms and d == "none":
             engines[f"{weights} {d}"][f"prefill_{args.prefill_tokens}_ms"] = prefill_ms[weights]
     doc = {"config": {"prompts": len(prompts), "max_tokens": args.max_tokens,

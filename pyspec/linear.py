@@ -184,11 +184,12 @@ def _scratch(numel: int) -> torch.Tensor:
     pages (the GEMM that reads it walks it many times)."""
     buf = getattr(_tls, "buf", None)
     if buf is None or buf.numel() < numel:
-        from pyspec.hugepages import huge_page_empty
+        from pyspec.hugepages import MIN_BYTES, huge_page_empty
 
-        buf = None
-        _tls.buf = None
-        buf = _tls.buf = huge_page_empty((numel,), torch.float32)
+        buf = _tls.buf = None  # the old one goes first
+        # At least the size huge pages are given for (the default model's largest layer matrix,
+        # 7 MB, is below it).
+        buf = _tls.buf = huge_page_empty((max(numel, MIN_BYTES // 4),), torch.float32)
     return buf[:numel]
 
 
@@ -235,7 +236,8 @@ def linear(x, w, bias=None, out=None):
 
     ``w`` may be a :class:`PackedWeight`: the codes are read for float32 inputs of at most
     ``_C._packed_max_rows()`` rows (32 with the AVX-512 build of the float32 kernel, 4 with the
-    AVX2 one, 0 elsewhere), its dense matrix otherwise.
+    AVX2 one, 0 elsewhere), its dense matrix otherwise; without a dense matrix (codes only), the
+    codes up to ``max_fast_rows(torch.float32)`` rows and the matrix rebuilt for the call beyond.
 
     The fast path applies when all tensors are contiguous CPU tensors of one supported dtype,
     ``x`` has at most ``max_fast_rows(dtype)`` rows (leading dims flattened) and no input needs a

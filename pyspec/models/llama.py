@@ -18,7 +18,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from pyspec import ops
+from pyspec import _C, ops
 from pyspec.attention import tree_attention
 from pyspec.linear import linear as core_linear
 from pyspec.linear import fast_rows
@@ -28,6 +28,8 @@ from pyspec.models.loader import load_weights, resolve_dtype
 # PYSPEC_FUSED_LAYERS=0: run the CPU decoder layers op by op even where the core's one-call stack
 # applies (the same results; for comparing their speed).
 _FUSED_ON = os.environ.get("PYSPEC_FUSED_LAYERS", "1") != "0"
+_packed_available = _C._packed_linear_available  # the ISA can be switched at run time
+
 # from_pretrained's packed_weights settings (the CLI's --packed-weights choices).
 PACKED_WEIGHTS_CHOICES = ("auto", "codes", "off")
 
@@ -96,7 +98,6 @@ def resolve_device(device) -> torch.device:
     the step's logits and hidden states come back to the host, where acceptance, sampling and the
     drafters run.
     """
-    from pyspec import _C
 
     try:
         dev = torch.device(device)
@@ -173,6 +174,7 @@ class LlamaForCausalLM:
         # (layers list, packed list, _C.DecoderStack, the tensors it holds) for steps that run
         # every layer in one core call (_fused_stack); rebuilt when any of them is replaced.
         self._fused = None
+        self._codes_only = False  # some layer matrix is held as codes only (drop_dense)
 
     def __getstate__(self):
         # The decoder stack (views into this model's tensors) is rebuilt on the next step of a
@@ -229,10 +231,16 @@ class LlamaForCausalLM:
                     layer[k] = p
                     count += 1
         if count:
-            self._fused = None
-            # The float32 matrices share one huge-page mapping with the rest: copying the rest
-            # into a new one lets the old mapping go.
-            self.place_on_huge_pages()
+            self._codes_only = True
+            # The float32 matrices may share one huge-page mapping with the rest: copying the rest
+            # into a new one (or, where none can be made, onto ordinary pages) lets it go.
+            from pyspec.hugepages import Arena
+
+            tensors = [self.embed, self.norm, self.lm_head] + [
+                t for layer in self.layers for t in layer.values() if isinstance(t, torch.Tensor)]
+            arena = Arena.for_tensors(list({id(t): t for t in tensors}.values()))
+            del tensors
+            self._rehome(arena.copy if arena is not None else torch.clone)
         return count
 
     def layer_weight(self, index: int, name: str) -> torch.Tensor:
@@ -247,9 +255,9 @@ class LlamaForCausalLM:
         then reads for the few rows of decoding and verification: about 5x fewer bytes per step (4-bit 5.3x, 8-bit 3.6x), the
         same results bit for bit (the codes rebuild each weight exactly and the kernel accumulates
         as the float32 one does). The float32 matrices stay (prefill, other devices, drafters
-        that read them). Only float32 models on the CPU whose float32 linear kernel is the AVX2 or
-        AVX-512 build; returns how many matrices were packed (0 otherwise)."""
-        from pyspec import _C
+        that read them) unless :meth:`drop_dense` frees the layers' ones. Only float32 models on
+        the CPU whose float32 linear kernel is the AVX2 or AVX-512 build; returns how many
+        matrices were packed (0 otherwise)."""
         from pyspec.linear import pack_exact
 
         if (self.dtype != torch.float32 or self.device.type != "cpu"
@@ -327,30 +335,43 @@ class LlamaForCausalLM:
         arena = Arena.for_tensors([self.embed, self.norm] + ([] if tied else [self.lm_head])
                                   + layer_ts)
         del layer_ts
-        if arena is None:
-            return self
-        # As to() walks them, but in place and one at a time, so each source can go as soon as
-        # its copy exists (and no decoder stack or packed matrix holds on to them).
+        if arena is not None:
+            self._rehome(arena.copy)
+        return self
+
+    def _rehome(self, copy) -> None:
+        """Replace every CPU weight tensor by ``copy(tensor)``, one at a time, so each source can
+        go as soon as its copy exists: no decoder stack, packed matrix (its ``dense``) or
+        unpacked entry of the packed layers may keep holding the old one."""
         self._fused = None
-        owners: Dict[int, list] = {}  # id(float32 matrix) -> the PackedWeights holding it
+        tied = self.lm_head is self.embed
+        # id(tensor) -> its other holders: PackedWeights (dense) and packed-layer dicts holding a
+        # matrix that did not pack (the forward reads those dicts).
+        owners: Dict[int, list] = {}
         for p in self._packed_weights():
             if p.dense is not None:
-                owners.setdefault(id(p.dense), []).append(p)
+                owners.setdefault(id(p.dense), []).append((p, None))
+        for lp in self._packed or []:
+            for k, v in lp.items():
+                if isinstance(v, torch.Tensor):
+                    owners.setdefault(id(v), []).append((lp, k))
 
-        def copy(t):
-            new = arena.copy(t)
-            for p in owners.pop(id(t), ()):
-                p.dense = new
+        def move(t):
+            new = copy(t)
+            for holder, k in owners.pop(id(t), ()):
+                if k is None:
+                    holder.dense = new
+                else:
+                    holder[k] = new
             return new
 
-        self.embed = copy(self.embed)
-        self.lm_head = self.embed if tied else copy(self.lm_head)
-        self.norm = copy(self.norm)
+        self.embed = move(self.embed)
+        self.lm_head = self.embed if tied else move(self.lm_head)
+        self.norm = move(self.norm)
         for layer in self.layers:
             for k, t in layer.items():
                 if isinstance(t, torch.Tensor):
-                    layer[k] = copy(t)
-        return self
+                    layer[k] = move(t)
 
     def to(self, device) -> "LlamaForCausalLM":
         """Move the weights to ``device`` (see :func:`resolve_device`), in place; returns self.
@@ -486,7 +507,10 @@ class LlamaForCausalLM:
         if (t > self._serial_rows or self.device.type != "cpu" or x.dtype != self.dtype
                 or k_pages.dtype != self.dtype or not k_pages.is_contiguous()
                 or (torch.is_grad_enabled() and x.requires_grad) or not _FUSED_ON
-                or self.linear is not core_linear):
+                or self.linear is not core_linear
+                # Codes alone need the packed kernel (gone if the kernels' ISA was switched after
+                # loading): op by op, linear() rebuilds the matrices instead.
+                or (self._codes_only and not _packed_available())):
             return None
         # The stack holds the tensors it was built from: any replaced one (a layer dict's entry,
         # a packed matrix) makes a new stack. About 20 us for a 30-layer model.
@@ -497,7 +521,6 @@ class LlamaForCausalLM:
         if (f is not None and f[0] is self.layers and f[1] is self._packed
                 and len(f[3]) == len(sig) and all(map(operator.is_, f[3], sig))):
             return f[2]
-        from pyspec import _C
         from pyspec.linear import PackedWeight
 
         cfg = self.cfg

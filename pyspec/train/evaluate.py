@@ -334,8 +334,9 @@ def add_parser(sub):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--packed-weights", default="auto", choices=["auto", "codes", "off"],
                    help="auto: the target reads float32 matrices that are exactly 4-bit / 8-bit "
-                        "block codes as those codes (same outputs, other speedups); off: float32, "
-                        "as evaluations recorded before packed weights existed")
+                        "block codes as those codes (same outputs, other speedups); codes: also "
+                        "frees their float32 copies (reported as packed: the same speeds); off: "
+                        "float32, as evaluations recorded before packed weights existed")
     p.add_argument("--no-adaptive", dest="adaptive", action="store_false",
                    help="fixed draft lengths (the drafter's), no fallback to plain decoding: "
                         "the drafter's acceptance without the cost model's decisions")

@@ -337,6 +337,18 @@ TEST(LinearPacked, EqualsFloat32KernelBitForBit) {
   if (isas_run == 0) GTEST_SKIP() << "no AVX2 or AVX-512 float32 kernel on this CPU";
 }
 
+// Buffers viewed as float32 or uint8 tensors of any small shape (argument checks).
+struct CodeBuffers {
+  std::vector<float> f = std::vector<float>(4096);
+  std::vector<uint8_t> q = std::vector<uint8_t>(4096);
+  TensorView F(std::initializer_list<int64_t> s) {
+    return TensorView::Contiguous(f.data(), DType::kFloat32, s);
+  }
+  TensorView Q(std::initializer_list<int64_t> s) {
+    return TensorView::Contiguous(q.data(), DType::kUInt8, s);
+  }
+};
+
 // UnpackPacked rebuilds the matrix the codes were made from, bit for bit, on any CPU.
 TEST(UnpackPacked, RebuildsTheMatrixBitForBit) {
   std::mt19937 rng(5);
@@ -357,14 +369,9 @@ TEST(UnpackPacked, RebuildsTheMatrixBitForBit) {
       }
     }
   }
-  std::vector<float> f(4096);
-  std::vector<uint8_t> q(4096);
-  auto F = [&](std::initializer_list<int64_t> s) {
-    return TensorView::Contiguous(f.data(), DType::kFloat32, s);
-  };
-  auto Q = [&](std::initializer_list<int64_t> s) {
-    return TensorView::Contiguous(q.data(), DType::kUInt8, s);
-  };
+  CodeBuffers b;
+  auto F = [&](std::initializer_list<int64_t> s) { return b.F(s); };
+  auto Q = [&](std::initializer_list<int64_t> s) { return b.Q(s); };
   TensorView m = F({3, 2});
   ExpectValueError([&] { UnpackPacked(Q({3, 24}), F({3, 1}), &m, F({3, 48})); }, "multiple of 32");
   ExpectValueError([&] { UnpackPacked(Q({3, 32}), F({3, 2}), &m, F({4, 64})); }, "'out'");
@@ -376,14 +383,9 @@ TEST(UnpackPacked, RebuildsTheMatrixBitForBit) {
 }
 
 TEST(LinearPacked, RejectsBadArguments) {
-  std::vector<float> f(4096);
-  std::vector<uint8_t> q(4096);
-  auto F = [&](std::initializer_list<int64_t> s) {
-    return TensorView::Contiguous(f.data(), DType::kFloat32, s);
-  };
-  auto Q = [&](std::initializer_list<int64_t> s) {
-    return TensorView::Contiguous(q.data(), DType::kUInt8, s);
-  };
+  CodeBuffers b;
+  auto F = [&](std::initializer_list<int64_t> s) { return b.F(s); };
+  auto Q = [&](std::initializer_list<int64_t> s) { return b.Q(s); };
   TensorView m = F({3, 2});
   ExpectValueError([&] { LinearPacked(F({2, 48}), Q({3, 24}), F({3, 1}), &m, nullptr, F({2, 3})); },
                "multiple of 32");

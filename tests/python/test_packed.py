@@ -313,6 +313,26 @@ def test_from_pretrained_packs_exact_matrices_only(grid_dir, tmp_path, monkeypat
     assert LlamaForCausalLM.from_pretrained(plain_dir)._packed is None
 
 
+STEP_NAMES = ("prefill", "chunk", "hidden", "tree", "decode", "chain")
+
+
+def model_steps(model, ctx, nodes, tree):
+    """Logits (and hidden states) of a model's steps over 90 context tokens then 9 tree nodes: a
+    60-row prefill chunk (past the packed kernel's usual 32 rows, where an "auto" model reads its
+    float32 matrices; not past the core kernel's 64, where torch's GEMM may vary from call to
+    call), a 30-row chunk, the tree, a decode step and a 6-node chain."""
+    runner = ModelRunner(model, num_blocks=16, block_size=16)
+    table = list(range(16))
+    o1 = runner.step([SeqStep(ctx[:60], 0, table, None, "all")])
+    runner.commit_kv(o1, 0, range(60), range(60))
+    o2 = runner.step([SeqStep(ctx[60:90], 60, table, None, "all")], return_hidden=True)
+    runner.commit_kv(o2, 0, range(30), range(60, 90))
+    o3 = runner.step([SeqStep(nodes, 90, table, tree, "all")])
+    o4 = runner.step([SeqStep(nodes[:1], 90, table, None, "last")])
+    o5 = runner.step([SeqStep(nodes[:6], 90, table, TokenTree.chain(5), "all")])
+    return o1.logits, o2.logits, o2.hidden, o3.logits, o4.logits, o5.logits
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "op-by-op"])
 def test_packed_model_steps_equal_the_float32_model_bit_for_bit(grid_dir, packed_isa, fused,
                                                                 monkeypatch):
@@ -327,21 +347,8 @@ def test_packed_model_steps_equal_the_float32_model_bit_for_bit(grid_dir, packed
     ctx = torch.randint(3, 250, (90,), generator=g).tolist()
     tree = TokenTree([-1, 0, 0, 1, 1, 2, 3, 3, 4])
     nodes = torch.randint(3, 250, (9,), generator=g).tolist()
-    outs = []
-    for model in (packed, dense):
-        runner = ModelRunner(model, num_blocks=16, block_size=16)
-        table = list(range(16))
-        # A prefill chunk past the packed rows (the float32 kernel on the dense matrix; not past
-        # 64 rows, where torch's GEMM may vary from call to call), then one within (AVX-512).
-        o1 = runner.step([SeqStep(ctx[:60], 0, table, None, "all")])
-        runner.commit_kv(o1, 0, range(60), range(60))
-        o2 = runner.step([SeqStep(ctx[60:], 60, table, None, "all")], return_hidden=True)
-        runner.commit_kv(o2, 0, range(30), range(60, 90))
-        o3 = runner.step([SeqStep(nodes, 90, table, tree, "all")])
-        o4 = runner.step([SeqStep(nodes[:1], 90, table, None, "last")])
-        o5 = runner.step([SeqStep(nodes[:6], 90, table, TokenTree.chain(5), "all")])
-        outs.append((o1.logits, o2.logits, o2.hidden, o3.logits, o4.logits, o5.logits))
-    for name, a, b in zip(("prefill", "chunk", "hidden", "tree", "decode", "chain"), *outs):
+    outs = [model_steps(model, ctx, nodes, tree) for model in (packed, dense)]
+    for name, a, b in zip(STEP_NAMES, *outs):
         assert bits_equal(a, b), (name, (a - b).abs().max().item())
     # The packed model's steps within the kernel's rows read the codes: every matrix of the
     # one-row decode step (o4), and with AVX-512 those of the 30-row chunk, the 9-node tree and

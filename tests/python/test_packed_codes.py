@@ -11,7 +11,8 @@ from pyspec.linear import PackedWeight, linear, pack_exact
 from pyspec.models.llama import LlamaForCausalLM
 from pyspec.runner import ModelRunner, SeqStep
 
-from test_packed import bits_equal, needs_kernel, packed_isa, q4_grid, q8_grid, snap_model_dir  # noqa: F401
+from test_packed import (STEP_NAMES, bits_equal, model_steps, needs_kernel, packed_isa,  # noqa: F401
+                         q4_grid, q8_grid, snap_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -62,12 +63,13 @@ def test_codes_only_linear_equals_the_float32_matrix(packed_isa, bits, rows):
     for b in (None, bias):
         want = linear(x, w, b)
         got = linear(x, codes, b)
-        if rows <= 64:  # the core kernel's rows: the codes at every M, the float32 kernel's bits
-            assert bits_equal(got, want), rows
-        else:  # torch's GEMM on the rebuilt matrix (it may vary between calls past 64 rows)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         out = torch.empty(rows, 96)
-        assert linear(x, codes, b, out=out) is out and bits_equal(out, got)
+        assert linear(x, codes, b, out=out) is out
+        for res in (got, out):
+            if rows <= 64:  # the core kernel's rows: the codes at every M, its float32 bits
+                assert bits_equal(res, want), rows
+            else:  # torch's GEMM on the rebuilt matrix (it may vary between calls past 64 rows)
+                torch.testing.assert_close(res, want, rtol=1e-5, atol=1e-5)
     # Autograd reads a matrix of its own (not the reused scratch buffer).
     xg = x.clone().requires_grad_(True)
     linear(xg, codes, bias).sum().backward()
@@ -92,28 +94,15 @@ def test_codes_model_steps_equal_the_float32_model_bit_for_bit(grid_dir, fused, 
     ctx = torch.randint(3, 250, (100,), generator=g).tolist()
     tree = TokenTree([-1, 0, 0, 1, 1, 2, 3, 3, 4])
     nodes = torch.randint(3, 250, (9,), generator=g).tolist()
-    outs = []
-    for model in (codes, dense):
-        runner = ModelRunner(model, num_blocks=16, block_size=16)
-        table = list(range(16))
-        # 60 rows: within the core kernel's 64, past the packed kernel's usual 32 (the dense model
-        # reads its float32 matrices there, the codes model its codes); then 30, a tree, a decode
-        # step, a chain.
-        o1 = runner.step([SeqStep(ctx[:60], 0, table, None, "all")])
-        runner.commit_kv(o1, 0, range(60), range(60))
-        o2 = runner.step([SeqStep(ctx[60:90], 60, table, None, "all")], return_hidden=True)
-        runner.commit_kv(o2, 0, range(30), range(60, 90))
-        o3 = runner.step([SeqStep(nodes, 90, table, tree, "all")])
-        o4 = runner.step([SeqStep(nodes[:1], 90, table, None, "last")])
-        o5 = runner.step([SeqStep(nodes[:6], 90, table, TokenTree.chain(5), "all")])
-        # Past 64 rows: the matrices rebuilt for the step, then torch's GEMM.
-        o6 = ModelRunner(model, num_blocks=16, block_size=16).step(
-            [SeqStep(ctx, 0, table, None, "all")])
-        outs.append((o1.logits, o2.logits, o2.hidden, o3.logits, o4.logits, o5.logits,
-                     o6.logits))
-    for name, a, b in zip(("prefill", "chunk", "hidden", "tree", "decode", "chain"), *outs):
+    # The 60-row chunk: the codes model reads its codes where the dense one runs the float32
+    # kernel on its matrices.
+    outs = [model_steps(model, ctx, nodes, tree) for model in (codes, dense)]
+    for name, a, b in zip(STEP_NAMES, *outs):
         assert bits_equal(a, b), (name, (a - b).abs().max().item())
-    torch.testing.assert_close(outs[0][-1], outs[1][-1], rtol=1e-5, atol=1e-5)
+    # Past 64 rows: the matrices rebuilt for the step, then torch's GEMM on the same values.
+    long = [ModelRunner(m, num_blocks=16, block_size=16).step(
+        [SeqStep(ctx, 0, list(range(16)), None, "all")]).logits for m in (codes, dense)]
+    torch.testing.assert_close(long[0], long[1], rtol=1e-5, atol=1e-5)
     assert (codes._fused is not None and codes._fused[2] is not None) == fused
     view = codes.truncated(1)
     assert len(view._packed) == 1 and view._packed[0] is codes._packed[0]
@@ -179,3 +168,67 @@ def test_cli_codes_option(grid_dir, capsys):
     assert "outputs identical: True" in capsys.readouterr().out
     with pytest.raises(ValueError, match="packed_weights must be one of auto, codes, off"):
         LlamaForCausalLM.from_pretrained(grid_dir, packed_weights="yes")
+
+
+@pytest.fixture(scope="module")
+def mixed_dir(tmp_path_factory):
+    """The grid model with layer 1's down_proj off the grid: that matrix does not pack."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    path = snap_model_dir(tmp_path_factory.mktemp("tiny_mixed"))
+    f = os.path.join(path, "model.safetensors")
+    w = load_file(f)
+    name = "model.layers.1.mlp.down_proj.weight"
+    w[name] = w[name] + 1e-4 * torch.randn(w[name].shape, generator=torch.Generator().manual_seed(0))
+    save_file(w, f)
+    return path
+
+
+@needs_kernel
+def test_drop_dense_lets_every_old_tensor_go(mixed_dir):
+    """No holder keeps a tensor from before drop_dense: not a layer dict, not a PackedWeight, not
+    the packed layers' entry of a matrix that did not pack (the forward reads that), so the
+    memory (one huge-page mapping, where the model is large enough for one) is freed."""
+    import gc
+    import weakref
+
+    m = LlamaForCausalLM.from_pretrained(mixed_dir)  # "auto": codes next to the float32 matrices
+    dense = LlamaForCausalLM.from_pretrained(mixed_dir, packed_weights="off")
+    assert isinstance(m._packed[1]["wd"], torch.Tensor)  # did not pack
+    assert type(m._packed[0]["wd"]) is PackedWeight
+    old = [weakref.ref(t) for t in [m.embed, m.norm, m.lm_head] + [
+        t for layer in m.layers for t in layer.values() if isinstance(t, torch.Tensor)]]
+    assert m.drop_dense() == 7
+    gc.collect()
+    assert all(r() is None for r in old)
+    assert m._packed[1]["wd"] is m.layers[1]["wd"]
+    assert m._packed_lm_head.dense is m.lm_head
+    g = torch.Generator().manual_seed(4)
+    ctx = torch.randint(3, 250, (90,), generator=g).tolist()
+    nodes = torch.randint(3, 250, (9,), generator=g).tolist()
+    tree = TokenTree([-1, 0, 0, 1, 1, 2, 3, 3, 4])
+    for name, a, b in zip(STEP_NAMES, model_steps(m, ctx, nodes, tree),
+                          model_steps(dense, ctx, nodes, tree)):
+        assert bits_equal(a, b), name
+
+
+@needs_kernel
+def test_codes_model_runs_when_the_kernel_isa_changes(grid_dir):
+    """The fused stack needs the packed kernel for codes alone: with the generic kernels selected
+    after loading, steps run op by op and rebuild the matrices, with the float32 model's bits."""
+    codes = LlamaForCausalLM.from_pretrained(grid_dir, packed_weights="codes")
+    dense = LlamaForCausalLM.from_pretrained(grid_dir, packed_weights="off")
+    g = torch.Generator().manual_seed(5)
+    ctx = torch.randint(3, 250, (90,), generator=g).tolist()
+    nodes = torch.randint(3, 250, (9,), generator=g).tolist()
+    tree = TokenTree([-1, 0, 0, 1, 1, 2, 3, 3, 4])
+    _C._set_linear_isa("generic")
+    try:
+        a = model_steps(codes, ctx, nodes, tree)
+        b = model_steps(dense, ctx, nodes, tree)
+    finally:
+        _C._set_linear_isa("auto")
+    for name, x, y in zip(STEP_NAMES, a, b):
+        assert bits_equal(x, y), name
