@@ -550,7 +550,8 @@ __attribute__((target("avx512f,avx2,fma"))) PYSPEC_INLINE void RebuildGroup(
 
 // res[MR][NR] for rows x[0..MR) against packed weight rows [n0, n0 + NR), rebuilding the
 // weights in registers (few input rows).
-// kTree: reduce every row with Reduce4's tree (NR < 4 rows of a full block of 4).
+// kTree: reduce every output alone with Reduce4's tree (MR > 4: more input rows than the float32
+// kernel's tiles of 4, whose full blocks it reduces so).
 template <int MR, int NR, int BITS, bool kTree = false>
 __attribute__((target("avx512f,avx2,fma"))) PYSPEC_INLINE void DotBlockPacked(
     const PackedCtx& c, const float* x, int64_t n0, float* res) {
@@ -627,15 +628,15 @@ __attribute__((target("avx512f,avx2,fma"))) void PackedRowBlock(const PackedCtx&
   }
   if constexpr (NR == 4) {
     if (c.M > 4) {
-      // 5 to 8 rows: one pass over the codes, two weight rows at a time (8 x 2 accumulators),
-      // rather than rebuilding every weight for two tiles of 4 rows; reduced with Reduce4's
-      // tree, so each output has the bits the float32 kernel's full block gives it.
-      float res[8 * 2];
+      // 5 to 8 rows: one pass over the codes, all four weight rows at a time (up to 8 x 4
+      // accumulators), rather than rebuilding every weight for two tiles of 4 rows; reduced with
+      // Reduce4's tree, so each output has the bits the float32 kernel's full block gives it.
+      // (Two weight rows at a time, 8 x 2, measured 13% / 12% / 6% / 2% slower at 5 / 6 / 7 / 8
+      // rows: bench/bench_linear.py --packed --rows 4,5,6,7,8.)
+      float res[kPackedRegisterRows * 4];
       const int rows = static_cast<int>(c.M);
-      for (int r0 = 0; r0 < 4; r0 += 2) {
-        DotRowsPacked<8, 2, BITS, true>(rows, c, c.x, n0 + r0, res);
-        StoreBlock(c.Dense(), 0, n0 + r0, rows, 2, res);
-      }
+      DotRowsPacked<kPackedRegisterRows, 4, BITS, true>(rows, c, c.x, n0, res);
+      StoreBlock(c.Dense(), 0, n0, rows, 4, res);
       return;
     }
   }
