@@ -232,3 +232,36 @@ def test_codes_model_runs_when_the_kernel_isa_changes(grid_dir):
         _C._set_linear_isa("auto")
     for name, x, y in zip(STEP_NAMES, a, b):
         assert bits_equal(x, y), name
+
+
+@needs_kernel
+def test_server_on_a_codes_model(grid_dir):
+    """`pyspec serve --packed-weights codes`: completions as the float32 model gives them, and the
+    weight gauge counting the codes instead of the freed float32 matrices."""
+    pytest.importorskip("uvicorn")
+    httpx = pytest.importorskip("httpx")
+    from pyspec.serve.app import create_app
+    from test_serve import _start
+
+    llm = pyspec.LLM(grid_dir, draft="ngram", kv_cache_tokens=2048, progress=False,
+                     packed_weights="codes")
+    ref = pyspec.LLM(grid_dir, draft="none", kv_cache_tokens=2048, progress=False,
+                     packed_weights="off")
+    srv, th, base = _start(create_app(llm))
+    try:
+        r = httpx.post(base + "/v1/completions", json={"prompt": "abc abc abc", "max_tokens": 12,
+                                                        "temperature": 0})
+        assert r.status_code == 200, r.text
+        want = ref.generate(["abc abc abc"], pyspec.SamplingParams(max_tokens=12, temperature=0))
+        assert r.json()["choices"][0]["text"] == want[0].text
+        gauge = [line for line in httpx.get(base + "/metrics").text.splitlines()
+                 if line.startswith('pyspec_memory_bytes{component="target_weights"}')]
+        from pyspec.serve.app import _model_tensors
+
+        held = sum(t.numel() * t.element_size() for t in _model_tensors(llm.model))
+        assert float(gauge[0].split()[-1]) == held + llm.model.packed_bytes
+        f32 = sum(t.numel() * t.element_size() for t in _model_tensors(ref.model))
+        assert held + llm.model.packed_bytes < f32
+    finally:
+        srv.should_exit = True
+        th.join(timeout=10)
