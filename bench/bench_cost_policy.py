@@ -28,7 +28,7 @@ sys.path.insert(0, HERE)
 
 
 def main(argv=None):
-    from bench_spec import emit, load_prompts
+    from bench_spec import emit, load_prompts, timed_chat
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=8)
@@ -73,13 +73,7 @@ def main(argv=None):
             outs = {}
             for k in keys[i % len(keys):] + keys[:i % len(keys)]:
                 engine_mod.Engine._update_cost_model = shipped if k == "plain" else scaled(k)
-                t = time.perf_counter()
-                out = llms[k].chat(msg, sp)
-                r = res[k]
-                r["seconds"] += time.perf_counter() - t
-                r["tokens"] += len(out.token_ids)
-                r["steps"] += out.stats.steps
-                outs[k] = out.token_ids
+                outs[k] = timed_chat(llms[k], msg, sp, res[k]).token_ids
             for k, ids in outs.items():
                 res[k]["identical"] += ids == outs["plain"]
     finally:

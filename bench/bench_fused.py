@@ -29,7 +29,7 @@ sys.path.insert(0, HERE)
 
 
 def main(argv=None):
-    from bench_spec import add_engine_args, drafter_list, emit
+    from bench_spec import add_engine_args, drafter_list, emit, timed_chat
 
     ap = argparse.ArgumentParser()
     add_engine_args(ap)
@@ -79,13 +79,7 @@ def main(argv=None):
             outs = {}
             for mode, d in keys[i % len(keys):] + keys[:i % len(keys)]:
                 use(mode)
-                t = time.perf_counter()
-                out = llms[d].chat(msg, sp)
-                r = res[mode, d]
-                r["seconds"] += time.perf_counter() - t
-                r["tokens"] += len(out.token_ids)
-                r["steps"] += out.stats.steps
-                outs[mode, d] = out.token_ids
+                outs[mode, d] = timed_chat(llms[d], msg, sp, res[mode, d]).token_ids
             for key, ids in outs.items():
                 res[key]["identical"] += ids == outs[keys[0]]
     finally:

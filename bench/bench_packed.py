@@ -42,7 +42,7 @@ def held_bytes(model) -> int:
 
 
 def main(argv=None):
-    from bench_spec import add_engine_args, drafter_list, emit
+    from bench_spec import add_engine_args, drafter_list, emit, timed_chat
 
     ap = argparse.ArgumentParser()
     add_engine_args(ap)
@@ -102,12 +102,8 @@ def main(argv=None):
         msg = [{"role": "user", "content": text}]
         ref = None
         for key in [("float32", "none")] + [k for k in llms if k != ("float32", "none")]:
-            t = time.perf_counter()
-            out = llms[key].chat(msg, sp)
+            out = timed_chat(llms[key], msg, sp, res[key])
             r = res[key]
-            r["seconds"] += time.perf_counter() - t
-            r["tokens"] += len(out.token_ids)
-            r["steps"] += out.stats.steps
             if ref is None:
                 ref = out.token_ids
             r["identical"] += out.token_ids == ref

@@ -54,6 +54,16 @@ def drafter_list(spec):
     return drafters
 
 
+def timed_chat(llm, msg, sp, r):
+    """``llm.chat(msg, sp)``, adding its seconds, tokens and target steps to the tally ``r``."""
+    t = time.perf_counter()
+    out = llm.chat(msg, sp)
+    r["seconds"] += time.perf_counter() - t
+    r["tokens"] += len(out.token_ids)
+    r["steps"] += out.stats.steps
+    return out
+
+
 def emit(doc, out=None):
     """Print a result document as JSON and, with ``out``, write it there too."""
     import json

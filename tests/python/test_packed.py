@@ -333,6 +333,19 @@ def model_steps(model, ctx, nodes, tree):
     return o1.logits, o2.logits, o2.hidden, o3.logits, o4.logits, o5.logits
 
 
+def assert_steps_bit_equal(a, b, seed, n_ctx=90):
+    """model_steps of models ``a`` and ``b`` on the same random tokens, equal bit for bit;
+    returns the context tokens."""
+    g = torch.Generator().manual_seed(seed)
+    ctx = torch.randint(3, 250, (n_ctx,), generator=g).tolist()
+    nodes = torch.randint(3, 250, (9,), generator=g).tolist()
+    tree = TokenTree([-1, 0, 0, 1, 1, 2, 3, 3, 4])
+    for name, x, y in zip(STEP_NAMES, model_steps(a, ctx, nodes, tree),
+                          model_steps(b, ctx, nodes, tree)):
+        assert bits_equal(x, y), (name, (x - y).abs().max().item())
+    return ctx
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "op-by-op"])
 def test_packed_model_steps_equal_the_float32_model_bit_for_bit(grid_dir, packed_isa, fused,
                                                                 monkeypatch):
@@ -343,13 +356,7 @@ def test_packed_model_steps_equal_the_float32_model_bit_for_bit(grid_dir, packed
     packed = LlamaForCausalLM.from_pretrained(grid_dir)
     dense = LlamaForCausalLM.from_pretrained(grid_dir, packed_weights="off")
     assert packed._packed is not None and dense._packed is None
-    g = torch.Generator().manual_seed(0)
-    ctx = torch.randint(3, 250, (90,), generator=g).tolist()
-    tree = TokenTree([-1, 0, 0, 1, 1, 2, 3, 3, 4])
-    nodes = torch.randint(3, 250, (9,), generator=g).tolist()
-    outs = [model_steps(model, ctx, nodes, tree) for model in (packed, dense)]
-    for name, a, b in zip(STEP_NAMES, *outs):
-        assert bits_equal(a, b), (name, (a - b).abs().max().item())
+    assert_steps_bit_equal(packed, dense, seed=0)
     # The packed model's steps within the kernel's rows read the codes: every matrix of the
     # one-row decode step (o4), and with AVX-512 those of the 30-row chunk, the 9-node tree and
     # the 6-node chain (5 to 8 rows: the kernel's one-pass path). Op by op they are counted

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 import pyspec
-from pyspec import TokenTree, _C
+from pyspec import _C
 from pyspec.linear import PackedWeight, linear, pack_exact
 from pyspec.models.llama import LlamaForCausalLM
 from pyspec.runner import ModelRunner, SeqStep
 
-from test_packed import (STEP_NAMES, bits_equal, model_steps, needs_kernel, packed_isa,  # noqa: F401
-                         q4_grid, q8_grid, snap_model_dir)
+from test_packed import (assert_steps_bit_equal, bits_equal, needs_kernel,  # noqa: F401
+                         packed_isa, q4_grid, q8_grid, snap_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -90,15 +90,9 @@ def test_codes_model_steps_equal_the_float32_model_bit_for_bit(grid_dir, fused, 
             assert type(layer[k]) is PackedWeight and layer[k].dense is None
             assert bits_equal(codes.layer_weight(i, k), dense.layers[i][k])
     assert isinstance(codes.lm_head, torch.Tensor) and codes._packed_lm_head.dense is codes.lm_head
-    g = torch.Generator().manual_seed(2)
-    ctx = torch.randint(3, 250, (100,), generator=g).tolist()
-    tree = TokenTree([-1, 0, 0, 1, 1, 2, 3, 3, 4])
-    nodes = torch.randint(3, 250, (9,), generator=g).tolist()
     # The 60-row chunk: the codes model reads its codes where the dense one runs the float32
     # kernel on its matrices.
-    outs = [model_steps(model, ctx, nodes, tree) for model in (codes, dense)]
-    for name, a, b in zip(STEP_NAMES, *outs):
-        assert bits_equal(a, b), (name, (a - b).abs().max().item())
+    ctx = assert_steps_bit_equal(codes, dense, seed=2, n_ctx=100)
     # Past 64 rows: the matrices rebuilt for the step, then torch's GEMM on the same values.
     long = [ModelRunner(m, num_blocks=16, block_size=16).step(
         [SeqStep(ctx, 0, list(range(16)), None, "all")]).logits for m in (codes, dense)]
@@ -205,13 +199,7 @@ def test_drop_dense_lets_every_old_tensor_go(mixed_dir):
     assert all(r() is None for r in old)
     assert m._packed[1]["wd"] is m.layers[1]["wd"]
     assert m._packed_lm_head.dense is m.lm_head
-    g = torch.Generator().manual_seed(4)
-    ctx = torch.randint(3, 250, (90,), generator=g).tolist()
-    nodes = torch.randint(3, 250, (9,), generator=g).tolist()
-    tree = TokenTree([-1, 0, 0, 1, 1, 2, 3, 3, 4])
-    for name, a, b in zip(STEP_NAMES, model_steps(m, ctx, nodes, tree),
-                          model_steps(dense, ctx, nodes, tree)):
-        assert bits_equal(a, b), name
+    assert_steps_bit_equal(m, dense, seed=4)
 
 
 @needs_kernel
@@ -220,18 +208,11 @@ def test_codes_model_runs_when_the_kernel_isa_changes(grid_dir):
     after loading, steps run op by op and rebuild the matrices, with the float32 model's bits."""
     codes = LlamaForCausalLM.from_pretrained(grid_dir, packed_weights="codes")
     dense = LlamaForCausalLM.from_pretrained(grid_dir, packed_weights="off")
-    g = torch.Generator().manual_seed(5)
-    ctx = torch.randint(3, 250, (90,), generator=g).tolist()
-    nodes = torch.randint(3, 250, (9,), generator=g).tolist()
-    tree = TokenTree([-1, 0, 0, 1, 1, 2, 3, 3, 4])
     _C._set_linear_isa("generic")
     try:
-        a = model_steps(codes, ctx, nodes, tree)
-        b = model_steps(dense, ctx, nodes, tree)
+        assert_steps_bit_equal(codes, dense, seed=5)
     finally:
         _C._set_linear_isa("auto")
-    for name, x, y in zip(STEP_NAMES, a, b):
-        assert bits_equal(x, y), name
 
 
 @needs_kernel
