@@ -98,7 +98,6 @@ def resolve_device(device) -> torch.device:
     the step's logits and hidden states come back to the host, where acceptance, sampling and the
     drafters run.
     """
-
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
@@ -395,6 +394,7 @@ class LlamaForCausalLM:
         if dev.type != "cpu":  # packed codes are a CPU kernel's
             self._packed = None
             self._packed_lm_head = None
+            self._codes_only = False  # every layer matrix was rebuilt for the device
         return self
 
     # ---- forward ----------------------------------------------------------------------------------
