@@ -213,7 +213,7 @@ def _linear_packed(x, w: PackedWeight, bias, out):
             or shape[-1] != k or not x.is_contiguous()
             or (bias is not None and (bias.dtype is not torch.float32
                                       or not bias.is_contiguous()))):
-        return linear(x, w.unpack() if dense is not None else w.unpack(_scratch(n * k).view(n, k)),
+        return linear(x, dense if dense is not None else w.unpack(_scratch(n * k).view(n, k)),
                       bias, out)
     x2 = x if len(shape) == 2 else x.view(rows, shape[-1])
     res = _empty((rows, n), dtype=torch.float32) if out is None else (

@@ -233,12 +233,7 @@ class LlamaForCausalLM:
             self._codes_only = True
             # The float32 matrices may share one huge-page mapping with the rest: copying the rest
             # into a new one (or, where none can be made, onto ordinary pages) lets it go.
-            from pyspec.hugepages import Arena
-
-            tensors = [self.embed, self.norm, self.lm_head] + [
-                t for layer in self.layers for t in layer.values() if isinstance(t, torch.Tensor)]
-            arena = Arena.for_tensors(list({id(t): t for t in tensors}.values()))
-            del tensors
+            arena = self._huge_page_arena()
             self._rehome(arena.copy if arena is not None else torch.clone)
         return count
 
@@ -326,17 +321,21 @@ class LlamaForCausalLM:
         (``torch.save`` would write the whole mapping; safetensors refuses shared storage)."""
         if self.device.type != "cpu":
             return self
+        arena = self._huge_page_arena()
+        if arena is not None:
+            self._rehome(arena.copy)
+        return self
+
+    def _huge_page_arena(self):
+        """A huge-page mapping sized for every weight tensor the model holds (codes-only matrices
+        have their own), or None where none can be made (see Arena.for_tensors)."""
         from pyspec.hugepages import Arena
 
         tied = self.lm_head is self.embed
         layer_ts = [t for layer in self.layers for t in layer.values()
-                    if isinstance(t, torch.Tensor)]  # not codes-only matrices (their own arena)
-        arena = Arena.for_tensors([self.embed, self.norm] + ([] if tied else [self.lm_head])
-                                  + layer_ts)
-        del layer_ts
-        if arena is not None:
-            self._rehome(arena.copy)
-        return self
+                    if isinstance(t, torch.Tensor)]
+        return Arena.for_tensors([self.embed, self.norm] + ([] if tied else [self.lm_head])
+                                 + layer_ts)
 
     def _rehome(self, copy) -> None:
         """Replace every CPU weight tensor by ``copy(tensor)``, one at a time, so each source can

@@ -323,13 +323,14 @@ TEST(Decoder, LayersEqualTheOpsOneByOne) {
   }
   ASSERT_EQ(0, std::memcmp(x.data(), z.data(), x.size() * sizeof(float)));
   // Bad arguments name what is wrong.
-  std::vector<DecoderLayerWeights> no_wo = layers;
-  no_wo[1].wo.w = TensorView{};  // neither a dense matrix nor codes
-  ExpectValueError([&] {
-    DecoderLayers(cfg, no_wo, f32(z, {T, H}), f32(cs, {T, D}), f32(sn, {T, D}), plan,
+  auto run_layers = [&](const std::vector<DecoderLayerWeights>& ls) {
+    DecoderLayers(cfg, ls, f32(z, {T, H}), f32(cs, {T, D}), f32(sn, {T, D}), plan,
                   f32(kp, {L, blocks, bs, Hkv, D}), f32(vp, {L, blocks, bs, Hkv, D}),
                   f32(kn, {L, T, Hkv, D}), f32(vn, {L, T, Hkv, D}));
-  }, "layer 1 wo' has neither");
+  };
+  std::vector<DecoderLayerWeights> no_wo = layers;
+  no_wo[1].wo.w = TensorView{};  // neither a dense matrix nor codes
+  ExpectValueError([&] { run_layers(no_wo); }, "layer 1 wo' has neither");
   ExpectValueError([&] {
     DecoderLayers(cfg, layers, f32(z, {T, H}), f32(cs, {T, D}), f32(sn, {T, D}), plan,
                   f32(kp, {L * blocks, bs, Hkv, D}), f32(vp, {L, blocks, bs, Hkv, D}),
@@ -348,11 +349,7 @@ TEST(Decoder, LayersEqualTheOpsOneByOne) {
   std::vector<float> short_wo(H * (Hq * D - 1));
   std::vector<DecoderLayerWeights> broken = layers;
   broken[1].wo.w = f32(short_wo, {H, Hq * D - 1});
-  ExpectValueError([&] {
-    DecoderLayers(cfg, broken, f32(z, {T, H}), f32(cs, {T, D}), f32(sn, {T, D}), plan,
-                  f32(kp, {L, blocks, bs, Hkv, D}), f32(vp, {L, blocks, bs, Hkv, D}),
-                  f32(kn, {L, T, Hkv, D}), f32(vn, {L, T, Hkv, D}));
-  }, "'layer 1 wo' must be");
+  ExpectValueError([&] { run_layers(broken); }, "'layer 1 wo' must be");
   ExpectValueError([&] {
     DecoderLayers(cfg, layers, f32(z, {T, H}), f32(cs, {T - 1, D}), f32(sn, {T, D}), plan,
                   f32(kp, {L, blocks, bs, Hkv, D}), f32(vp, {L, blocks, bs, Hkv, D}),
