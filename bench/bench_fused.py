@@ -1,7 +1,8 @@
 """End to end: the CPU decoder stack in one core call against the same layers op by op, one run.
 
     python bench/bench_fused.py [--prompts 8] [--max-tokens 128] [--drafters none,default]
-                                [--packed-weights auto|off] [--modes fused,op-by-op]
+                                [--packed-weights auto|off]
+                                [--modes fused,op-by-op,fused-accept-op,fused-torch-threads]
                                 [--out bench/results/fused.json]
 
 Loads the default model once per drafter and decodes MT-bench first turns (chat template,
@@ -38,7 +39,9 @@ def main(argv=None):
                     help="which paths to run: fused (one core call), op-by-op, and/or "
                          "fused-accept-op (one core call, greedy acceptance through the "
                          "temperature-0 rows and the acceptance op instead of the engine's "
-                         "walk from the logits)")
+                         "walk from the logits), fused-torch-threads (one core call, torch's "
+                         "threads outside the forward: the step's other torch ops, the greedy "
+                         "walk's max included, run in parallel)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -56,14 +59,16 @@ def main(argv=None):
     sp = pyspec.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     warm = pyspec.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     modes = {m: m != "op-by-op" for m in args.modes.split(",") if m}
-    if not modes or any(m not in ("fused", "op-by-op", "fused-accept-op") for m in modes):
-        raise SystemExit(f"--modes takes fused, op-by-op and/or fused-accept-op; got "
+    known = ("fused", "op-by-op", "fused-accept-op", "fused-torch-threads")
+    if not modes or any(m not in known for m in modes):
+        raise SystemExit(f"--modes takes {', '.join(known)}; got "
                          f"{args.modes!r}")
     walk = engine_mod._greedy_walk
 
     def use(mode):
         llama_mod._FUSED_ON = modes[mode]
         engine_mod._greedy_walk = (lambda *a: None) if mode == "fused-accept-op" else walk
+        engine_mod._SERIAL_STEPS = mode != "fused-torch-threads"
     ref_mode = "op-by-op" if "op-by-op" in modes else "fused"
     for llm in llms.values():
         for mode in modes:
@@ -85,6 +90,7 @@ def main(argv=None):
     finally:
         llama_mod._FUSED_ON = True
         engine_mod._greedy_walk = walk
+        engine_mod._SERIAL_STEPS = True
     base = res[ref_mode, "none"]["tokens"] / res[ref_mode, "none"]["seconds"]
     engines = {}
     for (mode, d), r in res.items():

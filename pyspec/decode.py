@@ -11,6 +11,7 @@ root-only tree, so both paths share every line.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, List, Optional, Sequence, Tuple
@@ -129,49 +130,52 @@ def decode_one(runner: ModelRunner, prompt: Sequence[int], max_new_tokens: int, 
     per_step: List[int] = []
     gaps: List[float] = []
     finish = "length"
-    while len(tokens) < max_new_tokens:
-        context = bm.tokens(rid)
-        room = max_new_tokens - len(tokens) - 1
-        draft = drafter(context, min(gamma, room)) if drafter and gamma > 0 and room > 0 else []
-        node_tokens = [context[-1]] + [int(t) for t in draft]
-        tree = TokenTree.chain(len(draft))
-        start = bm.num_computed(rid)
-        if not bm.reserve(rid, len(node_tokens)):
-            raise RuntimeError("KV pool exhausted")
-        out = runner.step([SeqStep(node_tokens, start, bm.block_table(rid), tree, "all")])
-        greedy = temperature == 0.0
-        probs = apply_sampling_filters(out.logits, 1.0 if greedy else temperature, top_k, top_p,
-                                       min_p)
-        res = accept(probs, torch.tensor(node_tokens, dtype=torch.int32),
-                     torch.tensor(tree.parents, dtype=torch.int32),
-                     torch.tensor([0, len(node_tokens)]), greedy=greedy, seeds=seed,
-                     offsets=len(context), sampled_children=False)
-        n_acc = int(res.num_accepted[0])
-        emitted = res.emitted_lists()[0]
-        if record_gaps:
-            # Emitted token j was chosen from the logits of accepted node j.
-            path = res.accepted_nodes[0, :n_acc + 1].to(torch.int64)
-            top2 = out.logits.index_select(0, path).topk(2, dim=-1).values
-            gaps.extend((top2[:, 0] - top2[:, 1]).tolist())
-        runner.commit_kv(out, 0, res.accepted_nodes[0, :n_acc + 1].tolist(),
-                         bm.slots_for(rid, start, n_acc + 1))
-        if not bm.commit(rid, emitted, num_computed=n_acc + 1):
-            raise RuntimeError("KV pool exhausted")
-        steps += 1
-        drafted += len(draft)
-        accepted += n_acc
-        per_step.append(n_acc)
-        kept = []
-        for tok in emitted:
-            kept.append(tok)
-            if tok in eos:
-                finish = "stop"
+    # Small steps run torch's ops on one thread (see LlamaForCausalLM.step_threads).
+    threads = getattr(runner.model, "step_threads", None)
+    with threads(gamma + 1) if threads is not None else contextlib.nullcontext():
+        while len(tokens) < max_new_tokens:
+            context = bm.tokens(rid)
+            room = max_new_tokens - len(tokens) - 1
+            draft = drafter(context, min(gamma, room)) if drafter and gamma > 0 and room > 0 else []
+            node_tokens = [context[-1]] + [int(t) for t in draft]
+            tree = TokenTree.chain(len(draft))
+            start = bm.num_computed(rid)
+            if not bm.reserve(rid, len(node_tokens)):
+                raise RuntimeError("KV pool exhausted")
+            out = runner.step([SeqStep(node_tokens, start, bm.block_table(rid), tree, "all")])
+            greedy = temperature == 0.0
+            probs = apply_sampling_filters(out.logits, 1.0 if greedy else temperature, top_k, top_p,
+                                           min_p)
+            res = accept(probs, torch.tensor(node_tokens, dtype=torch.int32),
+                         torch.tensor(tree.parents, dtype=torch.int32),
+                         torch.tensor([0, len(node_tokens)]), greedy=greedy, seeds=seed,
+                         offsets=len(context), sampled_children=False)
+            n_acc = int(res.num_accepted[0])
+            emitted = res.emitted_lists()[0]
+            if record_gaps:
+                # Emitted token j was chosen from the logits of accepted node j.
+                path = res.accepted_nodes[0, :n_acc + 1].to(torch.int64)
+                top2 = out.logits.index_select(0, path).topk(2, dim=-1).values
+                gaps.extend((top2[:, 0] - top2[:, 1]).tolist())
+            runner.commit_kv(out, 0, res.accepted_nodes[0, :n_acc + 1].tolist(),
+                             bm.slots_for(rid, start, n_acc + 1))
+            if not bm.commit(rid, emitted, num_computed=n_acc + 1):
+                raise RuntimeError("KV pool exhausted")
+            steps += 1
+            drafted += len(draft)
+            accepted += n_acc
+            per_step.append(n_acc)
+            kept = []
+            for tok in emitted:
+                kept.append(tok)
+                if tok in eos:
+                    finish = "stop"
+                    break
+            tokens.extend(kept)
+            if on_tokens is not None:
+                on_tokens(kept)
+            if finish == "stop":
                 break
-        tokens.extend(kept)
-        if on_tokens is not None:
-            on_tokens(kept)
-        if finish == "stop":
-            break
     seconds = time.perf_counter() - t0
     bm.check_invariants()
     bm.free(rid)

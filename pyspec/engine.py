@@ -30,6 +30,7 @@ and in :attr:`Engine.stats`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
@@ -54,6 +55,12 @@ _F32_TINY = 1.1754943508222875e-38  # the smallest normal float32
 
 __all__ = ["Engine", "SamplingParams", "RequestOutput", "GenerationResult", "RequestStats",
            "Router", "EngineStats", "StepTrace"]
+
+
+# A small step's host work (drafting, acceptance, commit, the drafters' updates) runs torch on one
+# thread, as its forward does (see Engine._run_step). Off only to measure what that saves:
+# bench/bench_fused.py --modes fused-torch-threads.
+_SERIAL_STEPS = True
 
 
 @dataclass
@@ -691,21 +698,30 @@ class Engine:
         return self._apply(self.scheduler.update(result))
 
     def _run_step(self, so, trace) -> List[RequestOutput]:
-        sched, runner = self.scheduler, self.runner
+        runner = self.runner
         for rid in so.preempted_ids:
             self._release_drafters(rid)  # its KV is gone: drafters start over at its prefill
-        result = _C.StepResult()
         if len(so) == 0:
-            return self._update(result)
-        kinds, starts, budgets = so.kinds, so.start_pos, so.draft_budget
-        tok_ptr, blk_ptr, slot_ptr = so.token_indptr, so.block_indptr, so.slot_indptr
-        all_tokens, all_blocks, all_slots = so.tokens, so.block_tables, so.slots
+            return self._update(_C.StepResult())
         if so.pending_copies:
             runner.kv.copy_blocks(so.pending_copies)
             for pool in self._pools:
                 pool.copy_blocks(so.pending_copies)
+        groups, tables, rows = self._draft_requests(so)
+        # The whole step (drafting, forward, acceptance, commit, the drafters' updates) under the
+        # target's thread setting for a step of that many rows: a small step's torch ops run on
+        # one thread, so that none leaves torch's OpenMP workers spinning on the cores the next
+        # forward's kernels use (see LlamaForCausalLM.step_threads: 10-20% of a speculative step).
+        step_threads = getattr(runner.model, "step_threads", None) if _SERIAL_STEPS else None
+        with step_threads(rows) if step_threads is not None else contextlib.nullcontext():
+            return self._draft_verify_commit(so, trace, groups, tables)
 
-        # DRAFT, grouped by drafter.
+    def _draft_requests(self, so):
+        """Each drafter's requests of the step, the requests' block tables, and an upper bound
+        on the step's rows (its scheduled tokens plus every draft's node budget)."""
+        kinds, starts, budgets = so.kinds, so.start_pos, so.draft_budget
+        blk_ptr, all_blocks = so.block_indptr, so.block_tables
+        rows = len(so.tokens)
         groups: Dict[str, List[DraftRequest]] = {}
         tables = {}
         for i, rid in enumerate(so.ids):
@@ -719,9 +735,19 @@ class Engine:
                 continue
             p = r.params
             nodes = max(1, int(self.drafters[r.drafter].node_budget(depth)))
+            rows += nodes
             groups.setdefault(r.drafter, []).append(DraftRequest(
                 rid, r.context, starts[i], table, nodes, float(p.temperature), int(p.top_k),
                 float(p.top_p), float(p.min_p), r.seed, r.stats.steps, depth))
+        return groups, tables, rows
+
+    def _draft_verify_commit(self, so, trace, groups: Dict[str, List[DraftRequest]],
+                             tables) -> List[RequestOutput]:
+        runner = self.runner
+        kinds, starts = so.kinds, so.start_pos
+        tok_ptr, slot_ptr = so.token_indptr, so.slot_indptr
+        all_tokens, all_slots = so.tokens, so.slots
+        result = _C.StepResult()
         drafts: Dict[int, Tuple[Draft, TokenTree]] = {}
         for name, reqs in groups.items():
             t0 = time.perf_counter()

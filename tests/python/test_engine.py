@@ -268,3 +268,78 @@ def test_greedy_walk_equals_accept_on_one_hot_rows():
         assert got[1] == [row[:a + 1] for row, a in zip(res.accepted_nodes.tolist(), n_acc)], trial
     logits[0, 1] = float("nan")
     assert _greedy_walk(logits, drafts, indptr) is None
+
+
+def test_small_steps_run_all_their_torch_work_on_one_thread(model, monkeypatch):
+    """Not only the forward: drafting, acceptance and the drafters' updates of a decode or verify
+    step run torch on one thread (a parallel op anywhere in the step leaves torch's OpenMP workers
+    spinning against the next forward's kernel threads), prefill steps beyond the core kernel's
+    rows keep torch's threads for their GEMMs, and the thread count is restored after each step,
+    also after a failed one."""
+    from pyspec.drafters.base import Draft, Drafter
+    from pyspec.linear import max_fast_rows
+
+    class Recording(Drafter):
+        name = "recording"
+
+        def __init__(self):
+            self.seen = {"prefill": [], "propose": [], "observe": [], "accept": []}
+
+        def prefill(self, chunks):
+            self.seen["prefill"].append((sum(len(c.tokens) for c in chunks),
+                                         torch.get_num_threads()))
+
+        def propose(self, reqs):
+            self.seen["propose"].append(torch.get_num_threads())
+            return [Draft([r.context[-1], 3], [-1, 0]) for r in reqs]
+
+        def observe(self, results):
+            self.seen["observe"].append(torch.get_num_threads())
+
+    d = Recording()
+    eng = Engine(ModelRunner(model, num_blocks=64, block_size=8), drafter=d, gamma=2,
+                 adaptive=False, max_num_batched_tokens=256)
+    accept = eng._accept
+    monkeypatch.setattr(eng, "_accept", lambda *a: (
+        d.seen["accept"].append(torch.get_num_threads()), accept(*a))[1])
+    prev = torch.get_num_threads()
+    if prev < 2:
+        torch.set_num_threads(2)
+    try:
+        threads = torch.get_num_threads()
+        limit = max_fast_rows(torch.float32)
+        long_prompt = [(7 * i) % 100 + 1 for i in range(limit + 40)]
+        eng.generate([long_prompt], SamplingParams(max_tokens=6, temperature=0.0))
+        assert torch.get_num_threads() == threads
+        big = [t for n, t in d.seen["prefill"] if n > limit]
+        assert big and set(big) == {threads}  # the long prefill kept torch's threads
+        for k in ("propose", "observe", "accept"):
+            assert d.seen[k] and set(d.seen[k]) == {1}, (k, d.seen[k])
+        monkeypatch.setattr(eng, "_accept", lambda *a: 1 / 0)
+        rid = eng.add_request([1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0))
+        with pytest.raises(Exception):
+            for _ in range(4):
+                eng.step()
+        assert eng.result(rid).finish_reason == "error"
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(prev)
+
+
+def test_decode_one_steps_run_torch_on_one_thread(ref_runner, monkeypatch):
+    import pyspec.decode as dec
+
+    seen = []
+    filt = dec.apply_sampling_filters
+    monkeypatch.setattr(dec, "apply_sampling_filters",
+                        lambda *a, **k: (seen.append(torch.get_num_threads()), filt(*a, **k))[1])
+    prev = torch.get_num_threads()
+    if prev < 2:
+        torch.set_num_threads(2)
+    try:
+        threads = torch.get_num_threads()
+        decode_one(ref_runner, [1, 2, 3, 1, 2], 5, drafter=prompt_lookup_drafter(), gamma=GAMMA)
+        assert seen and set(seen) == {1}
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(prev)
