@@ -145,6 +145,12 @@ void RegisterAcceptance(py::module_& m) {
       py::arg("seed"), py::arg("position"), py::arg("stream") = kDrawSample, py::arg("draw") = 0,
       "The uniform draw acceptance uses (pyspec/philox.h): request seed, sequence position, stream "
       "(0 = the token sampled at that position, 1 = the tests of sampled draft children), draw.");
+  m.def("_sampling_isa", &detail::SamplingIsa,
+        "Instruction set of the CPU sampling filters' row passes in use ('generic', 'avx2' or "
+        "'avx512').");
+  m.def("_set_sampling_isa", &detail::SetSamplingIsa, py::arg("isa"),
+        "Force the CPU sampling filters' row passes: 'auto', 'generic', 'avx2' or 'avx512' (tests "
+        "and benchmarks; every build gives the same bits). Returns the one now in use.");
 }
 
 }  // namespace bindings

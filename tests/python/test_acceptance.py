@@ -491,6 +491,82 @@ def test_filters_top_k_past_the_vocabulary_keeps_every_token():
 # ---- CUDA against the CPU oracle ----------------------------------------------------------------
 
 
+def _isas():
+    from pyspec import _C
+
+    have = []
+    for isa in ("generic", "avx2", "avx512"):
+        try:
+            _C._set_sampling_isa(isa)
+            have.append(isa)
+        except ValueError:
+            pass
+    _C._set_sampling_isa("auto")
+    return have
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 16, 17, 111, 4099, 49152])
+def test_filters_same_bits_in_every_build_of_their_row_passes(vocab):
+    """The row passes (maximum scan, weights, kept mass, output) are built for the baseline, AVX2
+    and AVX-512: the same probabilities bit for bit in each, the first maximum on ties wherever it
+    lies (in a vector lane or the tail), and equal to the sorted reference."""
+    from pyspec import _C
+
+    g = torch.Generator().manual_seed(vocab)
+    n = 24
+    logits = torch.randn(n, vocab, generator=g) * 4
+    if vocab > 1:
+        logits[1] = logits[1].round()  # many ties
+        logits[2, :] = float("-inf")
+        logits[2, -1] = 0.5  # the only finite entry, in the tail
+        logits[3, ::3] = float("-inf")
+        logits[4, :] = 0.0
+        logits[4, vocab // 2:] = -0.0  # -0 and +0 tie
+        logits[5, vocab - 1] = logits[5].max() + 1  # the maximum in the last entry
+        mx = logits[6].max() + 1
+        logits[6, vocab - 1] = mx  # a tie between the tail and an earlier lane
+        logits[6, max(vocab - 17, 0)] = mx
+    t = torch.rand(n, generator=g) + 0.3
+    t[::5] = 0.0
+    t[[1, 2, 4, 6]] = 0.0  # the rows with ties and the tail's maximum: greedy
+    k = torch.where(torch.rand(n, generator=g) < 0.7, 0, torch.randint(1, 50, (n,), generator=g))
+    k = k.to(torch.int32)
+    p = torch.where(torch.rand(n, generator=g) < 0.5, torch.ones(n), torch.rand(n, generator=g))
+    p = p.clamp(min=0.05)
+    m = torch.where(torch.rand(n, generator=g) < 0.7, torch.zeros(n),
+                    torch.rand(n, generator=g) * 0.2)
+    isas = _isas()
+    assert "generic" in isas
+    outs = {}
+    try:
+        for isa in isas:
+            assert _C._set_sampling_isa(isa) == isa
+            outs[isa] = sampling.apply_sampling_filters(logits, t, k, p, m)
+            bad = logits.clone()
+            bad[0, vocab - 1] = float("nan")
+            with pytest.raises(ValueError, match=f"row 0 has a NaN or \\+inf entry at token "
+                                                 f"{vocab - 1}"):
+                sampling.apply_sampling_filters(bad, t, k, p, m)
+            bad[0, vocab - 1] = float("inf")
+            with pytest.raises(ValueError, match="NaN or \\+inf"):
+                sampling.apply_sampling_filters(bad, t, k, p, m)
+            with pytest.raises(ValueError, match="no finite entry"):
+                sampling.apply_sampling_filters(torch.full((1, vocab), float("-inf")), 1.0)
+    finally:
+        _C._set_sampling_isa("auto")
+    with pytest.raises(ValueError, match="unknown sampling ISA"):
+        _C._set_sampling_isa("sse9")
+    first = outs["generic"]
+    for isa, out in outs.items():
+        assert torch.equal(out, first), isa
+    greedy = (t == 0).nonzero().flatten()
+    assert torch.equal(first[greedy].argmax(1), logits[greedy].argmax(1))  # torch: first maximum
+    if vocab <= 4099:
+        ref = filter_reference(logits, t, k, p, m)
+        assert ((first > 0) == (ref > 0)).all()
+        torch.testing.assert_close(first, ref, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("vocab", [111, 49152, 128256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

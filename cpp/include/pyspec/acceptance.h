@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "pyspec/tensor_view.h"
 
@@ -144,6 +145,11 @@ AcceptShape CheckAcceptArgs(const TensorView& target_probs, const TensorView* dr
                             const TensorView& emitted_tokens, const TensorView& num_accepted,
                             const AcceptOptions& options, DeviceType device,
                             const AcceptMeta& meta);
+
+// The instruction set of ApplySamplingFilters' passes over a row: "auto" | "generic" | "avx2" |
+// "avx512" (every build gives the same bits; tests and benchmarks). Returns the one now in use.
+std::string SetSamplingIsa(const std::string& isa);
+std::string SamplingIsa();
 }  // namespace detail
 
 }  // namespace pyspec
