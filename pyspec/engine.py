@@ -63,6 +63,10 @@ __all__ = ["Engine", "SamplingParams", "RequestOutput", "GenerationResult", "Req
 _SERIAL_STEPS = True
 
 
+def _no_threads(rows: int):
+    return contextlib.nullcontext()
+
+
 @dataclass
 class SamplingParams:
     """Per-request generation parameters.
@@ -709,12 +713,22 @@ class Engine:
                 pool.copy_blocks(so.pending_copies)
         groups, tables, rows = self._draft_requests(so)
         # The whole step (drafting, forward, acceptance, commit, the drafters' updates) under the
-        # target's thread setting for a step of that many rows: a small step's torch ops run on
-        # one thread, so that none leaves torch's OpenMP workers spinning on the cores the next
+        # target's thread setting for a step of its rows: a small step's torch ops run on one
+        # thread, so that none leaves torch's OpenMP workers spinning on the cores the next
         # forward's kernels use (see LlamaForCausalLM.step_threads: 10-20% of a speculative step).
+        # Drafting under the most rows the drafts may add, the rest under the rows they did add.
         step_threads = getattr(runner.model, "step_threads", None) if _SERIAL_STEPS else None
-        with step_threads(rows) if step_threads is not None else contextlib.nullcontext():
-            return self._draft_verify_commit(so, trace, groups, tables)
+        if step_threads is None:
+            step_threads = _no_threads
+        with step_threads(rows):
+            drafts = self._draft_all(groups, trace)
+        seqs, dec_idx, dec_drafts, dec_depths = self._step_seqs(so, tables, drafts)
+        with step_threads(sum(len(s.token_ids) for s in seqs)):
+            outs = self._verify_commit(so, trace, tables, seqs, dec_idx, dec_drafts, dec_depths)
+        if trace is not None:
+            trace.end = time.perf_counter()
+            self.trace_hook(trace)
+        return outs
 
     def _draft_requests(self, so):
         """Each drafter's requests of the step, the requests' block tables, and an upper bound
@@ -741,13 +755,8 @@ class Engine:
                 float(p.top_p), float(p.min_p), r.seed, r.stats.steps, depth))
         return groups, tables, rows
 
-    def _draft_verify_commit(self, so, trace, groups: Dict[str, List[DraftRequest]],
-                             tables) -> List[RequestOutput]:
-        runner = self.runner
-        kinds, starts = so.kinds, so.start_pos
-        tok_ptr, slot_ptr = so.token_indptr, so.slot_indptr
-        all_tokens, all_slots = so.tokens, so.slots
-        result = _C.StepResult()
+    def _draft_all(self, groups: Dict[str, List[DraftRequest]], trace
+                   ) -> Dict[int, Tuple[Draft, TokenTree]]:
         drafts: Dict[int, Tuple[Draft, TokenTree]] = {}
         for name, reqs in groups.items():
             t0 = time.perf_counter()
@@ -760,8 +769,13 @@ class Engine:
             acc = self._draft_time.setdefault(name, [0.0, 0.0])
             acc[0] = 0.9 * acc[0] + dt
             acc[1] = 0.9 * acc[1] + sum(q.depth_limit for q in reqs)
+        return drafts
 
-        # VERIFY: one forward for the whole batch.
+    def _step_seqs(self, so, tables, drafts):
+        """The step's forward inputs: prefill chunks, and each decoding request's draft tree (its
+        root alone where nothing was drafted)."""
+        kinds, starts = so.kinds, so.start_pos
+        tok_ptr, all_tokens = so.token_indptr, so.tokens
         seqs: List[SeqStep] = []
         dec_idx: List[int] = []
         dec_drafts: List[Draft] = []
@@ -776,6 +790,16 @@ class Engine:
             dec_idx.append(i)
             dec_drafts.append(dr)
             dec_depths.append(tree.max_depth)
+        return seqs, dec_idx, dec_drafts, dec_depths
+
+    def _verify_commit(self, so, trace, tables, seqs: List[SeqStep], dec_idx: List[int],
+                       dec_drafts: List[Draft], dec_depths: List[int]) -> List[RequestOutput]:
+        """VERIFY (one forward for the whole batch), ACCEPT, COMMIT."""
+        runner = self.runner
+        kinds, starts = so.kinds, so.start_pos
+        tok_ptr, slot_ptr = so.token_indptr, so.slot_indptr
+        all_tokens, all_slots = so.tokens, so.slots
+        result = _C.StepResult()
         t0 = time.perf_counter()
         out = runner.step(seqs, return_hidden=self._need_hidden)
         t_fwd = time.perf_counter() - t0
@@ -850,9 +874,6 @@ class Engine:
         outs = self._update(result)
         if self.switch_below > 0:
             self._maybe_switch(dec_idx, so.ids)
-        if trace is not None:
-            trace.end = time.perf_counter()
-            self.trace_hook(trace)
         return outs
 
     def _set_draft_sources(self) -> None:

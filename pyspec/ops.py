@@ -7,12 +7,16 @@ in a build or on a machine without CUDA raises ``RuntimeError`` saying why.
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 
 from pyspec import _C
 
 __all__ = ["cuda_available", "materialize_kv", "rms_norm", "rotary_qkv"]
+
+
+_threads_saved = threading.local()  # per Python thread: the counts torch_threads replaced
 
 
 @contextlib.contextmanager
@@ -22,11 +26,21 @@ def torch_threads(n: int):
     if prev == n:
         yield
         return
+    stack = _threads_saved.__dict__.setdefault("stack", [])
+    stack.append(prev)
     torch.set_num_threads(n)
     try:
         yield
     finally:
         torch.set_num_threads(prev)
+        stack.pop()
+
+
+def outer_torch_threads() -> int:
+    """torch's thread count outside every :func:`torch_threads` block this Python thread is in (a
+    large step nested in a small one's block takes its threads back with it)."""
+    stack = getattr(_threads_saved, "stack", None)
+    return stack[0] if stack else torch.get_num_threads()
 
 
 def cuda_available() -> bool:

@@ -470,14 +470,18 @@ class LlamaForCausalLM:
     def step_threads(self, rows: int):
         """A context for the host work of a CPU step of ``rows`` rows: torch runs on one thread
         while the step is small enough for the core's kernels (at most ``max_fast_rows`` rows:
-        decoding, verification, small prefill chunks; see ``_serial_rows``), and keeps its threads
-        for larger steps and on other devices. Callers wrap the whole step in it, not only the
-        forward: torch's OpenMP workers spin for about 2 ms after any parallel op (a max over a
-        few rows of logits is one), and on 2 cores they then take a core from the next forward's
-        own worker threads (a 2-row verify step took 9.1 ms after such an op, 7.0 ms without)."""
-        if rows <= self._serial_rows and self.device.type == "cpu":
+        decoding, verification, small prefill chunks; see ``_serial_rows``), and with its own
+        threads for larger steps, also inside a small step's block (a drafter catching up on many
+        tokens within an engine step), and on other devices. Callers wrap the whole step in it,
+        not only the forward: torch's OpenMP workers spin for about 2 ms after any parallel op (a
+        max over a few rows of logits is one), and on 2 cores they then take a core from the next
+        forward's own worker threads (a 2-row verify step took 9.1 ms after such an op, 7.0 ms
+        without)."""
+        if self.device.type != "cpu":
+            return contextlib.nullcontext()
+        if rows <= self._serial_rows:
             return ops.torch_threads(1)
-        return contextlib.nullcontext()
+        return ops.torch_threads(ops.outer_torch_threads())
 
     def _forward(self, input_ids, positions, plan, k_pages, v_pages, k_new, v_new, logits_rows,
                  return_hidden, rope_lens, inputs_embeds):

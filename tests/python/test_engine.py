@@ -296,6 +296,13 @@ def test_small_steps_run_all_their_torch_work_on_one_thread(model, monkeypatch):
         def observe(self, results):
             self.seen["observe"].append(torch.get_num_threads())
 
+    class Wide(Recording):
+        """Asks for more nodes than the core kernel's rows, drafts one: drafting keeps torch's
+        threads, the (small) rest of the step does not."""
+
+        def node_budget(self, depth):
+            return max_fast_rows(torch.float32) + 8
+
     d = Recording()
     eng = Engine(ModelRunner(model, num_blocks=64, block_size=8), drafter=d, gamma=2,
                  adaptive=False, max_num_batched_tokens=256)
@@ -321,6 +328,14 @@ def test_small_steps_run_all_their_torch_work_on_one_thread(model, monkeypatch):
             for _ in range(4):
                 eng.step()
         assert eng.result(rid).finish_reason == "error"
+        assert torch.get_num_threads() == threads
+
+        w = Wide()
+        eng = Engine(ModelRunner(model, num_blocks=64, block_size=8), drafter=w, gamma=2,
+                     adaptive=False)
+        eng.generate([[1, 2, 3]], SamplingParams(max_tokens=6, temperature=0.0))
+        assert w.seen["propose"] and set(w.seen["propose"]) == {threads}
+        assert w.seen["observe"] and set(w.seen["observe"]) == {1}
         assert torch.get_num_threads() == threads
     finally:
         torch.set_num_threads(prev)

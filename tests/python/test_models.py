@@ -284,6 +284,17 @@ def test_decode_sized_steps_run_torch_ops_on_one_thread(tmp_path, monkeypatch):
         with pytest.raises(ZeroDivisionError):
             runner.step([SeqStep([1, 2], 0, [0], None, "last")])
         assert torch.get_num_threads() == threads
+        # A large step inside a small step's block (a drafter catching up within an engine step)
+        # takes torch's threads back for itself.
+        with model.step_threads(1):
+            assert torch.get_num_threads() == 1
+            with model.step_threads(limit + 1):
+                assert torch.get_num_threads() == threads
+                with model.step_threads(2):
+                    assert torch.get_num_threads() == 1
+                assert torch.get_num_threads() == threads
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == threads
     finally:
         torch.set_num_threads(prev)
 
