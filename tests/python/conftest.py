@@ -29,3 +29,18 @@ def pytest_collection_modifyitems(config, items):
         if "cuda" in item.keywords:
             item.add_marker(skip)
 
+
+
+@pytest.fixture
+def torch_threads_2():
+    """torch with at least 2 intra-op threads for the test (restored after): what tests of
+    which work runs on one thread compare against. Yields the count."""
+    import torch
+
+    prev = torch.get_num_threads()
+    if prev < 2:
+        torch.set_num_threads(2)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(prev)

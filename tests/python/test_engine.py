@@ -270,7 +270,7 @@ def test_greedy_walk_equals_accept_on_one_hot_rows():
     assert _greedy_walk(logits, drafts, indptr) is None
 
 
-def test_small_steps_run_all_their_torch_work_on_one_thread(model, monkeypatch):
+def test_small_steps_run_all_their_torch_work_on_one_thread(model, monkeypatch, torch_threads_2):
     """Not only the forward: drafting, acceptance and the drafters' updates of a decode or verify
     step run torch on one thread (a parallel op anywhere in the step leaves torch's OpenMP workers
     spinning against the next forward's kernel threads), prefill steps beyond the core kernel's
@@ -309,52 +309,39 @@ def test_small_steps_run_all_their_torch_work_on_one_thread(model, monkeypatch):
     accept = eng._accept
     monkeypatch.setattr(eng, "_accept", lambda *a: (
         d.seen["accept"].append(torch.get_num_threads()), accept(*a))[1])
-    prev = torch.get_num_threads()
-    if prev < 2:
-        torch.set_num_threads(2)
-    try:
-        threads = torch.get_num_threads()
-        limit = max_fast_rows(torch.float32)
-        long_prompt = [(7 * i) % 100 + 1 for i in range(limit + 40)]
-        eng.generate([long_prompt], SamplingParams(max_tokens=6, temperature=0.0))
-        assert torch.get_num_threads() == threads
-        big = [t for n, t in d.seen["prefill"] if n > limit]
-        assert big and set(big) == {threads}  # the long prefill kept torch's threads
-        for k in ("propose", "observe", "accept"):
-            assert d.seen[k] and set(d.seen[k]) == {1}, (k, d.seen[k])
-        monkeypatch.setattr(eng, "_accept", lambda *a: 1 / 0)
-        rid = eng.add_request([1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0))
-        with pytest.raises(Exception):
-            for _ in range(4):
-                eng.step()
-        assert eng.result(rid).finish_reason == "error"
-        assert torch.get_num_threads() == threads
+    threads = torch_threads_2
+    limit = max_fast_rows(torch.float32)
+    long_prompt = [(7 * i) % 100 + 1 for i in range(limit + 40)]
+    eng.generate([long_prompt], SamplingParams(max_tokens=6, temperature=0.0))
+    assert torch.get_num_threads() == threads
+    big = [t for n, t in d.seen["prefill"] if n > limit]
+    assert big and set(big) == {threads}  # the long prefill kept torch's threads
+    for k in ("propose", "observe", "accept"):
+        assert d.seen[k] and set(d.seen[k]) == {1}, (k, d.seen[k])
+    monkeypatch.setattr(eng, "_accept", lambda *a: 1 / 0)
+    rid = eng.add_request([1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0))
+    with pytest.raises(Exception):
+        for _ in range(4):
+            eng.step()
+    assert eng.result(rid).finish_reason == "error"
+    assert torch.get_num_threads() == threads
 
-        w = Wide()
-        eng = Engine(ModelRunner(model, num_blocks=64, block_size=8), drafter=w, gamma=2,
-                     adaptive=False)
-        eng.generate([[1, 2, 3]], SamplingParams(max_tokens=6, temperature=0.0))
-        assert w.seen["propose"] and set(w.seen["propose"]) == {threads}
-        assert w.seen["observe"] and set(w.seen["observe"]) == {1}
-        assert torch.get_num_threads() == threads
-    finally:
-        torch.set_num_threads(prev)
+    w = Wide()
+    eng = Engine(ModelRunner(model, num_blocks=64, block_size=8), drafter=w, gamma=2,
+                 adaptive=False)
+    eng.generate([[1, 2, 3]], SamplingParams(max_tokens=6, temperature=0.0))
+    assert w.seen["propose"] and set(w.seen["propose"]) == {threads}
+    assert w.seen["observe"] and set(w.seen["observe"]) == {1}
+    assert torch.get_num_threads() == threads
 
 
-def test_decode_one_steps_run_torch_on_one_thread(ref_runner, monkeypatch):
+def test_decode_one_steps_run_torch_on_one_thread(ref_runner, monkeypatch, torch_threads_2):
     import pyspec.decode as dec
 
     seen = []
     filt = dec.apply_sampling_filters
     monkeypatch.setattr(dec, "apply_sampling_filters",
                         lambda *a, **k: (seen.append(torch.get_num_threads()), filt(*a, **k))[1])
-    prev = torch.get_num_threads()
-    if prev < 2:
-        torch.set_num_threads(2)
-    try:
-        threads = torch.get_num_threads()
-        decode_one(ref_runner, [1, 2, 3, 1, 2], 5, drafter=prompt_lookup_drafter(), gamma=GAMMA)
-        assert seen and set(seen) == {1}
-        assert torch.get_num_threads() == threads
-    finally:
-        torch.set_num_threads(prev)
+    decode_one(ref_runner, [1, 2, 3, 1, 2], 5, drafter=prompt_lookup_drafter(), gamma=GAMMA)
+    assert seen and set(seen) == {1}
+    assert torch.get_num_threads() == torch_threads_2

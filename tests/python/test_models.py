@@ -254,7 +254,7 @@ def test_config_validation():
     assert cfg.attention_bias and cfg.head_dim == 32
 
 
-def test_decode_sized_steps_run_torch_ops_on_one_thread(tmp_path, monkeypatch):
+def test_decode_sized_steps_run_torch_ops_on_one_thread(tmp_path, monkeypatch, torch_threads_2):
     """Steps of up to the core kernel's row limit run torch's glue ops on one thread (its OpenMP
     workers would spin against the core's thread pool), larger steps keep torch's threads, and the
     thread count is restored after either, also when the step raises."""
@@ -265,38 +265,32 @@ def test_decode_sized_steps_run_torch_ops_on_one_thread(tmp_path, monkeypatch):
     embedding = torch.nn.functional.embedding  # a torch op every step runs
     monkeypatch.setattr(torch.nn.functional, "embedding",
                         lambda *a: (seen.append(torch.get_num_threads()), embedding(*a))[1])
-    prev = torch.get_num_threads()
-    if prev < 2:
-        torch.set_num_threads(2)
-    try:
-        threads = torch.get_num_threads()
-        limit = max_fast_rows(torch.float32)
-        assert model._serial_rows == limit
-        runner.step([SeqStep(list(range(5)), 0, list(range(3)), None, "last")])
-        assert seen and set(seen) == {1}
-        assert torch.get_num_threads() == threads
-        seen.clear()
-        big = limit + 1
-        runner.step([SeqStep([i % 111 for i in range(big)], 0, list(range(-(-big // 4))), None,
-                             "last")])
-        assert seen and set(seen) == {threads}
-        monkeypatch.setattr(torch.nn.functional, "embedding", lambda *a: 1 / 0)
-        with pytest.raises(ZeroDivisionError):
-            runner.step([SeqStep([1, 2], 0, [0], None, "last")])
-        assert torch.get_num_threads() == threads
-        # A large step inside a small step's block (a drafter catching up within an engine step)
-        # takes torch's threads back for itself.
-        with model.step_threads(1):
-            assert torch.get_num_threads() == 1
-            with model.step_threads(limit + 1):
-                assert torch.get_num_threads() == threads
-                with model.step_threads(2):
-                    assert torch.get_num_threads() == 1
-                assert torch.get_num_threads() == threads
-            assert torch.get_num_threads() == 1
-        assert torch.get_num_threads() == threads
-    finally:
-        torch.set_num_threads(prev)
+    threads = torch_threads_2
+    limit = max_fast_rows(torch.float32)
+    assert model._serial_rows == limit
+    runner.step([SeqStep(list(range(5)), 0, list(range(3)), None, "last")])
+    assert seen and set(seen) == {1}
+    assert torch.get_num_threads() == threads
+    seen.clear()
+    big = limit + 1
+    runner.step([SeqStep([i % 111 for i in range(big)], 0, list(range(-(-big // 4))), None,
+                         "last")])
+    assert seen and set(seen) == {threads}
+    monkeypatch.setattr(torch.nn.functional, "embedding", lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        runner.step([SeqStep([1, 2], 0, [0], None, "last")])
+    assert torch.get_num_threads() == threads
+    # A large step inside a small step's block (a drafter catching up within an engine step)
+    # takes torch's threads back for itself.
+    with model.step_threads(1):
+        assert torch.get_num_threads() == 1
+        with model.step_threads(limit + 1):
+            assert torch.get_num_threads() == threads
+            with model.step_threads(2):
+                assert torch.get_num_threads() == 1
+            assert torch.get_num_threads() == threads
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == threads
 
 
 def test_runner_refuses_out_of_range_token_ids():
