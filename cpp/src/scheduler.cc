@@ -121,6 +121,11 @@ void Scheduler::AddRequest(int64_t id, std::vector<int32_t> prompt, SamplingPara
   auto r = std::make_unique<Request>(id, std::move(prompt), std::move(params), next_arrival_++,
                                      config_.record_transitions);
   r->draft_len = config_.initial_draft_tokens;
+  if (deploy_fb_trials_ > 0.0) {  // the deployment's evidence as the request's prior
+    const double scale = std::min(1.0, kDeploymentPriorTrials / deploy_fb_trials_);
+    r->stats.fb_hits = deploy_fb_hits_ * scale;
+    r->stats.fb_trials = deploy_fb_trials_ * scale;
+  }
   requests_.emplace(id, std::move(r));
   waiting_.push_back(id);
 }
@@ -573,6 +578,8 @@ void Scheduler::ApplyDecode(Request& r, const StepResult::Entry& e, RequestOutpu
     }
     st.fb_hits = kFallbackEvidenceDecay * st.fb_hits + static_cast<double>(a);
     st.fb_trials = kFallbackEvidenceDecay * st.fb_trials + trials;
+    deploy_fb_hits_ = kDeploymentEvidenceDecay * deploy_fb_hits_ + static_cast<double>(a);
+    deploy_fb_trials_ = kDeploymentEvidenceDecay * deploy_fb_trials_ + trials;
     if (config_.cost_model) {
       r.draft_len = OptimalDraftLength(st.TokenAcceptance(), config_.draft_cost,
                                        config_.verify_cost, config_.max_draft_tokens);

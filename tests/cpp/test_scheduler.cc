@@ -943,6 +943,60 @@ TEST(CostModel, APoorDrafterStaysOffAfterProbesThatGoNoBetter) {
   EXPECT_LT(run.spec_steps, 0.3 * run.decode_steps) << run.spec_steps << " of " << run.decode_steps;
 }
 
+TEST(CostModel, ANewRequestStartsFromTheDeploymentsEvidence) {
+  // A drafter that is never right at 0.3 plain steps per draft token: the first request needs
+  // about ten speculative steps of its own before even an optimistic estimate says it loses;
+  // the next one starts with the deployment's evidence (worth kDeploymentPriorTrials trials) and
+  // falls back after its warmup_steps. A deployment where drafts are always right gives a new
+  // request no reason to fall back.
+  pyspec::SchedulerConfig c;
+  c.cost_model = true;
+  c.max_draft_tokens = 1;
+  c.initial_draft_tokens = 1;
+  c.warmup_steps = 4;
+  c.probe_interval = 1000;
+  c.draft_cost = 0.25;
+  c.verify_cost = 0.05;
+  auto params = [] { pyspec::SamplingParams p; p.max_tokens = 400; return p; };
+  auto spec_steps_until_plain = [&](pyspec::Scheduler& s, int64_t id, bool accept_all) {
+    s.AddRequest(id, {1, 2, 3}, params());
+    StepAcceptingAllOrNone(s, accept_all);  // prefill
+    int steps = 0;
+    while (s.GetRequest(id).state() != pyspec::RequestState::kRunningPlain && steps < 90) {
+      StepAcceptingAllOrNone(s, accept_all);
+      ++steps;
+    }
+    EXPECT_TRUE(s.Abort(id));
+    return steps;
+  };
+  pyspec::Scheduler s(c, 256, 4, false);
+  EXPECT_EQ(s.deployment_trials(), 0.0);
+  const int first = spec_steps_until_plain(s, 1, false);
+  EXPECT_GE(first, 2 * c.warmup_steps);
+  EXPECT_LT(first, 90);
+  EXPECT_EQ(s.deployment_hits(), 0.0);
+  EXPECT_GT(s.deployment_trials(), 0.9 * first - 1.0);  // decayed by 0.99 a step
+  EXPECT_LE(s.deployment_trials(), first);
+  const pyspec::Request& next = [&]() -> const pyspec::Request& {
+    s.AddRequest(2, {1, 2, 3}, params());
+    return s.GetRequest(2);
+  }();
+  EXPECT_NEAR(next.stats.fb_trials,
+              std::min(pyspec::kDeploymentPriorTrials, s.deployment_trials()), 1e-9);
+  EXPECT_EQ(next.stats.fb_hits, 0.0);
+  EXPECT_TRUE(s.Abort(2));
+  EXPECT_EQ(spec_steps_until_plain(s, 3, false), c.warmup_steps);
+
+  pyspec::Scheduler good(c, 256, 4, false);
+  EXPECT_EQ(spec_steps_until_plain(good, 1, true), 90);  // never falls back
+  EXPECT_EQ(spec_steps_until_plain(good, 2, true), 90);
+  EXPECT_NEAR(good.deployment_hits(), good.deployment_trials(), 1e-9);
+  EXPECT_GT(good.deployment_trials(), pyspec::kDeploymentPriorTrials);
+  good.AddRequest(3, {1, 2, 3}, params());  // a long history is scaled down to the cap
+  EXPECT_NEAR(good.GetRequest(3).stats.fb_trials, pyspec::kDeploymentPriorTrials, 1e-9);
+  EXPECT_NEAR(good.GetRequest(3).stats.fb_hits, pyspec::kDeploymentPriorTrials, 1e-9);
+}
+
 TEST(CostModel, MemoryBoundTokensLimitTheDraftShare) {
   pyspec::SchedulerConfig c;
   c.max_draft_tokens = 8;

@@ -54,6 +54,15 @@ struct SamplingParams {
 // the last twenty steps count).
 inline constexpr double kFallbackEvidenceDecay = 0.95;
 
+// The deployment's fallback evidence (every request's speculative steps, each decayed by
+// kDeploymentEvidenceDecay per step: about the last hundred steps count) is a new request's
+// starting evidence, scaled down to at most kDeploymentPriorTrials trials: a drafter that has been
+// losing on this deployment's requests falls back after a new request's first warmup_steps
+// instead of after about twenty of its own steps, while that request's own evidence (decayed at
+// kFallbackEvidenceDecay) soon outweighs the prior either way.
+inline constexpr double kDeploymentEvidenceDecay = 0.99;
+inline constexpr double kDeploymentPriorTrials = 20.0;
+
 // Acceptance history of a request's speculative steps.
 struct AcceptanceStats {
   int64_t num_spec_steps = 0;      // steps that verified at least one draft token
