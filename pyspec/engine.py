@@ -389,6 +389,9 @@ class Engine:
                 raise ValueError(f"drafters[{name!r}] is 'none'; leave it out instead")
             self.drafters[name] = d
         self.default_drafter = default.name if default is not None else None
+        # Each drafter's requests share a scheduler evidence group: its recent acceptance on this
+        # engine is a new request's prior for the cost model's fallback test.
+        self._evidence_group = {name: i for i, name in enumerate(self.drafters)}
         self.router = router
         if router is not None:
             for name in [n for _, n in router.rules] + [router.default] + router.switch_order:
@@ -498,7 +501,8 @@ class Engine:
                     len(prompt), self.scheduler.num_running + self.scheduler.num_waiting))
         rid = self._next_id
         self.scheduler.add_request(rid, prompt, max_tokens=int(p.max_tokens), stop_token_ids=stop,
-                                   speculative=name is not None)
+                                   speculative=name is not None,
+                                   evidence_group=self._evidence_group.get(name, 0))
         self._next_id += 1
         seed = int(p.seed) if p.seed is not None else random.getrandbits(63)
         r = _Req(p, seed, prompt, len(prompt), name)
@@ -954,7 +958,7 @@ class Engine:
             # The scheduler's acceptance evidence was about the previous drafter: the new one
             # starts from the initial draft length (and speculates even if the old one had
             # fallen back to plain decoding).
-            self.scheduler.reset_acceptance(ids[i])
+            self.scheduler.reset_acceptance(ids[i], self._evidence_group[nxt])
             r.stats.drafter = nxt
             r.stats.drafters_used.append(nxt)
             r.stats.switches["low_acceptance"] = r.stats.switches.get("low_acceptance", 0) + 1

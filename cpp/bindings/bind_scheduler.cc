@@ -2,6 +2,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -224,27 +225,38 @@ that do not match the last step) raise ValueError.)doc")
       .def(
           "add_request",
           [](Scheduler& s, py::handle request_id, py::handle prompt, py::handle max_tokens,
-             py::handle stop_token_ids, bool speculative) {
+             py::handle stop_token_ids, bool speculative, py::handle evidence_group) {
             const int64_t id = IntArg(request_id, "request_id");
             std::vector<int32_t> tokens = TokensArg(prompt, "prompt");
             SamplingParams p;
             p.max_tokens = IntArg(max_tokens, "max_tokens");
             p.stop_token_ids = TokensArg(stop_token_ids, "stop_token_ids");
             p.speculative = speculative;
+            const int64_t group = IntArg(evidence_group, "evidence_group");
+            PYSPEC_CHECK(group >= 0 && group <= std::numeric_limits<int32_t>::max(),
+                         "evidence_group must be in [0, 2^31); got ", group);
+            p.evidence_group = static_cast<int32_t>(group);
             s.AddRequest(id, std::move(tokens), std::move(p));
           },
           py::arg("request_id"), py::arg("prompt"), py::kw_only(), py::arg("max_tokens") = 16,
           py::arg("stop_token_ids") = py::list(), py::arg("speculative") = true,
-          "Queue a request (WAITING). ValueError for a duplicate id, an empty prompt or "
-          "max_tokens < 1.")
+          py::arg("evidence_group") = 0,
+          "Queue a request (WAITING). evidence_group: requests of one drafter share one (its "
+          "recent cost-model evidence is a new request's prior). ValueError for a duplicate id, "
+          "an empty prompt, max_tokens < 1 or a negative evidence_group.")
       .def("abort", &Scheduler::Abort, py::arg("request_id"),
            "Finish with 'abort' from any state, freeing its KV now. False if already finished.")
       .def("release", &Scheduler::Release, py::arg("request_id"),
            "Forget a finished request.")
       .def("reset_acceptance", &Scheduler::ResetAcceptance, py::arg("request_id"),
+           py::arg("evidence_group") = -1,
            "Another drafter serves the request: drop the acceptance evidence about the previous "
-           "one, restart its draft length and leave plain decoding. Between update() and step(); "
-           "False if finished.")
+           "one, restart its draft length and leave plain decoding; its steps count towards "
+           "`evidence_group` from now on (-1: unchanged). Between update() and step(); False if "
+           "finished.")
+      .def("deployment_evidence", &Scheduler::DeploymentEvidence, py::arg("evidence_group") = 0,
+           "(accepted draft tokens, trials) of an evidence group's requests, decayed by 0.99 per "
+           "speculative request-step: a new request's prior for the cost model's fallback test.")
       .def("set_draft_source", &Scheduler::SetDraftSource, py::arg("request_id"),
            py::arg("source"),
            "The request's next steps are drafted by source `source` of its drafter (a part of "

@@ -118,19 +118,30 @@ void Scheduler::AddRequest(int64_t id, std::vector<int32_t> prompt, SamplingPara
   PYSPEC_CHECK(!prompt.empty(), "AddRequest: the prompt must hold at least one token");
   PYSPEC_CHECK(params.max_tokens >= 1, "AddRequest: max_tokens must be >= 1; got ",
                params.max_tokens);
+  PYSPEC_CHECK(params.evidence_group >= 0, "AddRequest: evidence_group must be >= 0; got ",
+               params.evidence_group);
   auto r = std::make_unique<Request>(id, std::move(prompt), std::move(params), next_arrival_++,
                                      config_.record_transitions);
   r->draft_len = config_.initial_draft_tokens;
-  if (deploy_fb_trials_ > 0.0) {  // the deployment's evidence as the request's prior
-    const double scale = std::min(1.0, kDeploymentPriorTrials / deploy_fb_trials_);
-    r->stats.fb_hits = deploy_fb_hits_ * scale;
-    r->stats.fb_trials = deploy_fb_trials_ * scale;
+  // Its drafter's evidence on this deployment as the request's prior.
+  const auto [hits, trials] = DeploymentEvidence(r->params.evidence_group);
+  if (trials > 0.0) {
+    const double scale = std::min(1.0, kDeploymentPriorTrials / trials);
+    r->stats.fb_hits = hits * scale;
+    r->stats.fb_trials = trials * scale;
   }
   requests_.emplace(id, std::move(r));
   waiting_.push_back(id);
 }
 
-bool Scheduler::ResetAcceptance(int64_t id) {
+std::pair<double, double> Scheduler::DeploymentEvidence(int32_t evidence_group) const {
+  auto it = deploy_fb_.find(evidence_group);
+  return it == deploy_fb_.end() ? std::pair<double, double>{0.0, 0.0} : it->second;
+}
+
+bool Scheduler::ResetAcceptance(int64_t id, int32_t evidence_group) {
+  PYSPEC_CHECK(evidence_group >= -1, "ResetAcceptance(", id, "): evidence_group must be >= 0 "
+               "(or -1 to keep the request's); got ", evidence_group);
   Request& r = Get(id, "ResetAcceptance");
   if (r.finished()) return false;
   PYSPEC_CHECK(in_flight_set_.count(id) == 0, "ResetAcceptance(", id,
@@ -139,6 +150,7 @@ bool Scheduler::ResetAcceptance(int64_t id) {
   st.ewma = -1.0;
   st.alpha_num = st.alpha_den = 0.0;
   st.fb_hits = st.fb_trials = 0.0;
+  if (evidence_group >= 0) r.params.evidence_group = evidence_group;
   r.draft_len = config_.initial_draft_tokens;
   r.saved_sources.clear();
   if (r.state() == RequestState::kRunningPlain &&
@@ -578,8 +590,9 @@ void Scheduler::ApplyDecode(Request& r, const StepResult::Entry& e, RequestOutpu
     }
     st.fb_hits = kFallbackEvidenceDecay * st.fb_hits + static_cast<double>(a);
     st.fb_trials = kFallbackEvidenceDecay * st.fb_trials + trials;
-    deploy_fb_hits_ = kDeploymentEvidenceDecay * deploy_fb_hits_ + static_cast<double>(a);
-    deploy_fb_trials_ = kDeploymentEvidenceDecay * deploy_fb_trials_ + trials;
+    auto& [group_hits, group_trials] = deploy_fb_[r.params.evidence_group];
+    group_hits = kDeploymentEvidenceDecay * group_hits + static_cast<double>(a);
+    group_trials = kDeploymentEvidenceDecay * group_trials + trials;
     if (config_.cost_model) {
       r.draft_len = OptimalDraftLength(st.TokenAcceptance(), config_.draft_cost,
                                        config_.verify_cost, config_.max_draft_tokens);

@@ -946,9 +946,10 @@ TEST(CostModel, APoorDrafterStaysOffAfterProbesThatGoNoBetter) {
 TEST(CostModel, ANewRequestStartsFromTheDeploymentsEvidence) {
   // A drafter that is never right at 0.3 plain steps per draft token: the first request needs
   // about ten speculative steps of its own before even an optimistic estimate says it loses;
-  // the next one starts with the deployment's evidence (worth kDeploymentPriorTrials trials) and
-  // falls back after its warmup_steps. A deployment where drafts are always right gives a new
-  // request no reason to fall back.
+  // the next one starts with the deployment's evidence for that drafter (its evidence group; at
+  // most kDeploymentPriorTrials trials) and falls back after its warmup_steps. Another drafter's
+  // requests start from nothing. A deployment where drafts are always right gives a new request
+  // no reason to fall back.
   pyspec::SchedulerConfig c;
   c.cost_model = true;
   c.max_draft_tokens = 1;
@@ -970,28 +971,48 @@ TEST(CostModel, ANewRequestStartsFromTheDeploymentsEvidence) {
     return steps;
   };
   pyspec::Scheduler s(c, 256, 4, false);
-  EXPECT_EQ(s.deployment_trials(), 0.0);
+  EXPECT_EQ(s.DeploymentEvidence().second, 0.0);
   const int first = spec_steps_until_plain(s, 1, false);
   EXPECT_GE(first, 2 * c.warmup_steps);
   EXPECT_LT(first, 90);
-  EXPECT_EQ(s.deployment_hits(), 0.0);
-  EXPECT_GT(s.deployment_trials(), 0.9 * first - 1.0);  // decayed by 0.99 a step
-  EXPECT_LE(s.deployment_trials(), first);
+  const auto [hits, trials] = s.DeploymentEvidence(0);
+  EXPECT_EQ(hits, 0.0);
+  EXPECT_GT(trials, 0.9 * first - 1.0);  // decayed by 0.99 a step
+  EXPECT_LE(trials, first);
   const pyspec::Request& next = [&]() -> const pyspec::Request& {
     s.AddRequest(2, {1, 2, 3}, params());
     return s.GetRequest(2);
   }();
-  EXPECT_NEAR(next.stats.fb_trials,
-              std::min(pyspec::kDeploymentPriorTrials, s.deployment_trials()), 1e-9);
+  EXPECT_NEAR(next.stats.fb_trials, std::min(pyspec::kDeploymentPriorTrials, trials), 1e-9);
   EXPECT_EQ(next.stats.fb_hits, 0.0);
   EXPECT_TRUE(s.Abort(2));
   EXPECT_EQ(spec_steps_until_plain(s, 3, false), c.warmup_steps);
+  // Another drafter's requests (another evidence group) start from nothing: as long as the first.
+  auto other = params();
+  other.evidence_group = 1;
+  s.AddRequest(4, {1, 2, 3}, other);
+  EXPECT_EQ(s.GetRequest(4).stats.fb_trials, 0.0);
+  EXPECT_TRUE(s.Abort(4));
+  EXPECT_EQ(s.DeploymentEvidence(1).second, 0.0);
+  // A request moved to another drafter counts towards that drafter's group from then on.
+  s.AddRequest(5, {1, 2, 3}, params());
+  StepAcceptingAllOrNone(s, true);  // prefill
+  EXPECT_TRUE(s.ResetAcceptance(5, 2));
+  EXPECT_EQ(s.GetRequest(5).params.evidence_group, 2);
+  StepAcceptingAllOrNone(s, true);
+  EXPECT_GT(s.DeploymentEvidence(2).second, 0.0);
+  EXPECT_THROW(s.ResetAcceptance(5, -2), pyspec::ValueError);
+  EXPECT_TRUE(s.Abort(5));
+  auto bad = params();
+  bad.evidence_group = -1;
+  EXPECT_THROW(s.AddRequest(6, {1, 2, 3}, bad), pyspec::ValueError);
 
   pyspec::Scheduler good(c, 256, 4, false);
   EXPECT_EQ(spec_steps_until_plain(good, 1, true), 90);  // never falls back
   EXPECT_EQ(spec_steps_until_plain(good, 2, true), 90);
-  EXPECT_NEAR(good.deployment_hits(), good.deployment_trials(), 1e-9);
-  EXPECT_GT(good.deployment_trials(), pyspec::kDeploymentPriorTrials);
+  const auto [good_hits, good_trials] = good.DeploymentEvidence();
+  EXPECT_NEAR(good_hits, good_trials, 1e-9);
+  EXPECT_GT(good_trials, pyspec::kDeploymentPriorTrials);
   good.AddRequest(3, {1, 2, 3}, params());  // a long history is scaled down to the cap
   EXPECT_NEAR(good.GetRequest(3).stats.fb_trials, pyspec::kDeploymentPriorTrials, 1e-9);
   EXPECT_NEAR(good.GetRequest(3).stats.fb_hits, pyspec::kDeploymentPriorTrials, 1e-9);

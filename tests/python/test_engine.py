@@ -345,3 +345,34 @@ def test_decode_one_steps_run_torch_on_one_thread(ref_runner, monkeypatch, torch
     decode_one(ref_runner, [1, 2, 3, 1, 2], 5, drafter=prompt_lookup_drafter(), gamma=GAMMA)
     assert seen and set(seen) == {1}
     assert torch.get_num_threads() == torch_threads_2
+
+
+def test_each_drafter_keeps_its_own_deployment_evidence(model):
+    """A new request's prior for the cost model's fallback test is its own drafter's recent
+    evidence on this engine (the scheduler's evidence group), not another drafter's."""
+    from pyspec.drafters.base import Draft, Drafter
+    from pyspec.engine import Router
+
+    class Wrong(Drafter):
+        name = "wrong"
+
+        def propose(self, reqs):  # never the target's token: every draft rejected
+            return [Draft([r.context[-1], 0], [-1, 0]) for r in reqs]
+
+    class Silent(Drafter):
+        name = "silent"
+
+        def propose(self, reqs):
+            return [Draft([r.context[-1]], [-1]) for r in reqs]
+
+    eng = Engine(ModelRunner(model, num_blocks=64, block_size=8), drafter=Silent(),
+                 drafters={"wrong": Wrong()}, gamma=2,
+                 router=Router([(lambda f: f.prompt_len > 4, "wrong")], default="silent"))
+    groups = eng._evidence_group
+    assert sorted(groups) == ["silent", "wrong"] and len(set(groups.values())) == 2
+    eng.generate([[1, 2, 3, 4, 5, 6]], SamplingParams(max_tokens=12, temperature=0.0))
+    hits, trials = eng.scheduler.deployment_evidence(groups["wrong"])
+    assert trials > 0 and hits < trials
+    assert eng.scheduler.deployment_evidence(groups["silent"]) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="evidence_group"):
+        eng.scheduler.add_request(999, [1, 2], evidence_group=-1)

@@ -48,18 +48,22 @@ struct SamplingParams {
   int64_t max_tokens = 16;              // >= 1 generated tokens at most
   std::vector<int32_t> stop_token_ids;  // generation stops after emitting one of these
   bool speculative = true;              // whether this request may be drafted for
+  // Requests served by one drafter share an evidence group: the group's recent cost-model
+  // evidence is a new request's prior (see kDeploymentEvidenceDecay). >= 0.
+  int32_t evidence_group = 0;
 };
 
 // Weight of the older evidence in the cost model's fallback test, per speculative step (about
 // the last twenty steps count).
 inline constexpr double kFallbackEvidenceDecay = 0.95;
 
-// The deployment's fallback evidence (every request's speculative steps, each decayed by
-// kDeploymentEvidenceDecay per step: about the last hundred steps count) is a new request's
-// starting evidence, scaled down to at most kDeploymentPriorTrials trials: a drafter that has been
-// losing on this deployment's requests falls back after a new request's first warmup_steps
-// instead of after about twenty of its own steps, while that request's own evidence (decayed at
-// kFallbackEvidenceDecay) soon outweighs the prior either way.
+// The deployment's fallback evidence per evidence group (the speculative steps of every request of
+// the group, i.e. of one drafter, each decayed by kDeploymentEvidenceDecay per such request-step:
+// about the last hundred count) is a new request's starting evidence, scaled down to at most
+// kDeploymentPriorTrials trials: a drafter that has been losing on this deployment's requests falls
+// back after a new request's first warmup_steps instead of after about twenty of its own steps,
+// while that request's own evidence (decayed at kFallbackEvidenceDecay) soon outweighs the prior
+// either way.
 inline constexpr double kDeploymentEvidenceDecay = 0.99;
 inline constexpr double kDeploymentPriorTrials = 20.0;
 

@@ -36,8 +36,8 @@
 // upper end, two standard errors, of the accepted/trial counts of about the last twenty
 // speculative steps, with a uniform prior, kept across fallbacks), the request falls back to
 // RUNNING_PLAIN (counted as a cost fallback): a dip in acceptance for a few steps is noise, not
-// evidence that drafting loses. A new request starts with the deployment's recent evidence, worth
-// at most kDeploymentPriorTrials trials (request.h), instead of none. Without cost_model: +1 after a step that accepted every draft
+// evidence that drafting loses. A new request starts with its evidence group's (its drafter's)
+// recent evidence on this deployment, worth at most kDeploymentPriorTrials trials (request.h). Without cost_model: +1 after a step that accepted every draft
 // token, -1 (not below 1) after one that accepted fewer than half. A request whose acceptance EWMA
 // (weight ewma_alpha) is below min_acceptance_rate after warmup_steps speculative steps falls back
 // to RUNNING_PLAIN and is probed again (back to RUNNING_SPECULATIVE) after probe_interval plain
@@ -193,7 +193,9 @@ class Scheduler {
   // initial_draft_tokens, and a request that fell back to plain decoding speculates again (when
   // it may). Call between Update() and Step(). Lifetime counters stay. False if the request has
   // finished; throws ValueError for an unknown id.
-  bool ResetAcceptance(int64_t id);
+  // `evidence_group` (>= 0; -1 keeps the request's) is the new drafter's group: the request's
+  // speculative steps count towards that group's deployment evidence from now on.
+  bool ResetAcceptance(int64_t id, int32_t evidence_group = -1);
   // The next steps of request `id` are drafted by source `source` (in [0, kMaxDraftSources)): a
   // part of a combined drafter, a prompt-lookup match length. Each source keeps its own acceptance estimate (EWMA and the cost
   // model's alpha) and draft_len; this makes `source`'s current (a source never used starts at
@@ -234,10 +236,10 @@ class Scheduler {
   // an engine that measures when its forward turns compute-bound narrows them at run time.
   void SetSpecBudget(int64_t spec_token_budget, int64_t spec_disable_batch_size);
   void SetMemoryBoundTokens(int64_t tokens);  // >= 0; see SchedulerConfig
-  // The deployment's decayed fallback evidence: accepted draft tokens and trials over every
-  // request's speculative steps (kDeploymentEvidenceDecay per step); a new request's prior.
-  double deployment_hits() const { return deploy_fb_hits_; }
-  double deployment_trials() const { return deploy_fb_trials_; }
+  // An evidence group's decayed fallback evidence: accepted draft tokens and trials over its
+  // requests' speculative steps (kDeploymentEvidenceDecay per step); a new request's prior. Zero
+  // for a group without any.
+  std::pair<double, double> DeploymentEvidence(int32_t evidence_group = 0) const;
 
   // Verifies queue/state/KV consistency; throws RuntimeError naming the first violation. For tests.
   void CheckInvariants() const;
@@ -276,8 +278,7 @@ class Scheduler {
   std::vector<int64_t> pending_finished_;  // reported by the next Step()
   std::vector<int64_t> pending_freed_;
   int64_t next_arrival_ = 0;
-  double deploy_fb_hits_ = 0.0;
-  double deploy_fb_trials_ = 0.0;
+  std::unordered_map<int32_t, std::pair<double, double>> deploy_fb_;  // group -> (hits, trials)
   int64_t num_steps_ = 0;
   int64_t num_preemptions_ = 0;
 };
