@@ -720,6 +720,19 @@ TEST(CostModel, MatchesBruteForceOptimum) {
 
 namespace {
 
+// A cost-model scheduler config: drafts of up to `max_draft` tokens starting at `initial`, at the
+// given costs relative to a plain step.
+pyspec::SchedulerConfig CostModelConfig(int64_t max_draft, int64_t initial, double draft_cost,
+                                        double verify_cost) {
+  pyspec::SchedulerConfig c;
+  c.cost_model = true;
+  c.max_draft_tokens = max_draft;
+  c.initial_draft_tokens = initial;
+  c.draft_cost = draft_cost;
+  c.verify_cost = verify_cost;
+  return c;
+}
+
 // One step in which every draft token is accepted (accept_all) or none is; returns the last
 // decode entry's draft budget (-1 when the step had no decode).
 int64_t StepAcceptingAllOrNone(pyspec::Scheduler& s, bool accept_all) {
@@ -742,14 +755,9 @@ int64_t StepAcceptingAllOrNone(pyspec::Scheduler& s, bool accept_all) {
 }  // namespace
 
 TEST(CostModel, SchedulerAdaptsAndFallsBack) {
-  pyspec::SchedulerConfig c;
-  c.cost_model = true;
-  c.max_draft_tokens = 8;
-  c.initial_draft_tokens = 4;
+  pyspec::SchedulerConfig c = CostModelConfig(8, 4, 0.0, 0.01);
   c.warmup_steps = 2;
   c.probe_interval = 3;
-  c.draft_cost = 0.0;
-  c.verify_cost = 0.01;
   pyspec::Scheduler s(c, 256, 4, false);
   s.AddRequest(1, {1, 2, 3}, [] { pyspec::SamplingParams p; p.max_tokens = 200; return p; }());
   auto run_step = [&](bool accept_all) { StepAcceptingAllOrNone(s, accept_all); };
@@ -779,14 +787,9 @@ TEST(CostModel, ResetAcceptanceGivesANewDrafterAFreshStart) {
   // A drafter that is never right drives the request to plain decoding; after
   // ResetAcceptance (another drafter takes over) it speculates at once with the initial draft
   // length, judged on new evidence only: one fully accepted step moves the estimate to 1.
-  pyspec::SchedulerConfig c;
-  c.cost_model = true;
-  c.max_draft_tokens = 8;
-  c.initial_draft_tokens = 3;
+  pyspec::SchedulerConfig c = CostModelConfig(8, 3, 0.3, 0.05);
   c.warmup_steps = 2;
   c.probe_interval = 50;
-  c.draft_cost = 0.3;
-  c.verify_cost = 0.05;
   pyspec::Scheduler s(c, 256, 4, false);
   s.AddRequest(1, {1, 2, 3}, [] { pyspec::SamplingParams p; p.max_tokens = 200; return p; }());
   int64_t last_budget = -1;
@@ -826,12 +829,7 @@ TEST(CostModel, DraftSourcesKeepTheirOwnEstimates) {
   // `ngram|HEAD`: source 0 (prompt lookup) is right about every token it copies, source 1 (a
   // head) about none. Each keeps its own estimate and draft length, so the head's misses do not
   // shorten prompt lookup's drafts, and prompt lookup's hits do not lengthen the head's.
-  pyspec::SchedulerConfig c;
-  c.cost_model = true;
-  c.max_draft_tokens = 8;
-  c.initial_draft_tokens = 3;
-  c.draft_cost = 0.0;
-  c.verify_cost = 0.02;
+  pyspec::SchedulerConfig c = CostModelConfig(8, 3, 0.0, 0.02);
   pyspec::Scheduler s(c, 256, 4, false);
   s.AddRequest(1, {1, 2, 3}, [] { pyspec::SamplingParams p; p.max_tokens = 400; return p; }());
   int64_t last_budget = -1;
@@ -888,12 +886,7 @@ struct DepthOneRun {
 };
 
 DepthOneRun RunDepthOne(double hit_rate, double draft_cost, double verify_cost, int steps) {
-  pyspec::SchedulerConfig c;
-  c.cost_model = true;
-  c.max_draft_tokens = 1;
-  c.initial_draft_tokens = 1;
-  c.draft_cost = draft_cost;
-  c.verify_cost = verify_cost;
+  pyspec::SchedulerConfig c = CostModelConfig(1, 1, draft_cost, verify_cost);
   pyspec::Scheduler s(c, 256, 4, false);
   s.AddRequest(1, {1, 2, 3}, [] { pyspec::SamplingParams p; p.max_tokens = 900; return p; }());
   std::mt19937 rng(7);
@@ -950,14 +943,9 @@ TEST(CostModel, ANewRequestStartsFromTheDeploymentsEvidence) {
   // most kDeploymentPriorTrials trials) and falls back after its warmup_steps. Another drafter's
   // requests start from nothing. A deployment where drafts are always right gives a new request
   // no reason to fall back.
-  pyspec::SchedulerConfig c;
-  c.cost_model = true;
-  c.max_draft_tokens = 1;
-  c.initial_draft_tokens = 1;
+  pyspec::SchedulerConfig c = CostModelConfig(1, 1, 0.25, 0.05);
   c.warmup_steps = 4;
   c.probe_interval = 1000;
-  c.draft_cost = 0.25;
-  c.verify_cost = 0.05;
   auto params = [] { pyspec::SamplingParams p; p.max_tokens = 400; return p; };
   auto spec_steps_until_plain = [&](pyspec::Scheduler& s, int64_t id, bool accept_all) {
     s.AddRequest(id, {1, 2, 3}, params());
