@@ -74,8 +74,7 @@ void RegisterAcceptance(py::module_& m) {
          uintptr_t stream) {
         TensorView tp = ToView(target_probs, "target_probs");
         CheckCudaBuilt(tp, "accept_trees");
-        std::optional<TensorView> dp;
-        if (!draft_probs.is_none()) dp = ToView(draft_probs, "draft_probs");
+        const std::optional<TensorView> dp = OptionalView(draft_probs, "draft_probs");
         TensorView tok = ToView(tokens, "tokens"), par = ToView(parents, "parents");
         TensorView ind = ToView(tree_indptr, "tree_indptr"), gr = ToView(greedy, "greedy");
         TensorView sc = ToView(sampled_children, "sampled_children");
@@ -86,26 +85,19 @@ void RegisterAcceptance(py::module_& m) {
         AcceptOptions opt;
         opt.row_sum_tolerance = row_sum_tolerance;
         opt.debug_skip_residual = debug_skip_residual;
-        if (dp) {
-          CheckNoOverlap({{&an, "accepted_nodes"}, {&et, "emitted_tokens"}, {&na, "num_accepted"}},
-                         {{&tp, "target_probs"}, {&*dp, "draft_probs"}, {&tok, "tokens"},
-                          {&par, "parents"}, {&ind, "tree_indptr"}, {&gr, "greedy"},
-                          {&sc, "sampled_children"}, {&sd, "seeds"}, {&of, "offsets"}});
-        } else {
-          CheckNoOverlap({{&an, "accepted_nodes"}, {&et, "emitted_tokens"}, {&na, "num_accepted"}},
-                         {{&tp, "target_probs"}, {&tok, "tokens"}, {&par, "parents"},
-                          {&ind, "tree_indptr"}, {&gr, "greedy"}, {&sc, "sampled_children"},
-                          {&sd, "seeds"}, {&of, "offsets"}});
-        }
+        CheckNoOverlap({{&an, "accepted_nodes"}, {&et, "emitted_tokens"}, {&na, "num_accepted"}},
+                       {{&tp, "target_probs"}, {ViewPtr(dp), "draft_probs"}, {&tok, "tokens"},
+                        {&par, "parents"}, {&ind, "tree_indptr"}, {&gr, "greedy"},
+                        {&sc, "sampled_children"}, {&sd, "seeds"}, {&of, "offsets"}});
         py::gil_scoped_release release;
 #ifdef PYSPEC_WITH_CUDA
         if (IsCuda(tp)) {
-          cuda::AcceptTrees(tp, dp ? &*dp : nullptr, tok, par, ind, gr, sc, sd, of, an, et, na, opt,
+          cuda::AcceptTrees(tp, ViewPtr(dp), tok, par, ind, gr, sc, sd, of, an, et, na, opt,
                             StreamPtr(stream));
           return;
         }
 #endif
-        AcceptTrees(tp, dp ? &*dp : nullptr, tok, par, ind, gr, sc, sd, of, an, et, na, opt);
+        AcceptTrees(tp, ViewPtr(dp), tok, par, ind, gr, sc, sd, of, an, et, na, opt);
       },
       py::arg("target_probs"), py::arg("draft_probs"), py::arg("tokens"), py::arg("parents"),
       py::arg("tree_indptr"), py::arg("greedy"), py::arg("sampled_children"), py::arg("seeds"),

@@ -116,26 +116,25 @@ argument.)doc");
         TensorView qv = ToView(q, "q"), kp = ToView(k_pages, "k_pages");
         TensorView vp = ToView(v_pages, "v_pages"), kn = ToView(k_new, "k_new");
         TensorView vn = ToView(v_new, "v_new"), ov = ToView(out, "out");
-        std::optional<TensorView> lv;
-        if (!lse.is_none()) lv = ToView(lse, "lse");
+        const std::optional<TensorView> lv = OptionalView(lse, "lse");
         const float s = DefaultScale(qv, scale);
         if (IsCuda(qv)) {
 #ifdef PYSPEC_WITH_CUDA
           // A one-off device plan; pyspec.attention.tree_attention caches one per step instead.
           // Validate first so bad shapes get the op's errors, not the device plan's.
           const detail::AttentionShape shape = detail::CheckAttentionArgs(
-              plan, qv, kp, vp, kn, vn, ov, lv ? &*lv : nullptr, s, DeviceType::kCUDA);
+              plan, qv, kp, vp, kn, vn, ov, ViewPtr(lv), s, DeviceType::kCUDA);
           py::gil_scoped_release release;
           cuda::DeviceAttentionPlan dplan(plan, qv.device.index, shape.Hq, shape.Hkv, shape.D,
                                           nullptr);
-          cuda::RunAttention(dplan, qv, kp, vp, kn, vn, ov, lv ? &*lv : nullptr, s, nullptr);
+          cuda::RunAttention(dplan, qv, kp, vp, kn, vn, ov, ViewPtr(lv), s, nullptr);
           return;
 #else
           CudaNotBuilt("run_attention");
 #endif
         }
         py::gil_scoped_release release;
-        RunAttention(plan, qv, kp, vp, kn, vn, ov, lv ? &*lv : nullptr, s);
+        RunAttention(plan, qv, kp, vp, kn, vn, ov, ViewPtr(lv), s);
       },
       py::arg("plan"), py::arg("q"), py::arg("k_pages"), py::arg("v_pages"), py::arg("k_new"),
       py::arg("v_new"), py::arg("out"), py::arg("lse") = py::none(), py::arg("scale") = py::none(),
@@ -187,11 +186,10 @@ layer of the step. Device memory is allocated and freed stream-ordered on `strea
         TensorView qv = ToView(q, "q"), kp = ToView(k_pages, "k_pages");
         TensorView vp = ToView(v_pages, "v_pages"), kn = ToView(k_new, "k_new");
         TensorView vn = ToView(v_new, "v_new"), ov = ToView(out, "out");
-        std::optional<TensorView> lv;
-        if (!lse.is_none()) lv = ToView(lse, "lse");
+        const std::optional<TensorView> lv = OptionalView(lse, "lse");
         const float s = DefaultScale(qv, scale);
         py::gil_scoped_release release;
-        cuda::RunAttention(plan, qv, kp, vp, kn, vn, ov, lv ? &*lv : nullptr, s,
+        cuda::RunAttention(plan, qv, kp, vp, kn, vn, ov, ViewPtr(lv), s,
                            reinterpret_cast<void*>(stream));
       },
       py::arg("plan"), py::arg("q"), py::arg("k_pages"), py::arg("v_pages"), py::arg("k_new"),

@@ -143,17 +143,12 @@ rounding. Raises ValueError naming the bad argument; RuntimeError for CUDA tenso
       "linear",
       [](py::handle x, py::handle w, py::handle bias, py::handle out) {
         const TensorView xv = ToView(x, "x"), wv = ToView(w, "w"), ov = ToView(out, "out");
-        std::optional<TensorView> bv;
-        if (!bias.is_none()) bv = ToView(bias, "bias");
+        const std::optional<TensorView> bv = OptionalView(bias, "bias");
         // `out` may be `x` (the kernel reads x into registers first) but not the weights or
         // the bias, which are read while the output is written.
-        if (bv) {
-          CheckNoOverlap({{&ov, "out"}}, {{&wv, "w"}, {&*bv, "bias"}});
-        } else {
-          CheckNoOverlap({{&ov, "out"}}, {{&wv, "w"}});
-        }
+        CheckNoOverlap({{&ov, "out"}}, {{&wv, "w"}, {ViewPtr(bv), "bias"}});
         py::gil_scoped_release release;
-        Linear(xv, wv, bv ? &*bv : nullptr, ov);
+        Linear(xv, wv, ViewPtr(bv), ov);
       },
       py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("out"),
       R"doc(Dense layer ``out = x @ w.T + bias``, written into ``out`` in place.
@@ -169,12 +164,10 @@ on CUDA). Tensors that require grad are read as is (no autograd).)doc");
       "unpack_packed",
       [](py::handle q, py::handle d, py::handle mn, py::handle out) {
         const TensorView qv = ToView(q, "q"), dv = ToView(d, "d"), ov = ToView(out, "out");
-        std::optional<TensorView> mv;
-        if (!mn.is_none()) mv = ToView(mn, "m");
-        CheckNoOverlap({{&ov, "out"}}, {{&qv, "q"}, {&dv, "d"}});
-        if (mv) CheckNoOverlap({{&ov, "out"}}, {{&*mv, "m"}});
+        const std::optional<TensorView> mv = OptionalView(mn, "m");
+        CheckNoOverlap({{&ov, "out"}}, {{&qv, "q"}, {&dv, "d"}, {ViewPtr(mv), "m"}});
         py::gil_scoped_release release;
-        UnpackPacked(qv, dv, mv ? &*mv : nullptr, ov);
+        UnpackPacked(qv, dv, ViewPtr(mv), ov);
       },
       py::arg("q"), py::arg("d"), py::arg("m"), py::arg("out"),
       R"doc(The float32 matrix out [N, K] that packed codes stand for, written in place: 4-bit
@@ -189,14 +182,11 @@ raises ValueError naming the bad argument.)doc");
          py::handle out) {
         const TensorView xv = ToView(x, "x"), qv = ToView(q, "q"), dv = ToView(d, "d");
         const TensorView ov = ToView(out, "out");
-        std::optional<TensorView> mv, bv;
-        if (!mn.is_none()) mv = ToView(mn, "m");
-        if (!bias.is_none()) bv = ToView(bias, "bias");
-        CheckNoOverlap({{&ov, "out"}}, {{&xv, "x"}, {&qv, "q"}, {&dv, "d"}});
-        if (mv) CheckNoOverlap({{&ov, "out"}}, {{&*mv, "m"}});
-        if (bv) CheckNoOverlap({{&ov, "out"}}, {{&*bv, "bias"}});
+        const std::optional<TensorView> mv = OptionalView(mn, "m"), bv = OptionalView(bias, "bias");
+        CheckNoOverlap({{&ov, "out"}}, {{&xv, "x"}, {&qv, "q"}, {&dv, "d"}, {ViewPtr(mv), "m"},
+                                        {ViewPtr(bv), "bias"}});
         py::gil_scoped_release release;
-        LinearPacked(xv, qv, dv, mv ? &*mv : nullptr, bv ? &*bv : nullptr, ov);
+        LinearPacked(xv, qv, dv, ViewPtr(mv), ViewPtr(bv), ov);
       },
       py::arg("x"), py::arg("q"), py::arg("d"), py::arg("m"), py::arg("bias"), py::arg("out"),
       R"doc(Dense layer over packed weights, ``out = x @ w.T + bias`` with ``w`` rebuilt from codes

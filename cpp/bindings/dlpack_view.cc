@@ -201,10 +201,19 @@ std::pair<uintptr_t, uintptr_t> ByteSpan(const TensorView& v) {
 
 // The op writes its outputs while it still reads its inputs (and the GIL is released): an output
 // that shares memory with an input, or with another output, is refused.
+std::optional<TensorView> OptionalView(pybind11::handle obj, const char* name) {
+  if (obj.is_none()) return std::nullopt;
+  return ToView(obj, name);
+}
+
 void CheckNoOverlap(std::initializer_list<std::pair<const TensorView*, const char*>> outs,
                     std::initializer_list<std::pair<const TensorView*, const char*>> ins) {
-  std::vector<std::pair<const TensorView*, const char*>> seen(ins);
+  std::vector<std::pair<const TensorView*, const char*>> seen;
+  for (const auto& i : ins) {
+    if (i.first != nullptr) seen.push_back(i);
+  }
   for (const auto& o : outs) {
+    if (o.first == nullptr) continue;
     const auto a = ByteSpan(*o.first);
     for (const auto& i : seen) {
       const auto b = ByteSpan(*i.first);

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -23,11 +24,18 @@ inline std::string TypeName(pybind11::handle obj) {
 // A torch tensor with its negative bit set (a lazy negation DLPack drops) is refused.
 TensorView ToView(pybind11::handle obj, const char* name);
 
+// ToView for an optional tensor argument: empty for None.
+std::optional<TensorView> OptionalView(pybind11::handle obj, const char* name);
+
+// The view of an optional argument, or nullptr (what the ops and CheckNoOverlap take).
+inline const TensorView* ViewPtr(const std::optional<TensorView>& v) { return v ? &*v : nullptr; }
+
 // The bytes a view can touch, [lo, hi) (empty for a view without elements).
 std::pair<uintptr_t, uintptr_t> ByteSpan(const TensorView& v);
 
 // For ops that write outputs while still reading inputs (with the GIL released): ValueError when
-// an output shares memory with an input or with another output.
+// an output shares memory with an input or with another output. Null views (optional arguments
+// left out) are skipped.
 void CheckNoOverlap(std::initializer_list<std::pair<const TensorView*, const char*>> outs,
                     std::initializer_list<std::pair<const TensorView*, const char*>> ins);
 
