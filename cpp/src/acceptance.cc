@@ -145,11 +145,11 @@ void WriteCandidates(const std::vector<Candidate>& cand, int64_t n, float min_w,
 
 // ---- the filters' passes over a row --------------------------------------------------------------
 //
-// Written so that the compiler vectorises them without reassociating anything (the scan keeps 16
-// lanes of its own, in GCC vector types): every value is the one a scalar loop computes, in every build, since this file
-// is compiled without FMA contraction (CMakeLists.txt). Each pass is built for the x86-64 baseline,
-// AVX2 and AVX-512; g_filter_isa picks one at run time (a 49k-token row: 0.54 ms before, when the
-// exp loop did not vectorise).
+// Written so that the compiler vectorises them without reassociating anything (the scan and the
+// kept mass keep lanes of their own, in GCC vector types): every value is the one a scalar loop
+// computes, in every build, since this file is compiled without FMA contraction (CMakeLists.txt).
+// Each pass is built for the x86-64 baseline, AVX2 and AVX-512; g_filter_isa picks one at run time
+// (a 49k-token row: 0.54 ms before, when the exp loop did not vectorise).
 
 constexpr int kLanes = 16;
 
@@ -225,6 +225,12 @@ PYSPEC_INLINE void ExpWeights(const float* z, int64_t vocab, float zmax, float i
   }
 }
 
+// Whether FilterRow keeps token v of weight w: above 0, at or above the min-p floor, and in the
+// top-p prefix (before the boundary token (w_b, id_b) in (w desc, id asc) order, or it).
+PYSPEC_INLINE bool Kept(float w, int64_t v, float floor_w, float w_b, int32_t id_b) {
+  return (w > 0.0f) & (w >= floor_w) & ((w > w_b) | (static_cast<int32_t>(v) <= id_b));
+}
+
 typedef double D8 __attribute__((vector_size(64)));
 typedef float F8 __attribute__((vector_size(32)));
 typedef int32_t I8 __attribute__((vector_size(32)));
@@ -241,7 +247,7 @@ PYSPEC_INLINE double KeptMass(const float* w, int64_t vocab, float floor_w, floa
   for (; v + 8 <= vocab; v += 8) {  // vocab fits int32 (CheckFilterArgs)
     F8 x;
     std::memcpy(&x, w + v, sizeof(x));
-    const I8 keep = (x > 0.0f) & (x >= floor_w) & ((x > w_b) | (id <= id_b));
+    const I8 keep = (x > 0.0f) & (x >= floor_w) & ((x > w_b) | (id <= id_b));  // Kept, 8 lanes
     I8 bits;
     std::memcpy(&bits, &x, sizeof(bits));
     bits &= keep;
@@ -250,11 +256,7 @@ PYSPEC_INLINE double KeptMass(const float* w, int64_t vocab, float floor_w, floa
     id += 8;
   }
   double tail = 0.0;
-  for (; v < vocab; ++v) {
-    const bool keep = (w[v] > 0.0f) & (w[v] >= floor_w) &
-                      ((w[v] > w_b) | (static_cast<int32_t>(v) <= id_b));
-    tail += keep ? w[v] : 0.0f;
-  }
+  for (; v < vocab; ++v) tail += Kept(w[v], v, floor_w, w_b, id_b) ? w[v] : 0.0f;
   return (((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))) +
          tail;
 }
@@ -263,9 +265,7 @@ PYSPEC_INLINE double KeptMass(const float* w, int64_t vocab, float floor_w, floa
 PYSPEC_INLINE void WriteKept(const float* w, int64_t vocab, float floor_w, float w_b, int32_t id_b,
                              float inv, float* out) {
   for (int64_t v = 0; v < vocab; ++v) {
-    const bool keep = (w[v] > 0.0f) & (w[v] >= floor_w) &
-                      ((w[v] > w_b) | (static_cast<int32_t>(v) <= id_b));
-    out[v] = keep ? w[v] * inv : 0.0f;
+    out[v] = Kept(w[v], v, floor_w, w_b, id_b) ? w[v] * inv : 0.0f;
   }
 }
 
@@ -276,7 +276,7 @@ struct FilterPasses {
   void (*write)(const float*, int64_t, float, float, int32_t, float, float*);
 };
 
-// One build of the three passes per instruction set.
+// One build of the four passes per instruction set.
 #define PYSPEC_FILTER_BUILD(NAME, ATTR)                                                            \
   ATTR RowScan ScanLogits##NAME(const float* z, int64_t n) { return ScanLogits(z, n); }          \
   ATTR void ExpWeights##NAME(const float* z, int64_t n, float zmax, float inv_t, float* w) {     \
