@@ -152,6 +152,7 @@ bool Scheduler::ResetAcceptance(int64_t id, int32_t evidence_group) {
   st.fb_hits = st.fb_trials = 0.0;
   if (evidence_group >= 0) r.params.evidence_group = evidence_group;
   r.draft_len = config_.initial_draft_tokens;
+  r.probe_wait = 0;
   r.saved_sources.clear();
   if (r.state() == RequestState::kRunningPlain &&
       RunningStateFor(r) == RequestState::kRunningSpeculative) {
@@ -255,8 +256,7 @@ bool Scheduler::Admit(Request& r) {
   r.num_computed = cached;
   r.num_cached_tokens = cached;
   if (cached >= r.num_tokens() - 1) {
-    r.TransitionTo(RunningStateFor(r));
-    r.steps_since_switch = 0;
+    StartRunning(r);
   } else {
     r.TransitionTo(RequestState::kPrefill);
   }
@@ -336,6 +336,21 @@ double OptimisticGain(const AcceptanceStats& st, const SchedulerConfig& c) {
 }
 
 }  // namespace
+
+void Scheduler::StartRunning(Request& r) {
+  r.TransitionTo(RunningStateFor(r));
+  r.steps_since_switch = 0;
+  // A request that already holds evidence (its drafter's on this deployment, or its own before a
+  // preemption) by which even an optimistic acceptance loses starts plain, as if it had fallen
+  // back: its first probe comes after probe_interval plain steps. Its drafter's steps would
+  // otherwise cost warmup_steps losing steps per request (per recompute) before the first test.
+  if (r.state() == RequestState::kRunningSpeculative && config_.cost_model &&
+      r.stats.fb_trials > 0.0 && OptimisticGain(r.stats, config_) < 1.0) {
+    r.TransitionTo(RequestState::kRunningPlain);
+    r.probe_wait = std::max(r.probe_wait, config_.probe_interval);
+    ++r.stats.num_cost_fallbacks;
+  }
+}
 
 void Scheduler::SetCostModel(double draft_cost, double verify_cost) {
   SchedulerConfig c = config_;
@@ -529,10 +544,7 @@ std::vector<RequestOutput> Scheduler::Update(const StepResult& result) {
     if (e.prefill) {
       if (e.num_computed > 0) bm_->MarkComputed(r.id, e.num_computed);
       r.num_computed += e.num_computed;
-      if (r.num_computed == r.num_tokens() - 1) {
-        r.TransitionTo(RunningStateFor(r));
-        r.steps_since_switch = 0;
-      }
+      if (r.num_computed == r.num_tokens() - 1) StartRunning(r);
     } else {
       ApplyDecode(r, e, o);
     }
@@ -617,12 +629,18 @@ void Scheduler::ApplyDecode(Request& r, const StepResult::Entry& e, RequestOutpu
                    st.ewma < config_.min_acceptance_rate;
   const bool no_gain = warm && config_.cost_model && cost_gain < 1.0;
   if (low || no_gain) {
+    // A run that drafted for probe_interval steps or more paid for a while: probe again at the
+    // base interval. A shorter one after an earlier fallback was a probe that went no better.
+    const int64_t base = config_.probe_interval;
+    r.probe_wait = r.steps_since_switch >= base || r.probe_wait == 0
+                       ? base
+                       : std::min(2 * r.probe_wait, kMaxProbeBackoff * base);
     r.TransitionTo(RequestState::kRunningPlain);
     r.steps_since_switch = 0;
     ++(low ? st.num_fallbacks : st.num_cost_fallbacks);
   } else if (r.state() == RequestState::kRunningPlain && RunningStateFor(r) ==
                  RequestState::kRunningSpeculative &&
-             r.steps_since_switch >= config_.probe_interval) {
+             r.steps_since_switch >= std::max(r.probe_wait, config_.probe_interval)) {
     r.TransitionTo(RequestState::kRunningSpeculative);
     r.steps_since_switch = 0;
     st.ewma = -1.0;  // the probe is judged on fresh evidence

@@ -883,16 +883,18 @@ namespace {
 struct DepthOneRun {
   pyspec::AcceptanceStats stats;
   int spec_steps = 0, decode_steps = 0, dips = 0;
+  std::vector<int> plain_runs;  // lengths of the runs of plain steps that a probe ended
 };
 
 DepthOneRun RunDepthOne(double hit_rate, double draft_cost, double verify_cost, int steps) {
   pyspec::SchedulerConfig c = CostModelConfig(1, 1, draft_cost, verify_cost);
   pyspec::Scheduler s(c, 256, 4, false);
-  s.AddRequest(1, {1, 2, 3}, [] { pyspec::SamplingParams p; p.max_tokens = 900; return p; }());
+  s.AddRequest(1, {1, 2, 3}, [] { pyspec::SamplingParams p; p.max_tokens = 4000; return p; }());
   std::mt19937 rng(7);
   std::bernoulli_distribution hit(hit_rate);
   DepthOneRun run;
   const double break_even = draft_cost + verify_cost;
+  int plain_run = 0;
   for (int step = 0; step < steps; ++step) {
     auto out = s.Step();
     if (out.ids.empty()) break;
@@ -905,6 +907,12 @@ DepthOneRun RunDepthOne(double hit_rate, double draft_cost, double verify_cost, 
       res.AddDecode(1, std::vector<int32_t>(a + 1, 5), b, a);
       run.spec_steps += b > 0;
       ++run.decode_steps;
+      if (b == 0) {
+        ++plain_run;
+      } else if (plain_run > 0) {
+        run.plain_runs.push_back(plain_run);
+        plain_run = 0;
+      }
     }
     s.Update(res);
     const auto& st = s.GetRequest(1).stats;
@@ -931,9 +939,67 @@ TEST(CostModel, APoorDrafterStaysOffAfterProbesThatGoNoBetter) {
   // is clear, and each probe (kept evidence + warmup_steps new steps) confirms it quickly, so it
   // drafts on a small share of the steps.
   DepthOneRun run = RunDepthOne(0.05, 0.2, 0.05, 400);
-  EXPECT_GE(run.stats.num_cost_fallbacks, 4);
-  EXPECT_GE(run.stats.num_probes, 4);
-  EXPECT_LT(run.spec_steps, 0.3 * run.decode_steps) << run.spec_steps << " of " << run.decode_steps;
+  EXPECT_GE(run.stats.num_cost_fallbacks, 3);
+  EXPECT_GE(run.stats.num_probes, 3);
+  EXPECT_LT(run.spec_steps, 0.2 * run.decode_steps) << run.spec_steps << " of " << run.decode_steps;
+}
+
+TEST(CostModel, ProbesThatGoNoBetterBackOff) {
+  // Each probe of a drafter that keeps losing waits twice as long as the one before (from
+  // probe_interval = 32 plain steps up to kMaxProbeBackoff times that), so over a long request it
+  // drafts on a shrinking share of the steps.
+  DepthOneRun run = RunDepthOne(0.05, 0.2, 0.05, 1600);
+  const int base = static_cast<int>(pyspec::SchedulerConfig().probe_interval);
+  const int cap = static_cast<int>(pyspec::kMaxProbeBackoff) * base;
+  ASSERT_GE(run.plain_runs.size(), 5u);
+  for (size_t i = 0; i < run.plain_runs.size(); ++i) {
+    EXPECT_EQ(run.plain_runs[i], std::min(base << i, cap)) << "plain run " << i;
+  }
+  EXPECT_LT(run.spec_steps, 0.06 * run.decode_steps) << run.spec_steps << " of " << run.decode_steps;
+}
+
+TEST(CostModel, AProbeThatPaysResetsTheBackoff) {
+  // Two probes go no better (waits 3 then 6 plain steps); the drafter then pays for longer than
+  // probe_interval steps, and after its next fallback the wait is probe_interval again.
+  pyspec::SchedulerConfig c = CostModelConfig(1, 1, 0.2, 0.05);
+  c.warmup_steps = 2;
+  c.probe_interval = 3;
+  pyspec::Scheduler s(c, 256, 4, false);
+  s.AddRequest(1, {1, 2, 3}, [] { pyspec::SamplingParams p; p.max_tokens = 2000; return p; }());
+  StepAcceptingAllOrNone(s, false);  // prefill
+  auto until_plain = [&](bool accept_all) {
+    int n = 0;
+    while (s.GetRequest(1).state() != pyspec::RequestState::kRunningPlain && n < 500) {
+      StepAcceptingAllOrNone(s, accept_all);
+      ++n;
+    }
+    return n;
+  };
+  auto plain_steps = [&] {
+    int n = 0;
+    while (s.GetRequest(1).state() == pyspec::RequestState::kRunningPlain && n < 500) {
+      EXPECT_EQ(StepAcceptingAllOrNone(s, false), 0);
+      ++n;
+    }
+    return n;
+  };
+  EXPECT_LT(until_plain(false), 500);
+  EXPECT_EQ(s.GetRequest(1).probe_wait, 3);
+  EXPECT_EQ(plain_steps(), 3);
+  EXPECT_EQ(until_plain(false), c.warmup_steps);  // the probe goes no better
+  EXPECT_EQ(s.GetRequest(1).probe_wait, 6);
+  EXPECT_EQ(plain_steps(), 6);
+  for (int i = 0; i < 40; ++i) StepAcceptingAllOrNone(s, true);  // this probe pays
+  ASSERT_EQ(s.GetRequest(1).state(), pyspec::RequestState::kRunningSpeculative);
+  EXPECT_LT(until_plain(false), 500);
+  EXPECT_EQ(s.GetRequest(1).probe_wait, 3);
+  EXPECT_EQ(plain_steps(), 3);
+  // A switch of drafter starts over: no backoff.
+  EXPECT_LT(until_plain(false), 500);
+  EXPECT_EQ(s.GetRequest(1).probe_wait, 6);
+  EXPECT_TRUE(s.ResetAcceptance(1, 1));
+  EXPECT_EQ(s.GetRequest(1).probe_wait, 0);
+  EXPECT_TRUE(s.Abort(1));
 }
 
 TEST(CostModel, ANewRequestStartsFromTheDeploymentsEvidence) {
@@ -974,7 +1040,12 @@ TEST(CostModel, ANewRequestStartsFromTheDeploymentsEvidence) {
   EXPECT_NEAR(next.stats.fb_trials, std::min(pyspec::kDeploymentPriorTrials, trials), 1e-9);
   EXPECT_EQ(next.stats.fb_hits, 0.0);
   EXPECT_TRUE(s.Abort(2));
-  EXPECT_EQ(spec_steps_until_plain(s, 3, false), c.warmup_steps);
+  // That prior already says even an optimistic acceptance loses: the next request starts plain,
+  // counted as a cost fallback, and would first probe after probe_interval plain steps.
+  EXPECT_EQ(spec_steps_until_plain(s, 3, false), 0);
+  EXPECT_EQ(s.GetRequest(3).stats.num_cost_fallbacks, 1);
+  EXPECT_EQ(s.GetRequest(3).stats.num_spec_steps, 0);
+  EXPECT_EQ(s.GetRequest(3).probe_wait, c.probe_interval);
   // Another drafter's requests (another evidence group) start from nothing: as long as the first.
   auto other = params();
   other.evidence_group = 1;

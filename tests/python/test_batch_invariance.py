@@ -115,14 +115,16 @@ def test_default_model_greedy_batch_equals_each_prompt_alone():
     """4 MT-bench first turns (spread over the file) x 32 tokens on the default model, one at a
     time and as one batch, plain and with the ``default`` and ``ngram`` drafters; every output
     against plain decoding of the prompt alone. The prefix cache is off, so the batch computes its
-    prompts itself rather than reusing the blocks of the runs alone."""
+    prompts itself rather than reusing the blocks of the runs alone. The drafters draft at their
+    fixed lengths (not adaptive): on these short requests, and in a batch of 4 on 2 cores, the cost
+    model rightly stops drafts that do not pay, and the test is about the steps that verify them."""
     rows = [json.loads(line) for line in open(PROMPTS_FILE, encoding="utf-8") if line.strip()]
     rows = rows[::len(rows) // SLOW_PROMPTS][:SLOW_PROMPTS]
     params = pyspec.SamplingParams(max_tokens=SLOW_TOKENS, ignore_eos=True)
     ref = None
     for draft in ("none", "default", "ngram"):
         llm = pyspec.LLM(None, draft=draft, kv_cache_tokens=2048, enable_prefix_cache=False,
-                         progress=False)
+                         spec=pyspec.SpecConfig(adaptive=False), progress=False)
         if ref is None:
             ids = [llm.chat_prompt([{"role": "user", "content": r["turns"][0]}]) for r in rows]
         alone = [llm.generate([p], params)[0] for p in ids]
@@ -131,6 +133,8 @@ def test_default_model_greedy_batch_equals_each_prompt_alone():
             ref = llm
             plain_alone = [o.token_ids for o in alone]
         else:
+            for outs in (alone, batch):
+                assert all(o.stats.drafts > 0 for o in outs)
             assert sum(o.stats.accepted_tokens for o in alone + batch) > 0
         for what, outs in (("alone", alone), ("batch", batch)):
             identical, ties = assert_equal_up_to_near_ties(

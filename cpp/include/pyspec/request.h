@@ -60,12 +60,18 @@ inline constexpr double kFallbackEvidenceDecay = 0.95;
 // The deployment's fallback evidence per evidence group (the speculative steps of every request of
 // the group, i.e. of one drafter, each decayed by kDeploymentEvidenceDecay per such request-step:
 // about the last hundred count) is a new request's starting evidence, scaled down to at most
-// kDeploymentPriorTrials trials: a drafter that has been losing on this deployment's requests falls
-// back after a new request's first warmup_steps instead of after about twenty of its own steps,
-// while that request's own evidence (decayed at kFallbackEvidenceDecay) soon outweighs the prior
-// either way.
+// kDeploymentPriorTrials trials: a new request of a drafter that has been losing on this
+// deployment's requests starts plain (when the prior alone fails the fallback test) instead of
+// drafting for about twenty of its own steps, while that request's own evidence (decayed at
+// kFallbackEvidenceDecay) soon outweighs the prior either way.
 inline constexpr double kDeploymentEvidenceDecay = 0.99;
 inline constexpr double kDeploymentPriorTrials = 20.0;
+
+// A request whose probes keep confirming that its drafter loses waits up to this many times
+// probe_interval plain steps between probes (the wait doubles per failed probe): a losing drafter
+// costs a share of the steps that halves with each probe instead of staying at
+// warmup_steps / probe_interval.
+inline constexpr int64_t kMaxProbeBackoff = 8;
 
 // Acceptance history of a request's speculative steps.
 struct AcceptanceStats {
@@ -148,6 +154,10 @@ struct Request {
   int64_t draft_len = 0;
   // Steps decoded since the last SPECULATIVE<->PLAIN switch (drives fallback and probing).
   int64_t steps_since_switch = 0;
+  // Plain steps before the next probe; 0 until the first fallback. A probe that falls back again
+  // within probe_interval speculative steps doubles it (up to kMaxProbeBackoff times
+  // probe_interval); a speculative run of probe_interval steps or more resets it.
+  int64_t probe_wait = 0;
   AcceptanceStats stats;
   // The draft source of the next steps; stats.ewma / alpha_* and draft_len are its estimate, the
   // others' wait in saved_sources[source] (grown on demand).

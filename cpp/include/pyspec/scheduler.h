@@ -37,11 +37,14 @@
 // speculative steps, with a uniform prior, kept across fallbacks), the request falls back to
 // RUNNING_PLAIN (counted as a cost fallback): a dip in acceptance for a few steps is noise, not
 // evidence that drafting loses. A new request starts with its evidence group's (its drafter's)
-// recent evidence on this deployment, worth at most kDeploymentPriorTrials trials (request.h). Without cost_model: +1 after a step that accepted every draft
-// token, -1 (not below 1) after one that accepted fewer than half. A request whose acceptance EWMA
-// (weight ewma_alpha) is below min_acceptance_rate after warmup_steps speculative steps falls back
-// to RUNNING_PLAIN and is probed again (back to RUNNING_SPECULATIVE) after probe_interval plain
-// steps.
+// recent evidence on this deployment, worth at most kDeploymentPriorTrials trials (request.h), and
+// starts plain (a cost fallback) where that evidence already fails the test. Without cost_model:
+// +1 after a step that accepted every draft token, -1 (not below 1) after one that accepted fewer
+// than half. A request whose acceptance EWMA (weight ewma_alpha) is below min_acceptance_rate
+// after warmup_steps speculative steps falls back to RUNNING_PLAIN. A request that fell back is
+// probed again (back to RUNNING_SPECULATIVE) after probe_interval plain steps; a probe that falls
+// back again within probe_interval steps doubles its wait before the next one (up to
+// kMaxProbeBackoff times probe_interval).
 //
 // Update() applies the runner's results: prefill -> MarkComputed; decode -> Commit(emitted tokens,
 // num_computed = accepted + 1), stats/EWMA, stop conditions (a stop token ends the request and the
@@ -76,7 +79,7 @@ struct SchedulerConfig {
   double ewma_alpha = 0.2;                // weight of the newest acceptance rate, in (0, 1]
   double min_acceptance_rate = 0.0;       // fall back to PLAIN below this EWMA (0 = never)
   int64_t warmup_steps = 4;               // speculative steps before a fallback is considered
-  int64_t probe_interval = 32;            // plain steps before speculation is probed again
+  int64_t probe_interval = 32;            // plain steps before speculation is probed again (base)
   bool record_transitions = false;        // keep Request::history (tests)
   bool cost_model = false;                // draft_len from the Leviathan cost model (see above)
   // Tokens a step can run before its forward turns compute-bound (measured by the engine; 0 =
@@ -261,6 +264,8 @@ class Scheduler {
   void RemoveFromRunning(int64_t id);
   void RemoveFromWaiting(int64_t id);
   RequestState RunningStateFor(const Request& r) const;
+  // Moves a request whose prompt is computed to RUNNING (speculative or plain, see the .cc).
+  void StartRunning(Request& r);
   void ApplyDecode(Request& r, const StepResult::Entry& e, RequestOutput& out);
   void Emit(ScheduleOutput& out, Request& r, StepKind kind, const std::vector<int32_t>& toks,
             int64_t budget, int64_t num_slots);
