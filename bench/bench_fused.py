@@ -101,6 +101,8 @@ def main(argv=None):
             f"vs_{ref_mode.replace('-', '_')}_plain": round(tps / base, 2),
             "vs_plain_same_mode": round(tps / same_plain, 2),
             "tokens_per_target_step": round(r["tokens"] / r["steps"], 3) if r["steps"] else None,
+            "drafted_step_share": round(r.get("drafted_steps", 0) / r["steps"], 3) if r["steps"]
+            else None,
             f"identical_to_{ref_mode.replace('-', '_')}_plain": f"{r['identical']}/{len(prompts)}"}
     model = llms["none"].model
     doc = {"config": {"prompts": len(prompts), "max_tokens": args.max_tokens,

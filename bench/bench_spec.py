@@ -55,12 +55,14 @@ def drafter_list(spec):
 
 
 def timed_chat(llm, msg, sp, r):
-    """``llm.chat(msg, sp)``, adding its seconds, tokens and target steps to the tally ``r``."""
+    """``llm.chat(msg, sp)``, adding its seconds, tokens, target steps and steps that verified
+    drafts to the tally ``r``."""
     t = time.perf_counter()
     out = llm.chat(msg, sp)
     r["seconds"] += time.perf_counter() - t
     r["tokens"] += len(out.token_ids)
     r["steps"] += out.stats.steps
+    r["drafted_steps"] = r.get("drafted_steps", 0) + out.stats.drafts
     return out
 
 

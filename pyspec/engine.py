@@ -98,6 +98,13 @@ _PARAM_NAMES = {f.name for f in fields(SamplingParams)}
 # put the limit at the batch size; a short request would otherwise finish before the first probe.
 BUDGET_PROBE_FIRST = 8
 BUDGET_PROBE_STEPS = 64
+# The converse: after this many decode-only steps in a row that all drafted, the next decode-only
+# step drafts nothing (a plain calibration step). The step-time fit needs steps of different sizes;
+# with a drafter whose trees are always the same size (an EAGLE head's three depth-1 nodes) every
+# step has the same rows, the fit's intercept and slope are left to noise, and the cost model can
+# put a plain step at 1.5x its measured time: it then keeps a losing drafter on. One plain step in
+# CALIBRATION_STEPS + 1 costs a paying drafter about 1 / CALIBRATION_STEPS of its gain.
+CALIBRATION_STEPS = 32
 
 
 @dataclass
@@ -171,6 +178,8 @@ class EngineStats:
     # Times the memory-bound limit was lifted because it had stopped every draft for
     # BUDGET_PROBE_STEPS steps (so that the step-time fit sees drafting steps again).
     budget_probes: int = 0
+    # Decode steps run without drafts to measure a plain step (CALIBRATION_STEPS).
+    calibration_steps: int = 0
 
 
 @dataclass
@@ -456,6 +465,7 @@ class Engine:
         self._draft_time: Dict[str, List[float]] = {}  # drafter -> [seconds, levels] EWMA sums
         self._nodes_per_level = 1.0  # tree nodes verified per draft level (EWMA)
         self._undrafted_steps = 0  # decode steps in a row that verified no draft token
+        self._drafted_steps = 0  # decode-only steps in a row that verified a draft token
         self._probe_interval = BUDGET_PROBE_FIRST  # undrafted steps before the next budget probe
         self._last_batch = 1  # requests in the latest decode-only step
         self.debug_skip_residual = False  # tests only: a deliberately broken acceptance rule
@@ -742,11 +752,16 @@ class Engine:
         rows = len(so.tokens)
         groups: Dict[str, List[DraftRequest]] = {}
         tables = {}
+        calibrate = (self.adaptive and self._drafted_steps >= CALIBRATION_STEPS
+                     and "prefill" not in kinds)
+        if calibrate:
+            self._drafted_steps = 0
+            self.stats.calibration_steps += 1
         for i, rid in enumerate(so.ids):
             table = all_blocks[blk_ptr[i]:blk_ptr[i + 1]]
             tables[i] = table
             r = self._reqs[rid]
-            if kinds[i] == "prefill" or r.drafter is None or r.failed:
+            if kinds[i] == "prefill" or r.drafter is None or r.failed or calibrate:
                 continue
             depth = min(budgets[i], self.gamma)
             if depth <= 0:
@@ -968,6 +983,7 @@ class Engine:
         if n_dec == 0:
             return
         self._undrafted_steps = self._undrafted_steps + 1 if n_tokens <= n_dec else 0
+        self._drafted_steps = self._drafted_steps + 1 if n_tokens > n_dec else 0
         f = self._fit
         w = 0.97
         x, y = float(n_tokens), float(seconds)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pyspec.engine import BUDGET_PROBE_FIRST, BUDGET_PROBE_STEPS
+from pyspec.engine import BUDGET_PROBE_FIRST, BUDGET_PROBE_STEPS, CALIBRATION_STEPS
 
 # Fine enough for sub-10 ms tokens, up to minutes for whole requests.
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
@@ -36,6 +36,10 @@ class Metrics:
                                      "Times the memory-bound draft budget was lifted after it had "
                                      f"stopped every draft for {BUDGET_PROBE_FIRST}-"
                                      f"{BUDGET_PROBE_STEPS} steps (to re-measure)", registry=r)
+        self.calibration_steps = Counter(p + "calibration_steps",
+                                         "Decode steps run without drafts after "
+                                         f"{CALIBRATION_STEPS} steps in a row that all drafted "
+                                         "(to measure a plain step)", registry=r)
         self.acceptance_ewma = Gauge(p + "acceptance_ewma",
                                      "Deployment-wide EWMA of accepted / drafted per step",
                                      registry=r)
@@ -76,8 +80,8 @@ class Metrics:
         st = engine.stats
         cur = (st.drafts, st.draft_tokens, st.accepted_tokens, list(st.accepted_per_position),
                dict(st.switches), dict(st.fallbacks), st.draft_seconds, st.verify_seconds,
-               st.budget_probes)
-        last = self._last or (0, 0, 0, [], {}, {}, 0.0, 0.0, 0)
+               st.budget_probes, st.calibration_steps)
+        last = self._last or (0, 0, 0, [], {}, {}, 0.0, 0.0, 0, 0)
         self.drafts.inc(cur[0] - last[0])
         self.draft_tokens.inc(cur[1] - last[1])
         self.accepted.inc(cur[2] - last[2])
@@ -97,6 +101,8 @@ class Metrics:
             self.verify_latency.observe(cur[7] - last[7])
         if cur[8] > last[8]:
             self.budget_probes.inc(cur[8] - last[8])
+        if cur[9] > last[9]:
+            self.calibration_steps.inc(cur[9] - last[9])
         self._last = cur
         if st.acceptance_ewma is not None:
             self.acceptance_ewma.set(st.acceptance_ewma)

@@ -599,6 +599,53 @@ def test_a_budget_that_stops_every_draft_is_probed_again(model):
     assert eng.stats.budget_probes == probes and s.memory_bound_tokens > 0
 
 
+class Oracle(Drafter):
+    """Drafts the next tokens of a known continuation (always right, at no cost)."""
+
+    name = "oracle"
+    max_draft_depth = 4
+
+    def __init__(self, prompt, continuation):
+        self.text = list(prompt) + list(continuation)
+
+    def propose(self, reqs):
+        out = []
+        for r in reqs:
+            n = len(r.context)
+            c = self.text[n:n + min(r.depth_limit, r.budget)]
+            out.append(Draft([r.context[-1]] + c, list(range(-1, len(c)))))
+        return out
+
+
+def test_a_drafter_that_always_drafts_gets_plain_calibration_steps(model):
+    """After CALIBRATION_STEPS decode-only steps in a row that drafted, the next decode-only step
+    drafts nothing, so the step-time fit sees a plain step (with trees always the same size its
+    intercept and slope are left to noise); the output is unchanged and the steps are counted.
+    Without adaptive speculation there is no fit and no calibration step."""
+    from pyspec.engine import CALIBRATION_STEPS
+
+    n = 3 * CALIBRATION_STEPS + 40
+    p = prompts()[3]
+    want = decode_one(ModelRunner(model, 64, 8), p, n).tokens
+    for adaptive in (True, False):
+        runner = ModelRunner(model, num_blocks=64, block_size=8)
+        eng = Engine(runner, drafter=Oracle(p, want), adaptive=adaptive, max_draft_tokens=1)
+        steps = []
+        eng.trace_hook = lambda t: steps.append((bool(t.prefill), t.decisions))
+        rid = eng.add_request(p, SamplingParams(max_tokens=n))
+        while eng.has_unfinished():
+            eng.step()
+        assert eng.result(rid).token_ids == want
+        drafted = [d[rid][0] > 0 for pre, d in steps if not pre and rid in d]
+        plain_at = [i for i, x in enumerate(drafted) if not x]
+        if not adaptive:
+            assert not plain_at and eng.stats.calibration_steps == 0
+            continue
+        assert eng.stats.calibration_steps == len(plain_at) >= 2
+        # each after exactly CALIBRATION_STEPS drafted steps
+        assert plain_at == [(k + 1) * (CALIBRATION_STEPS + 1) - 1 for k in range(len(plain_at))]
+
+
 def test_merge_drafts_is_a_trie_within_the_budget():
     from pyspec.drafters import merge_drafts
 

@@ -266,9 +266,12 @@ def test_stop_string_token_ids_do_not_depend_on_the_drafter(model_dir):
     """A speculative step emits several tokens at once; a stop string completed by one of them
     ends the output at that token, as plain decoding would: the tokens the step accepted past
     it are not output, so text *and* token ids equal plain decoding's whatever the drafter.
-    The drafter here is the target itself (every draft accepted, up to 5 tokens a step)."""
+    The drafter here is the target itself (every draft accepted, up to 5 tokens a step), with a
+    fixed draft length: drafting with the target costs more than it gains, which the adaptive
+    cost model would see and answer with plain decoding."""
     plain = pyspec.LLM(model_dir, draft="none", kv_cache_tokens=4096)
-    spec = pyspec.LLM(model_dir, draft=model_dir, kv_cache_tokens=4096)
+    spec = pyspec.LLM(model_dir, draft=model_dir, spec=pyspec.SpecConfig(adaptive=False),
+                      kv_cache_tokens=4096)
     full = plain.generate(PROMPTS[0], {"max_tokens": 40, "ignore_eos": True})[0]
     assert len(full.text) > 30
     checked = 0

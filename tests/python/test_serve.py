@@ -488,10 +488,11 @@ def test_engine_counters_become_metric_deltas():
     m.after_step(eng)
     st.budget_probes, st.drafts, st.fallbacks = 2, 5, {"drafter_error": 1}
     m.after_step(eng)
-    st.budget_probes = 3
+    st.budget_probes, st.calibration_steps = 3, 4
     m.after_step(eng)
     get = m.registry.get_sample_value
     assert get("pyspec_spec_decode_budget_probes_total") == 3
+    assert get("pyspec_spec_decode_calibration_steps_total") == 4
     assert get("pyspec_spec_decode_num_drafts_total") == 5
     assert get("pyspec_spec_decode_fallbacks_total", {"reason": "drafter_error"}) == 1
     assert get("pyspec_num_requests_running") == 1
