@@ -130,7 +130,8 @@ class RequestStats:
     drafter: Optional[str] = None  # the drafter in use at the end
     drafters_used: List[str] = field(default_factory=list)
     # Decisions: {"drafter_error": n, "low_acceptance": n, "cost_model": n}; probes: re-tries of
-    # speculation after a fallback; switches: {"low_acceptance": n}.
+    # speculation after a fallback; switches: {"low_acceptance": n, "cost_model": n} (the latter:
+    # it started plain on its drafter's record).
     fallbacks: Dict[str, int] = field(default_factory=dict)
     probes: int = 0
     switches: Dict[str, int] = field(default_factory=dict)
@@ -364,8 +365,10 @@ class Engine:
         gamma: most draft tokens (tree nodes) per request per step; default: the drafter's.
         adaptive: draft length from the Leviathan cost model with measured costs, fallback to
             plain decoding when even an optimistic acceptance estimate predicts no gain (and below
-            ``min_acceptance_rate``, a hard floor, default 0 = none) with re-probing every
-            ``probe_interval`` plain steps, drafter switching below ``switch_below``.
+            ``min_acceptance_rate``, a hard floor, default 0 = none) with re-probing after
+            ``probe_interval`` plain steps (twice as long after each probe that goes no better, up
+            to 8 times), drafter switching below ``switch_below`` (or when a request starts plain
+            because its drafter has been losing on this engine).
         enable_prefix_cache: share full prompt blocks between requests.
         **scheduler_kwargs: further :class:`pyspec._C.Scheduler` options (``max_prefill_chunk``,
             ``max_draft_tokens``, ``initial_draft_tokens``, ``spec_token_budget``,
@@ -754,17 +757,18 @@ class Engine:
         tables = {}
         calibrate = (self.adaptive and self._drafted_steps >= CALIBRATION_STEPS
                      and "prefill" not in kinds)
-        if calibrate:
-            self._drafted_steps = 0
-            self.stats.calibration_steps += 1
+        held = False  # a draft the calibration step holds back
         for i, rid in enumerate(so.ids):
             table = all_blocks[blk_ptr[i]:blk_ptr[i + 1]]
             tables[i] = table
             r = self._reqs[rid]
-            if kinds[i] == "prefill" or r.drafter is None or r.failed or calibrate:
+            if kinds[i] == "prefill" or r.drafter is None or r.failed:
                 continue
             depth = min(budgets[i], self.gamma)
             if depth <= 0:
+                continue
+            if calibrate:
+                held = True
                 continue
             p = r.params
             nodes = max(1, int(self.drafters[r.drafter].node_budget(depth)))
@@ -772,6 +776,9 @@ class Engine:
             groups.setdefault(r.drafter, []).append(DraftRequest(
                 rid, r.context, starts[i], table, nodes, float(p.temperature), int(p.top_k),
                 float(p.top_p), float(p.min_p), r.seed, r.stats.steps, depth))
+        if held:  # (a step in which nothing would have drafted is not one)
+            self._drafted_steps = 0
+            self.stats.calibration_steps += 1
         return groups, tables, rows
 
     def _draft_all(self, groups: Dict[str, List[DraftRequest]], trace
@@ -961,10 +968,20 @@ class Engine:
             r = self._reqs.get(ids[i])
             if r is None or r.finished or r.failed or r.drafter is None:
                 continue
-            if r.spec_steps_here < 4 or r.ewma >= self.switch_below:
-                continue
             nxt = next((n for n in order if n not in r.tried), None)
             if nxt is None:
+                continue
+            reason = "low_acceptance"
+            if r.spec_steps_here == 0:
+                # Started plain on its drafter's losing record here (the scheduler's evidence
+                # group): it would not draft, nor gather evidence to switch on, before its first
+                # probe; another drafter it has not tried gets it now.
+                snap = self.scheduler.request(ids[i])
+                if (snap.state != "RUNNING_PLAIN" or snap.num_spec_steps > 0
+                        or snap.num_cost_fallbacks == 0):
+                    continue
+                reason = "cost_model"
+            elif r.spec_steps_here < 4 or r.ewma >= self.switch_below:
                 continue
             self.drafters[r.drafter].release(ids[i])
             r.drafter = nxt
@@ -976,8 +993,8 @@ class Engine:
             self.scheduler.reset_acceptance(ids[i], self._evidence_group[nxt])
             r.stats.drafter = nxt
             r.stats.drafters_used.append(nxt)
-            r.stats.switches["low_acceptance"] = r.stats.switches.get("low_acceptance", 0) + 1
-            self.stats.switches["low_acceptance"] = self.stats.switches.get("low_acceptance", 0) + 1
+            r.stats.switches[reason] = r.stats.switches.get(reason, 0) + 1
+            self.stats.switches[reason] = self.stats.switches.get(reason, 0) + 1
 
     def _observe_step_time(self, n_dec: int, n_tokens: int, seconds: float) -> None:
         if n_dec == 0:

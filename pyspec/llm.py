@@ -46,13 +46,15 @@ class SpecConfig:
             still falls back when even an optimistic acceptance estimate predicts no gain).
         ewma_window: steps the acceptance EWMAs average over (weight 2 / (window + 1)).
         warmup_steps: speculative steps before a fallback is considered.
-        probe_interval: plain steps after a fallback before speculation is probed again.
+        probe_interval: plain steps after a fallback before speculation is probed again (twice
+            as many after each probe that goes no better, up to 8 times as many).
         spec_disable_batch_size: batch size at which speculation stops (compute-bound; 0 = never).
         spec_token_budget: draft tokens per step shared by the whole batch (0 = unlimited).
         drafters: further named drafters (name -> spec) for ``router``.
         router: a :class:`~pyspec.engine.Router` choosing each request's drafter.
         switch_below: switch a request to the router's next drafter when its acceptance EWMA stays
-            below this (0 = never switch).
+            below this, or when it starts plain because its drafter has been losing on this engine
+            (0 = never switch).
     """
 
     num_speculative_tokens: Optional[int] = None

@@ -29,7 +29,8 @@ void SchedulerConfig::Validate() const {
   PYSPEC_CHECK(min_acceptance_rate >= 0.0 && min_acceptance_rate <= 1.0,
                "min_acceptance_rate must be in [0, 1]; got ", min_acceptance_rate);
   PYSPEC_CHECK(warmup_steps >= 0, "warmup_steps must be >= 0; got ", warmup_steps);
-  PYSPEC_CHECK(probe_interval >= 1, "probe_interval must be >= 1; got ", probe_interval);
+  PYSPEC_CHECK(probe_interval >= 1 && probe_interval <= (int64_t{1} << 40),
+               "probe_interval must be in [1, 2^40]; got ", probe_interval);
   PYSPEC_CHECK(memory_bound_tokens >= 0, "memory_bound_tokens must be >= 0; got ",
                memory_bound_tokens);
   PYSPEC_CHECK(std::isfinite(draft_cost) && draft_cost >= 0.0,
@@ -160,6 +161,8 @@ bool Scheduler::ResetAcceptance(int64_t id, int32_t evidence_group) {
     r.draft_len = std::max<int64_t>(r.draft_len, 1);
   }
   r.steps_since_switch = 0;
+  r.spec_steps_at_switch = st.num_spec_steps;
+  r.resume_plain = false;
   return true;
 }
 
@@ -236,6 +239,9 @@ void Scheduler::Preempt(Request& r) {
   RemoveFromRunning(r.id);
   bm_->Free(r.id);
   r.num_computed = 0;
+  // (A request preempted again while recomputing keeps what it was before the first preemption.)
+  r.resume_plain = r.state() == RequestState::kRunningPlain ||
+                   (r.state() == RequestState::kPrefill && r.resume_plain);
   r.TransitionTo(RequestState::kPreempted);
   ++r.num_preemptions;
   ++num_preemptions_;
@@ -338,17 +344,32 @@ double OptimisticGain(const AcceptanceStats& st, const SchedulerConfig& c) {
 }  // namespace
 
 void Scheduler::StartRunning(Request& r) {
+  const bool resume_plain = r.resume_plain;
+  r.resume_plain = false;
+  if (resume_plain && RunningStateFor(r) == RequestState::kRunningSpeculative) {
+    // Recomputed after a preemption while plain: plain again, the wait for its probe going on.
+    r.TransitionTo(RequestState::kRunningPlain);
+    return;
+  }
   r.TransitionTo(RunningStateFor(r));
   r.steps_since_switch = 0;
+  r.spec_steps_at_switch = r.stats.num_spec_steps;
   // A request that already holds evidence (its drafter's on this deployment, or its own before a
   // preemption) by which even an optimistic acceptance loses starts plain, as if it had fallen
   // back: its first probe comes after probe_interval plain steps. Its drafter's steps would
   // otherwise cost warmup_steps losing steps per request (per recompute) before the first test.
+  // The group's evidence fades with each such start (kPlainStartEvidenceDecay), so that among
+  // requests too short to probe one drafts again now and then.
   if (r.state() == RequestState::kRunningSpeculative && config_.cost_model &&
       r.stats.fb_trials > 0.0 && OptimisticGain(r.stats, config_) < 1.0) {
     r.TransitionTo(RequestState::kRunningPlain);
     r.probe_wait = std::max(r.probe_wait, config_.probe_interval);
     ++r.stats.num_cost_fallbacks;
+    auto it = deploy_fb_.find(r.params.evidence_group);
+    if (it != deploy_fb_.end()) {
+      it->second.first *= kPlainStartEvidenceDecay;
+      it->second.second *= kPlainStartEvidenceDecay;
+    }
   }
 }
 
@@ -632,17 +653,20 @@ void Scheduler::ApplyDecode(Request& r, const StepResult::Entry& e, RequestOutpu
     // A run that drafted for probe_interval steps or more paid for a while: probe again at the
     // base interval. A shorter one after an earlier fallback was a probe that went no better.
     const int64_t base = config_.probe_interval;
-    r.probe_wait = r.steps_since_switch >= base || r.probe_wait == 0
+    const int64_t drafted = st.num_spec_steps - r.spec_steps_at_switch;
+    r.probe_wait = drafted >= base || r.probe_wait == 0
                        ? base
                        : std::min(2 * r.probe_wait, kMaxProbeBackoff * base);
     r.TransitionTo(RequestState::kRunningPlain);
     r.steps_since_switch = 0;
+    r.spec_steps_at_switch = st.num_spec_steps;
     ++(low ? st.num_fallbacks : st.num_cost_fallbacks);
   } else if (r.state() == RequestState::kRunningPlain && RunningStateFor(r) ==
                  RequestState::kRunningSpeculative &&
              r.steps_since_switch >= std::max(r.probe_wait, config_.probe_interval)) {
     r.TransitionTo(RequestState::kRunningSpeculative);
     r.steps_since_switch = 0;
+    r.spec_steps_at_switch = st.num_spec_steps;
     st.ewma = -1.0;  // the probe is judged on fresh evidence
     st.alpha_num = st.alpha_den = 0.0;
     ++st.num_probes;

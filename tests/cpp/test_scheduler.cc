@@ -567,6 +567,10 @@ TEST(Scheduler, RandomEventSequences) {
     c.warmup_steps = 2;
     c.probe_interval = 3;
     c.record_transitions = true;
+    // Odd seeds with the cost model at a cost that loses (starts plain on evidence, backoff,
+    // preemptions of plain requests); even seeds as before (the same draws from rng).
+    c.cost_model = seed % 2 == 1;
+    c.draft_cost = 0.3;
     const int block_size = 1 + static_cast<int>(rng() % 5);
     const int64_t num_blocks = 4 + static_cast<int64_t>(rng() % 30);
     Scheduler s(c, num_blocks, block_size, rng() % 4 != 0);
@@ -956,6 +960,31 @@ TEST(CostModel, ProbesThatGoNoBetterBackOff) {
     EXPECT_EQ(run.plain_runs[i], std::min(base << i, cap)) << "plain run " << i;
   }
   EXPECT_LT(run.spec_steps, 0.06 * run.decode_steps) << run.spec_steps << " of " << run.decode_steps;
+}
+
+TEST(CostModel, ShortRequestsOnALosingDrafterStillDraftNowAndThen) {
+  // Requests too short to reach a first probe, on a drafter that is never right: after the first
+  // ones the deployment's evidence starts each new request plain, and each such start fades that
+  // evidence (kPlainStartEvidenceDecay), so every few requests one drafts for its warmup_steps
+  // again and renews it. Without the fading none would ever draft again on this scheduler.
+  pyspec::SchedulerConfig c = CostModelConfig(1, 1, 0.25, 0.05);
+  c.warmup_steps = 4;
+  pyspec::Scheduler s(c, 256, 4, false);
+  std::vector<int> drafted;
+  for (int64_t id = 0; id < 60; ++id) {
+    pyspec::SamplingParams p;
+    p.max_tokens = 12;
+    s.AddRequest(id, {1, 2, 3}, p);
+    int guard = 0;
+    while (!s.GetRequest(id).finished() && ++guard < 100) StepAcceptingAllOrNone(s, false);
+    ASSERT_TRUE(s.GetRequest(id).finished());
+    if (s.GetRequest(id).stats.num_spec_steps > 0) drafted.push_back(static_cast<int>(id));
+  }
+  ASSERT_FALSE(drafted.empty());
+  EXPECT_EQ(drafted.front(), 0);
+  EXPECT_GE(drafted.size(), 5u);                  // it keeps being re-tested ...
+  EXPECT_LE(drafted.size(), 30u);                 // ... on a minority of the requests
+  EXPECT_GE(drafted.back(), 40);                  // to the end
 }
 
 TEST(CostModel, AProbeThatPaysResetsTheBackoff) {

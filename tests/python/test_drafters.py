@@ -221,6 +221,31 @@ def test_router_and_switching(model, plain):
         Engine(runner, router=Router(default="nope"))
 
 
+def test_a_request_that_starts_plain_switches_to_an_untried_drafter(model, plain):
+    """With drafter switching on, a request that starts plain because its drafter has been
+    losing on this engine (the scheduler's evidence for that drafter) moves at once to the next
+    drafter it has not tried, instead of decoding plainly until its first probe: counted as a
+    "cost_model" switch. (The costs are fixed here, not measured.)"""
+    runner = ModelRunner(model, num_blocks=64, block_size=8)
+    bad = Exploding(set(), "none")  # never right
+    good = ModelDrafter(LlamaForCausalLM.random(model.cfg, seed=0), runner, max_depth=3)
+    eng = Engine(runner, drafter=bad, drafters={"self": good},
+                 router=pyspec_router(default="exploding", switch_order=["self"]),
+                 max_draft_tokens=3)
+    eng._update_cost_model = lambda: None
+    eng.scheduler.set_cost_model(0.5, 0.2)
+    first = eng.generate([prompts()[3]], SamplingParams(max_tokens=MAX_TOKENS))[0]
+    assert first.stats.fallbacks.get("cost_model", 0) >= 1 and first.stats.drafts > 0
+    eng.switch_below = 0.5
+    second = eng.generate([prompts()[3]], SamplingParams(max_tokens=MAX_TOKENS))[0]
+    assert second.token_ids == plain[3]
+    assert second.stats.switches == {"cost_model": 1}
+    assert second.stats.drafters_used == ["exploding", "self"]
+    assert second.stats.fallbacks.get("cost_model") == 1  # the plain start
+    assert second.stats.accepted_tokens > 0  # the target itself drafts: always right
+    assert eng.stats.switches.get("cost_model") == 1
+
+
 def test_a_switch_gives_the_new_drafter_a_fresh_start(model, plain):
     """The scheduler's acceptance evidence about the drafter a request leaves is dropped: right
     after the switch the request speculates from the initial draft length, even where the old
@@ -629,7 +654,10 @@ def test_a_drafter_that_always_drafts_gets_plain_calibration_steps(model):
     want = decode_one(ModelRunner(model, 64, 8), p, n).tokens
     for adaptive in (True, False):
         runner = ModelRunner(model, num_blocks=64, block_size=8)
-        eng = Engine(runner, drafter=Oracle(p, want), adaptive=adaptive, max_draft_tokens=1)
+        # (cost_model=False: draft lengths that do not depend on this machine's timings; the
+        # calibration steps come with adaptive speculation either way)
+        eng = Engine(runner, drafter=Oracle(p, want), adaptive=adaptive, max_draft_tokens=1,
+                     cost_model=False)
         steps = []
         eng.trace_hook = lambda t: steps.append((bool(t.prefill), t.decisions))
         rid = eng.add_request(p, SamplingParams(max_tokens=n))

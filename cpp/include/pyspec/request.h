@@ -73,6 +73,12 @@ inline constexpr double kDeploymentPriorTrials = 20.0;
 // warmup_steps / probe_interval.
 inline constexpr int64_t kMaxProbeBackoff = 8;
 
+// Each time a request of an evidence group starts plain on the group's evidence, that evidence is
+// scaled by this factor: with nothing but short requests (none reaching its first probe), every
+// few starts one of them drafts again for its warmup_steps and refreshes the evidence, so a
+// drafter that has begun to pay is not kept off for good.
+inline constexpr double kPlainStartEvidenceDecay = 0.75;
+
 // Acceptance history of a request's speculative steps.
 struct AcceptanceStats {
   int64_t num_spec_steps = 0;      // steps that verified at least one draft token
@@ -155,9 +161,14 @@ struct Request {
   // Steps decoded since the last SPECULATIVE<->PLAIN switch (drives fallback and probing).
   int64_t steps_since_switch = 0;
   // Plain steps before the next probe; 0 until the first fallback. A probe that falls back again
-  // within probe_interval speculative steps doubles it (up to kMaxProbeBackoff times
-  // probe_interval); a speculative run of probe_interval steps or more resets it.
+  // after fewer than probe_interval steps that drafted doubles it (up to kMaxProbeBackoff times
+  // probe_interval); a speculative run that drafted probe_interval steps or more resets it.
   int64_t probe_wait = 0;
+  // stats.num_spec_steps when the request last switched SPECULATIVE<->PLAIN (the steps that drafted
+  // since, whatever the budget of the others).
+  int64_t spec_steps_at_switch = 0;
+  // Preempted while RUNNING_PLAIN: it resumes plain, its wait for the next probe going on.
+  bool resume_plain = false;
   AcceptanceStats stats;
   // The draft source of the next steps; stats.ewma / alpha_* and draft_len are its estimate, the
   // others' wait in saved_sources[source] (grown on demand).
