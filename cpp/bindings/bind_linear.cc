@@ -38,7 +38,8 @@ class DecoderStack {
     int64_t index = 0;
     for (py::handle item : layers) {
       PYSPEC_CHECK(py::isinstance<py::dict>(item), "layers[", index, "] must be a dict of the "
-                   "layer's tensors; got ", std::string(py::str(item.get_type().attr("__name__"))));
+                   "layer's tensors; got ",
+                   std::string(py::str(py::type::handle_of(item).attr("__name__"))));
       const py::dict d = py::reinterpret_borrow<py::dict>(item);
       for (const char* key : {"ln1", "ln2", "wqkv", "wo", "wgu", "wd"}) {
         PYSPEC_CHECK(d.contains(key), "layers[", index, "] has no '", key, "'");

@@ -198,7 +198,8 @@ def test_decoder_stack_argument_errors():
         stack.run(x, cos, sin, plan, runner.kv.k, runner.kv.v, kn, vn, 0, 3)
     with pytest.raises(ValueError, match="'x'"):
         stack.run(x.double(), cos, sin, plan, runner.kv.k, runner.kv.v, kn, vn)
-    with pytest.raises(ValueError, match=r"layers\[1\] must be a dict"):
+    with pytest.raises(ValueError,
+                       match=r"layers\[1\] must be a dict of the layer's tensors; got list"):
         _C.DecoderStack([layers[0], [1]], cfg.num_attention_heads, cfg.num_key_value_heads,
                         cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
     with pytest.raises(ValueError, match=r"layers\[0\] has no 'wd'"):
