@@ -34,49 +34,6 @@ namespace {
 constexpr int64_t kBlockRows = kFixedBlockRows;
 constexpr int64_t kPieceRows = 4 * kBlockRows;  // their fixed-point byte rows
 
-// Input rows -> A tiles: [block][group][48 byte rows][32 k] (byte row 4 i + p: piece p of the
-// block's row i; rows past M zero), the per-row scales 2^(e - 30), each row's sum of X per group
-// (float) and whether the row holds a NaN or an infinity. Scalar form (any CPU; the reference
-// the vector form is tested against).
-void PackInputsScalar(const float* x, int64_t M, int64_t K, int8_t* a, float* scale,
-                      float* xsum, uint8_t* bad) {
-  const int64_t G = K / 32, blocks = (M + kBlockRows - 1) / kBlockRows;
-  std::memset(a, 0, static_cast<size_t>(blocks * G * kPieceRows * 32));
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xr = x + m * K;
-    float mx = 0.0f;
-    bool finite = true;
-    for (int64_t k = 0; k < K; ++k) {
-      const float v = std::fabs(xr[k]);
-      finite = finite && std::isfinite(v);
-      mx = std::max(mx, v);
-    }
-    bad[m] = finite ? 0 : 1;
-    // |x| < 2^e: X = x * 2^(30 - e), an exact scaling (float32 keeps every bit), below 2^30 in
-    // magnitude, rounded to the nearest integer (ties to even) once.
-    int e = 0;
-    if (finite && mx > 0.0f) std::frexp(mx, &e);
-    const float up = std::ldexp(1.0f, 30 - e);
-    scale[m] = std::ldexp(1.0f, e - 30);
-    const int64_t b = m / kBlockRows, i = m % kBlockRows;
-    for (int64_t g = 0; g < G; ++g) {
-      int8_t* rows = a + ((b * G + g) * kPieceRows + 4 * i) * 32;
-      int64_t sum = 0;
-      for (int kk = 0; kk < 32; ++kk) {
-        int32_t X = finite ? static_cast<int32_t>(std::nearbyint(xr[g * 32 + kk] * up)) : 0;
-        sum += X;
-        // Balanced base-256 digits, most significant (piece 0) first: X = sum_p a_p 256^(3-p).
-        for (int p = 3; p >= 0; --p) {
-          const int8_t digit = static_cast<int8_t>(static_cast<uint8_t>(X & 0xff));
-          rows[p * 32 + kk] = digit;
-          X = (X - digit) >> 8;  // exact: X - digit is a multiple of 256
-        }
-      }
-      xsum[m * G + g] = static_cast<float>(sum);
-    }
-  }
-}
-
 }  // namespace
 
 #ifdef PYSPEC_HAVE_AMX_INT8
@@ -121,6 +78,12 @@ PYSPEC_AMX_I8_TARGET void Configure(int piece_rows) {
     cfg.colsb[t] = 64;
     cfg.rows[5 + t] = static_cast<uint8_t>(rows);  // A: rows x 32 bytes
     cfg.colsb[5 + t] = 32;
+  }
+  if (piece_rows <= 16) {  // one A tile: two output blocks at a time (Block2)
+    cfg.rows[1] = static_cast<uint8_t>(piece_rows);  // C of the second block
+    cfg.colsb[1] = 64;
+    cfg.rows[6] = 8;  // its weights
+    cfg.colsb[6] = 64;
   }
   cfg.rows[4] = 8;  // B: 8 rows (k / 4) x 16 outputs x 4
   cfg.colsb[4] = 64;
@@ -203,8 +166,12 @@ PYSPEC_AMX_I8_TARGET void Block(const int8_t* a, const float* scale, const float
   }
 }
 
-// PackInputsScalar with 16 elements at a time (the same values: the scaling is exact and
-// vcvtps2dq rounds to nearest even, as nearbyint does in the default rounding mode).
+// Input rows -> A tiles: [block][group][48 byte rows][32 k] (byte row 4 i + p: piece p of the
+// block's row i; rows past M zero), the per-row scales 2^(e - 30), each row's sum of X per group
+// (float) and whether the row holds a NaN or an infinity. |x| < 2^e for the row's largest |x|:
+// X = x * 2^(30 - e) is an exact scaling (float32 keeps every bit), below 2^30 in magnitude,
+// rounded to the nearest integer (ties to even, vcvtps2dq) once; its balanced base-256 digits,
+// most significant (piece 0) first, are X = sum_p a_p 256^(3-p).
 PYSPEC_AMX_I8_TARGET void PackInputsAvx512(const float* x, int64_t M, int64_t K, int8_t* a,
                                            float* scale, float* xsum, uint8_t* bad) {
   const int64_t G = K / 32, blocks = (M + kBlockRows - 1) / kBlockRows;
@@ -244,6 +211,90 @@ PYSPEC_AMX_I8_TARGET void PackInputsAvx512(const float* x, int64_t M, int64_t K,
   }
 }
 
+// Up to 4 input rows (one A tile) against output blocks [b0, b1) two at a time: the two blocks'
+// tile chains (weights, product, store, combine) are independent, so one's latency hides behind
+// the other's work. An odd last block goes through Block<1>.
+template <bool FOUR>
+PYSPEC_AMX_I8_TARGET void Block2(const int8_t* a, const float* scale, const float* xsum,
+                                 const uint8_t* bad, const uint8_t* tq, const float* td,
+                                 const float* tm, const float* bias, float* out, int rows,
+                                 int64_t N, int64_t G, int64_t b0, int64_t b1) {
+  constexpr int64_t kTileBytes = FOUR ? 256 : 512;
+  alignas(64) uint8_t btile[2][512];
+  alignas(64) int32_t c[2][16 * 16];
+  __m512 acc[2][4];
+  const __m512i lo_mask = _mm512_set1_epi8(0x0f);
+  int64_t b = b0;
+  for (; b + 1 < b1; b += 2) {
+    for (int i = 0; i < rows; ++i) acc[0][i] = acc[1][i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* src = tq + ((b + h) * G + g) * kTileBytes;
+        if constexpr (FOUR) {
+          for (int v = 0; v < 4; ++v) {
+            const __m512i w = _mm512_loadu_si512(src + v * 64);
+            _mm512_store_si512(btile[h] + (2 * v) * 64, _mm512_and_si512(w, lo_mask));
+            _mm512_store_si512(btile[h] + (2 * v + 1) * 64,
+                               _mm512_and_si512(_mm512_srli_epi16(w, 4), lo_mask));
+          }
+        }
+      }
+      if constexpr (FOUR) {
+        _tile_loadd(4, btile[0], 64);
+        _tile_loadd(6, btile[1], 64);
+      } else {
+        _tile_loadd(4, tq + (b * G + g) * kTileBytes, 64);
+        _tile_loadd(6, tq + ((b + 1) * G + g) * kTileBytes, 64);
+      }
+      _tile_loadd(5, a + g * kPieceRows * 32, 32);
+      _tile_zero(0);
+      _tile_zero(1);
+      if constexpr (FOUR) {
+        _tile_dpbsud(0, 5, 4);
+        _tile_dpbsud(1, 5, 6);
+      } else {
+        _tile_dpbssd(0, 5, 4);
+        _tile_dpbssd(1, 5, 6);
+      }
+      _tile_stored(0, c[0], 64);
+      _tile_stored(1, c[1], 64);
+      for (int h = 0; h < 2; ++h) {
+        const __m512 dv = _mm512_loadu_ps(td + ((b + h) * G + g) * 16);
+        const __m512 mv =
+            FOUR ? _mm512_loadu_ps(tm + ((b + h) * G + g) * 16) : _mm512_setzero_ps();
+        for (int i = 0; i < rows; ++i) {
+          const int32_t* ci = c[h] + (4 * i) * 16;
+          const __m512i hi = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(ci), 8),
+                                              _mm512_load_si512(ci + 16));
+          const __m512i lo = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(ci + 32), 8),
+                                              _mm512_load_si512(ci + 48));
+          const __m512 s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(65536.0f),
+                                           _mm512_cvtepi32_ps(lo));
+          if constexpr (FOUR) {
+            acc[h][i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[i * G + g]), acc[h][i]);
+          }
+          acc[h][i] = _mm512_fmadd_ps(dv, s, acc[h][i]);
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m512 bv =
+          bias != nullptr ? _mm512_loadu_ps(bias + (b + h) * 16) : _mm512_setzero_ps();
+      for (int i = 0; i < rows; ++i) {
+        float* o = out + i * N + (b + h) * 16;
+        if (bad[i]) {
+          _mm512_storeu_ps(o, _mm512_set1_ps(std::nanf("")));
+          continue;
+        }
+        __m512 y = _mm512_mul_ps(acc[h][i], _mm512_set1_ps(scale[i]));
+        if (bias != nullptr) y = _mm512_add_ps(y, bv);
+        _mm512_storeu_ps(o, y);
+      }
+    }
+  }
+  if (b < b1) Block<1, FOUR>(a, scale, xsum, bad, tq, td, tm, bias, out, rows, N, G, b, b1);
+}
+
 }  // namespace
 
 PYSPEC_AMX_I8_TARGET void FixedLinearBlocks(const int8_t* a, const float* scale,
@@ -270,7 +321,13 @@ PYSPEC_AMX_I8_TARGET void FixedLinearBlocks(const int8_t* a, const float* scale,
     float* o = out + m0 * N;
 #define PYSPEC_FIXED_BLOCK(NT, FOUR) \
   Block<NT, FOUR>(ab, sc, xs, bd, tq, td, tm, bias, o, rows, N, G, b0, b1)
-    if (tm != nullptr) {
+    if (nt == 1) {
+      if (tm != nullptr) {
+        Block2<true>(ab, sc, xs, bd, tq, td, tm, bias, o, rows, N, G, b0, b1);
+      } else {
+        Block2<false>(ab, sc, xs, bd, tq, td, tm, bias, o, rows, N, G, b0, b1);
+      }
+    } else if (tm != nullptr) {
       if (nt == 1) PYSPEC_FIXED_BLOCK(1, true);
       else if (nt == 2) PYSPEC_FIXED_BLOCK(2, true);
       else PYSPEC_FIXED_BLOCK(3, true);
@@ -430,12 +487,10 @@ namespace detail {
 void FixedPackInputs(const float* x, int64_t M, int64_t K, int8_t* a, float* scale, float* xsum,
                      uint8_t* bad) {
 #ifdef PYSPEC_HAVE_AMX_INT8
-  if (AmxInt8Available()) {
-    PackInputsAvx512(x, M, K, a, scale, xsum, bad);
-    return;
-  }
+  PackInputsAvx512(x, M, K, a, scale, xsum, bad);
+#else
+  (void)x, (void)M, (void)K, (void)a, (void)scale, (void)xsum, (void)bad;
 #endif
-  PackInputsScalar(x, M, K, a, scale, xsum, bad);
 }
 }  // namespace detail
 

@@ -38,7 +38,8 @@ def test_set_packed_numerics_names_the_modes():
 
 @needs_amx_int8
 @pytest.mark.parametrize("grid, nk", [(q4_grid, (1536, 576)), (q4_grid, (576, 1536)),
-                                      (q8_grid, (2048, 576)), (q4_grid, (960, 64))])
+                                      (q8_grid, (2048, 576)), (q4_grid, (960, 64)),
+                                      (q4_grid, (1040, 576))])
 def test_rows_do_not_depend_on_their_call_and_match_float32_accuracy(fixed, grid, nk):
     n, k = nk
     w = grid(n, k, seed=3)
