@@ -22,6 +22,7 @@ accumulating as the float32 kernel does, returns the float32 kernel's results bi
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Optional
 
@@ -82,10 +83,22 @@ class PackedWeight:
     runs and rebuilds the float32 matrix (:meth:`unpack`) for the rows beyond, the same bits as
     with ``dense`` at every M."""
 
-    __slots__ = ("dense", "q", "d", "m", "bits")
+    __slots__ = ("dense", "q", "d", "m", "bits", "_fixed")
 
     def __init__(self, dense, q, d, m, bits):
         self.dense, self.q, self.d, self.m, self.bits = dense, q, d, m, bits
+        self._fixed = None
+
+    def fixed_codes(self):
+        """``(tq, td, tm)``: the codes in :func:`pyspec._C.linear_fixed`'s tile layout (made on
+        first use, then kept: as many bytes again as the codes), for the ``"fixed"`` packed
+        numerics (:func:`set_packed_numerics`)."""
+        if self._fixed is None:
+            tq, td = torch.empty_like(self.q), torch.empty_like(self.d)
+            tm = None if self.m is None else torch.empty_like(self.m)
+            _C.repack_fixed(self.q, self.d, self.m, tq, td, tm)
+            self._fixed = (tq, td, tm)
+        return self._fixed
 
     @property
     def shape(self):
@@ -173,6 +186,36 @@ def pack_exact(w, bits=(4, 8)) -> Optional["PackedWeight"]:
 
 _packed_rows = _C._packed_max_rows
 _core_packed = _C.linear_packed
+_core_fixed = _C.linear_fixed
+_FIXED = False  # the packed numerics (set_packed_numerics)
+
+
+def set_packed_numerics(mode: str) -> str:
+    """How :func:`linear` multiplies packed weights, process-wide: ``"exact"`` (the default:
+    the float32 matrix's results bit for bit) or ``"fixed"`` (experimental: AMX int8 tiles with
+    each float32 input row as a 32-bit fixed-point integer, :func:`pyspec._C.linear_fixed`, at
+    every row count; a row's outputs never depend on the other rows of a call, so speculative
+    decoding stays lossless against plain decoding in the same mode; about float32's accuracy,
+    not its bits; matrices whose N is not a multiple of 16 stay exact). Needs a CPU with AMX-INT8
+    (ValueError elsewhere). ``PYSPEC_PACKED_NUMERICS`` sets it at import. Set it before loading a
+    model or between requests, not while one is decoding. Returns the mode in use."""
+    global _FIXED
+    if mode not in ("exact", "fixed"):
+        raise ValueError(f"packed numerics must be 'exact' or 'fixed'; got {mode!r}")
+    if mode == "fixed" and not _C._fixed_available():
+        raise ValueError("packed numerics 'fixed' needs a CPU with AMX-INT8 tiles (and the OS "
+                         "granting their state); this one has none: use 'exact'")
+    _FIXED = mode == "fixed"
+    return mode
+
+
+def packed_numerics() -> str:
+    """The packed numerics in use: ``"exact"`` or ``"fixed"`` (:func:`set_packed_numerics`)."""
+    return "fixed" if _FIXED else "exact"
+
+
+if os.environ.get("PYSPEC_PACKED_NUMERICS"):
+    set_packed_numerics(os.environ["PYSPEC_PACKED_NUMERICS"])
 
 
 _tls = threading.local()
@@ -206,9 +249,27 @@ def _linear_packed(x, w: PackedWeight, bias, out):
     # AVX-512, 4 on AVX2, 0 where the packed kernel cannot run: other ISAs), and never past the
     # rows the dense route gives the core kernel (beyond them it takes torch's GEMM). With the
     # codes alone, up to the core kernel's rows (the packed kernel has its bits at every M).
+    n, k = w.shape
+    if _FIXED and n % 16 == 0:
+        # Fixed numerics: the tiles at every M (a row's outputs never depend on its call).
+        if shape[-1] != k or (bias is not None and bias.dtype is not torch.float32):
+            raise ValueError(f"linear: x must be [..., {k}] and bias float32 for this packed "
+                             f"weight; got x {tuple(shape)}, bias "
+                             f"{None if bias is None else bias.dtype}")
+        if rows == 0:
+            res = x.new_empty((*shape[:-1], n))
+            return res if out is None else out
+        x2 = x.contiguous().view(rows, k)
+        bias = None if bias is None else bias.contiguous()
+        res = _empty((rows, n), dtype=torch.float32) if out is None else (
+            out if out.dim() == 2 else out.view(rows, n))
+        tq, td, tm = w.fixed_codes()
+        _core_fixed(x2, tq, td, tm, bias, res)
+        if out is not None:
+            return out
+        return res if len(shape) == 2 else res.view(*shape[:-1], n)
     limit = _packed_rows() if dense is not None else (_MAX_ROWS[torch.float32]
                                                       if _packed_rows() else 0)
-    n, k = w.shape
     if (rows == 0 or rows > limit or rows > _MAX_ROWS[torch.float32]
             or shape[-1] != k or not x.is_contiguous()
             or (bias is not None and (bias.dtype is not torch.float32

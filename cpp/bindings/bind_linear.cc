@@ -90,9 +90,12 @@ class DecoderStack {
     DecoderMatrix mat;
     if (py::isinstance<py::tuple>(t)) {
       const py::tuple tup = py::reinterpret_borrow<py::tuple>(t);
-      PYSPEC_CHECK(tup.size() == 4, "'", name, "' must be a tensor or a (dense, q, d, m) tuple");
+      PYSPEC_CHECK(tup.size() == 4 || tup.size() == 5, "'", name,
+                   "' must be a tensor or a (dense, q, d, m[, fixed]) tuple");
       if (!tup[0].is_none()) mat.w = Keep(tup[0], name);  // None: the codes alone
       mat.packed = true;
+      // (dense, q, d, m, True): q, d, m in RepackFixed's layout, read by LinearFixed.
+      mat.fixed = tup.size() == 5 && tup[4].cast<bool>();
       mat.q = Keep(tup[1], "q");
       mat.d = Keep(tup[2], "d");
       if (!tup[3].is_none()) mat.m = Keep(tup[3], "m");
@@ -238,6 +241,41 @@ bad argument.)doc");
   m.def("_packed_max_rows", &detail::PackedLinearMaxRows,
         "Input rows up to which linear_packed beats linear on the float32 matrix with the kernel "
         "in use (32 AVX-512, 4 AVX2, 0 where it cannot run).");
+  m.def("_fixed_available", &detail::AmxInt8Available,
+        "Whether linear_fixed can run here (a CPU with AMX-INT8 and the OS granting the tile "
+        "state).");
+  m.def(
+      "repack_fixed",
+      [](py::handle q, py::handle d, py::handle mn, py::handle tq, py::handle td,
+         py::handle tm) {
+        const TensorView qv = ToView(q, "q"), dv = ToView(d, "d");
+        const TensorView tqv = ToView(tq, "tq"), tdv = ToView(td, "td");
+        const std::optional<TensorView> mv = OptionalView(mn, "m"), tmv = OptionalView(tm, "tm");
+        CheckNoOverlap({{&tqv, "tq"}, {&tdv, "td"}, {ViewPtr(tmv), "tm"}},
+                       {{&qv, "q"}, {&dv, "d"}, {ViewPtr(mv), "m"}});
+        py::gil_scoped_release release;
+        RepackFixed(qv, dv, ViewPtr(mv), tqv, tdv, ViewPtr(tmv));
+      },
+      py::arg("q"), py::arg("d"), py::arg("m"), py::arg("tq"), py::arg("td"), py::arg("tm"),
+      "Writes packed codes (linear_packed's q, d, m; m None for 8-bit) into tq, td, tm (the same "
+      "shapes and dtypes; tm None for 8-bit) in linear_fixed's tile layout. N a multiple of 16.");
+  m.def(
+      "linear_fixed",
+      [](py::handle x, py::handle tq, py::handle td, py::handle tm, py::handle bias,
+         py::handle out) {
+        const TensorView xv = ToView(x, "x"), qv = ToView(tq, "tq"), dv = ToView(td, "td");
+        const TensorView ov = ToView(out, "out");
+        const std::optional<TensorView> mv = OptionalView(tm, "tm"), bv = OptionalView(bias, "bias");
+        CheckNoOverlap({{&ov, "out"}}, {{&xv, "x"}, {&qv, "tq"}, {&dv, "td"}, {ViewPtr(mv), "tm"},
+                                        {ViewPtr(bv), "bias"}});
+        py::gil_scoped_release release;
+        LinearFixed(xv, qv, dv, ViewPtr(mv), ViewPtr(bv), ov);
+      },
+      py::arg("x"), py::arg("tq"), py::arg("td"), py::arg("tm"), py::arg("bias"), py::arg("out"),
+      "out [M, N] = x [M, K] @ W.T (+ bias) for codes in repack_fixed's layout, on AMX int8 "
+      "tiles with each float32 input row as a 32-bit fixed-point integer: a row's outputs do not "
+      "depend on the other rows; about float32's accuracy, not its bits; a row with a NaN or an "
+      "infinity gives NaN. ValueError without AMX-INT8 (_fixed_available()).");
   m.def("_linear_isa", &detail::LinearIsa,
         "Instruction set of the CPU linear kernel in use ('generic', 'avx2', 'avx512' or 'amx').");
   m.def("_set_linear_isa", &detail::SetLinearIsa, py::arg("isa"),

@@ -69,6 +69,10 @@ void CheckVector(const TensorView& t, const std::string& name, int64_t n, DType 
 
 void RunLinear(const TensorView& x, const DecoderMatrix& w, const TensorView* bias,
                const TensorView& out, int64_t packed_rows, ThreadPool* pool) {
+  if (w.fixed) {  // fixed-point numerics: every M (a row's outputs never depend on its call)
+    LinearFixed(x, w.q, w.d, Opt(w.m), bias, out, pool);
+    return;
+  }
   // Codes alone (no dense matrix): the packed kernel at every M, with the float32 kernel's bits.
   if (w.packed && (x.shape[0] <= packed_rows || w.w.data == nullptr)) {
     LinearPacked(x, w.q, w.d, Opt(w.m), bias, out, pool);

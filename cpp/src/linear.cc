@@ -1024,7 +1024,7 @@ void Linear(const TensorView& x, const TensorView& w, const TensorView* bias,
 }
 
 
-namespace {
+namespace detail {
 
 void RefuseCuda(std::initializer_list<const TensorView*> ts, const char* op) {
   for (const TensorView* t : ts) {
@@ -1034,6 +1034,12 @@ void RefuseCuda(std::initializer_list<const TensorView*> ts, const char* op) {
     }
   }
 }
+
+}  // namespace detail
+
+namespace {
+
+using detail::RefuseCuda;
 
 // Checks packed codes q (and scales d, m) of a matrix with K weights per row (`k_from` names the
 // argument K comes from); returns N.

@@ -11,6 +11,9 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
+
+#include "pyspec/tensor_view.h"
 
 namespace pyspec {
 namespace detail {
@@ -31,6 +34,28 @@ void AmxPackInputs(const uint16_t* x, int64_t M, int64_t K, uint16_t* packed);
 // Output blocks [b0, b1) of 16 weight rows each: out [M, N] bf16 bits, bias [N] fp32 or nullptr.
 void AmxLinearBlocks(const uint16_t* packed, const uint16_t* w, const float* bias, uint16_t* out,
                      int64_t M, int64_t N, int64_t K, int64_t b0, int64_t b1);
+
+// A RuntimeError naming `op` when any of the (non-null) tensors is on a CUDA device.
+void RefuseCuda(std::initializer_list<const TensorView*> ts, const char* op);
+
+// ---- Packed codes on AMX int8 tiles, fixed-point inputs (LinearFixed, pyspec/linear.h) ----
+
+// True when the CPU has AMX-TILE and AMX-INT8 and the OS granted the tile data state.
+bool AmxInt8Available();
+
+// Input rows per pass over a block of weights (48 fixed-point byte rows: three tiles).
+constexpr int64_t kFixedBlockRows = 12;
+
+// x [M, K] -> A tiles [ceil(M / 12)][K / 32][48][32] (zero past M), the per-row scales, each
+// row's sum of X per group [M, K / 32] and per-row non-finite flags.
+void FixedPackInputs(const float* x, int64_t M, int64_t K, int8_t* a, float* scale, float* xsum,
+                     uint8_t* bad);
+
+// Output blocks [b0, b1) of 16 weight rows each: out [M, N] fp32; tq, td, tm in RepackFixed's
+// layout (tm null: 8-bit codes); bias [N] or null.
+void FixedLinearBlocks(const int8_t* a, const float* scale, const float* xsum, const uint8_t* bad,
+                       const uint8_t* tq, const float* td, const float* tm, const float* bias,
+                       float* out, int64_t M, int64_t N, int64_t K, int64_t b0, int64_t b1);
 
 }  // namespace detail
 }  // namespace pyspec

@@ -528,7 +528,11 @@ class LlamaForCausalLM:
             return None
         # The stack holds the tensors it was built from: any replaced one (a layer dict's entry,
         # a packed matrix) makes a new stack. About 20 us for a 30-layer model.
-        sig = [v for layer in self.layers for v in layer.values()]
+        from pyspec import linear as linear_mod
+
+        # (the packed numerics are part of the signature: True / False are singletons)
+        fixed = linear_mod._FIXED
+        sig = [v for layer in self.layers for v in layer.values()] + [fixed]
         if self._packed is not None:
             sig += [w for lp in self._packed for w in lp.values()]
         f = self._fused
@@ -544,7 +548,12 @@ class LlamaForCausalLM:
             d = {k: layer[k] for k in ("ln1", "ln2", "bqkv", "bo")}
             for k in ("wqkv", "wo", "wgu", "wd"):
                 w = mats[k]
-                d[k] = (w.dense, w.q, w.d, w.m) if type(w) is PackedWeight else w
+                if type(w) is not PackedWeight:
+                    d[k] = w
+                elif fixed and w.shape[0] % 16 == 0:
+                    d[k] = (w.dense, *w.fixed_codes(), True)
+                else:
+                    d[k] = (w.dense, w.q, w.d, w.m)
             layers.append(d)
         stack = None
         if not any(getattr(v, "requires_grad", False) for layer in self.layers

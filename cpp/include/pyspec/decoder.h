@@ -26,6 +26,8 @@ struct DecoderMatrix {
   TensorView w;
   bool packed = false;
   TensorView q, d, m;
+  // q, d, m in RepackFixed's layout: LinearFixed at every M instead (pyspec/linear.h).
+  bool fixed = false;
 };
 
 struct DecoderLayerWeights {

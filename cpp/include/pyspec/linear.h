@@ -61,7 +61,27 @@ void LinearPacked(const TensorView& x, const TensorView& q, const TensorView& d,
 void UnpackPacked(const TensorView& q, const TensorView& d, const TensorView* m,
                   const TensorView& out, ThreadPool* pool = nullptr);
 
+// Packed codes on AMX int8 tiles with fixed-point inputs (an opt-in numerics, beside the exact
+// LinearPacked). Each float32 input row becomes integers X = round(x * 2^(30 - e)) (|x| < 2^e for
+// the row's largest |x|: an exact power-of-two scaling, one rounding), held as 4 signed bytes
+// (balanced base 256); AMX int8 tiles multiply them by the codes exactly in int32 per group of
+// 32 weights; each group's sums are scaled by its d (plus, 4-bit, m times the group's sum of X) in
+// float32, groups in ascending order, and the row's scale is applied once. A row's outputs depend
+// only on that row, never on M or the other rows; they are about as accurate as float32 (not its
+// bits). A row holding a NaN or an infinity gives NaN outputs. N must be a multiple of 16.
+//
+// RepackFixed: codes in LinearPacked's layout (q [N, K / 2] uint8 with m, or [N, K] int8; d, m
+// [N, K / 32]) -> the same shapes in the tiles' layout (per 16 rows and group: the VNNI tile).
+void RepackFixed(const TensorView& q, const TensorView& d, const TensorView* m,
+                 const TensorView& tq, const TensorView& td, const TensorView* tm);
+// out [M, N] = x [M, K] . W^T (+ bias) with W the repacked codes. ValueError without AMX-INT8.
+void LinearFixed(const TensorView& x, const TensorView& tq, const TensorView& td,
+                 const TensorView* tm, const TensorView* bias, const TensorView& out,
+                 ThreadPool* pool = nullptr);
+
 namespace detail {
+// Whether LinearFixed can run here (AMX-INT8 and the OS's tile state).
+bool AmxInt8Available();
 // Whether LinearPacked can run: the float32 kernel in use is the AVX2 or the AVX-512 build.
 bool PackedLinearAvailable();
 // Input rows up to which LinearPacked beats Linear on the float32 matrix with the kernel in use
