@@ -196,7 +196,8 @@ def set_packed_numerics(mode: str) -> str:
     each float32 input row as a 32-bit fixed-point integer, :func:`pyspec._C.linear_fixed`, at
     every row count; a row's outputs never depend on the other rows of a call, so speculative
     decoding stays lossless against plain decoding in the same mode; about float32's accuracy,
-    not its bits; matrices whose N is not a multiple of 16 stay exact). Needs a CPU with AMX-INT8
+    not its bits; matrices whose N is not a multiple of 16, and calls that need gradients, stay
+    exact; the tile layout of a matrix's codes is kept beside them). Needs a CPU with AMX-INT8
     (ValueError elsewhere). ``PYSPEC_PACKED_NUMERICS`` sets it at import. Set it before loading a
     model or between requests, not while one is decoding. Returns the mode in use."""
     global _FIXED

@@ -180,7 +180,7 @@ PYSPEC_AMX_I8_TARGET void PackInputsAvx512(const float* x, int64_t M, int64_t K,
     const float* xr = x + m * K;
     __m512 mxv = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 16) {
-      // max of |x| (NaN compares false: a NaN lane keeps the old maximum; checked below)
+      // max of |x| (a NaN may or may not survive vmaxps: the scalar check below decides)
       mxv = _mm512_max_ps(mxv, _mm512_abs_ps(_mm512_loadu_ps(xr + k)));
     }
     float mx = _mm512_reduce_max_ps(mxv);
@@ -189,6 +189,9 @@ PYSPEC_AMX_I8_TARGET void PackInputsAvx512(const float* x, int64_t M, int64_t K,
     bad[m] = finite ? 0 : 1;
     int e = 0;
     if (finite && mx > 0.0f) std::frexp(mx, &e);
+    // (At most 2^126 as the factor: a row of tiny values, |x| < 2^-96, scales exactly by 2^126
+    // and keeps fewer bits.)
+    e = std::max(e, -96);
     const __m512 up = _mm512_set1_ps(finite ? std::ldexp(1.0f, 30 - e) : 0.0f);
     scale[m] = std::ldexp(1.0f, e - 30);
     const int64_t b = m / kBlockRows, i = m % kBlockRows;

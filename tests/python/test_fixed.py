@@ -58,6 +58,11 @@ def test_rows_do_not_depend_on_their_call_and_match_float32_accuracy(fixed, grid
     perm = torch.randperm(40, generator=g)
     assert torch.equal(linear(x[perm], p, bias), full[perm])
     assert torch.equal(linear(x[5:6], p, bias)[0], bias)  # a zero row: the bias exactly
+    # Rows below 2^-96 scale by 2^126 (exactly) and keep fewer bits, not garbage.
+    tiny = x[:2] * 1e-33
+    t = linear(tiny, p)
+    tref = tiny.double() @ w.double().T
+    assert ((t.double() - tref).abs().max() / tref.abs().max()).item() < 1e-5
     err = ((full.double() - ref).abs().max() / ref.abs().max()).item()
     L.set_packed_numerics("exact")
     exact = linear(x, p, bias)
@@ -117,3 +122,6 @@ def test_speculative_output_equals_plain_in_fixed_numerics(fixed, grid_dir, draf
     alone = [b.generate([q], sp)[0].token_ids for q in prompts]
     assert alone == [r.token_ids for r in a.generate(prompts, sp)]
     assert sum(r.stats.draft_tokens for r in a.generate(prompts, sp)) > 0  # trees were verified
+    # the layers ran on the tiles (their codes were laid out for them on first use)
+    assert all(w._fixed is not None for lp in a.model._packed for w in lp.values()
+               if w.shape[0] % 16 == 0)
