@@ -91,6 +91,49 @@ PYSPEC_AMX_I8_TARGET void Configure(int piece_rows) {
   _tile_loadconfig(&cfg);
 }
 
+// The helpers both kernel variants (Block, Block2) use, so that a row gets the same arithmetic,
+// and the same bits, whichever runs it.
+
+// One group's 4-bit weights of an output block (256 bytes of nibbles) as the B tile's bytes:
+// rows 2v and 2v + 1 are the low and high nibbles of bytes [64 v, 64 v + 64).
+PYSPEC_AMX_I8_TARGET inline void UnpackNibbles(const uint8_t* src, uint8_t* btile) {
+  const __m512i lo_mask = _mm512_set1_epi8(0x0f);
+  for (int v = 0; v < 4; ++v) {
+    const __m512i w = _mm512_loadu_si512(src + v * 64);
+    _mm512_store_si512(btile + (2 * v) * 64, _mm512_and_si512(w, lo_mask));
+    _mm512_store_si512(btile + (2 * v + 1) * 64,
+                       _mm512_and_si512(_mm512_srli_epi16(w, 4), lo_mask));
+  }
+}
+
+// acc += d * (the row's group sum, its 4 pieces' int32 sums `ci` combined) (+ m * its sum of X
+// first, 4-bit). Pieces two at a time in int32 (a group's sum is below 2^20 in magnitude:
+// c0 * 256 + c1 is below 2^29), one conversion per pair.
+template <bool FOUR>
+PYSPEC_AMX_I8_TARGET inline __m512 AddGroup(__m512 acc, const int32_t* ci, __m512 dv, __m512 mv,
+                                            float xsum) {
+  const __m512i hi = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(ci), 8),
+                                      _mm512_load_si512(ci + 16));
+  const __m512i lo = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(ci + 32), 8),
+                                      _mm512_load_si512(ci + 48));
+  const __m512 s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(65536.0f),
+                                   _mm512_cvtepi32_ps(lo));
+  if constexpr (FOUR) acc = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum), acc);
+  return _mm512_fmadd_ps(dv, s, acc);
+}
+
+// A row's 16 outputs of block b: its scale times acc (+ bias), or NaN for a non-finite row.
+PYSPEC_AMX_I8_TARGET inline void StoreOutputs(float* o, __m512 acc, float scale, bool bad,
+                                              const float* bias, int64_t b) {
+  if (bad) {
+    _mm512_storeu_ps(o, _mm512_set1_ps(std::nanf("")));
+    return;
+  }
+  __m512 y = _mm512_mul_ps(acc, _mm512_set1_ps(scale));
+  if (bias != nullptr) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + b * 16));
+  _mm512_storeu_ps(o, y);
+}
+
 // Rows [0, rows) of one input block against output blocks [b0, b1), NT tiles of byte rows.
 template <int NT, bool FOUR>
 PYSPEC_AMX_I8_TARGET void Block(const int8_t* a, const float* scale, const float* xsum,
@@ -101,18 +144,12 @@ PYSPEC_AMX_I8_TARGET void Block(const int8_t* a, const float* scale, const float
   alignas(64) uint8_t btile[512];
   alignas(64) int32_t c[kPieceRows * 16];
   __m512 acc[kBlockRows];
-  const __m512i lo_mask = _mm512_set1_epi8(0x0f);
   for (int64_t b = b0; b < b1; ++b) {
     for (int i = 0; i < rows; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* src = tq + (b * G + g) * kTileBytes;
       if constexpr (FOUR) {
-        for (int v = 0; v < 4; ++v) {  // nibbles: rows 2v (low) and 2v + 1 (high)
-          const __m512i w = _mm512_loadu_si512(src + v * 64);
-          _mm512_store_si512(btile + (2 * v) * 64, _mm512_and_si512(w, lo_mask));
-          _mm512_store_si512(btile + (2 * v + 1) * 64,
-                             _mm512_and_si512(_mm512_srli_epi16(w, 4), lo_mask));
-        }
+        UnpackNibbles(src, btile);
         _tile_loadd(4, btile, 64);
       } else {
         _tile_loadd(4, src, 64);
@@ -137,31 +174,11 @@ PYSPEC_AMX_I8_TARGET void Block(const int8_t* a, const float* scale, const float
       const __m512 dv = _mm512_loadu_ps(td + (b * G + g) * 16);
       const __m512 mv = FOUR ? _mm512_loadu_ps(tm + (b * G + g) * 16) : _mm512_setzero_ps();
       for (int i = 0; i < rows; ++i) {
-        // Pieces two at a time in int32 (a group's sum is below 2^20 in magnitude: c0 * 256 + c1
-        // is below 2^29), one conversion per pair.
-        const int32_t* ci = c + (4 * i) * 16;
-        const __m512i hi = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(ci), 8),
-                                            _mm512_load_si512(ci + 16));
-        const __m512i lo = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(ci + 32), 8),
-                                            _mm512_load_si512(ci + 48));
-        const __m512 s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(65536.0f),
-                                         _mm512_cvtepi32_ps(lo));
-        if constexpr (FOUR) {
-          acc[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[i * G + g]), acc[i]);
-        }
-        acc[i] = _mm512_fmadd_ps(dv, s, acc[i]);
+        acc[i] = AddGroup<FOUR>(acc[i], c + (4 * i) * 16, dv, mv, FOUR ? xsum[i * G + g] : 0.0f);
       }
     }
-    const __m512 bv = bias != nullptr ? _mm512_loadu_ps(bias + b * 16) : _mm512_setzero_ps();
     for (int i = 0; i < rows; ++i) {
-      float* o = out + i * N + b * 16;
-      if (bad[i]) {
-        _mm512_storeu_ps(o, _mm512_set1_ps(std::nanf("")));
-        continue;
-      }
-      __m512 y = _mm512_mul_ps(acc[i], _mm512_set1_ps(scale[i]));
-      if (bias != nullptr) y = _mm512_add_ps(y, bv);
-      _mm512_storeu_ps(o, y);
+      StoreOutputs(out + i * N + b * 16, acc[i], scale[i], bad[i] != 0, bias, b);
     }
   }
 }
@@ -226,21 +243,13 @@ PYSPEC_AMX_I8_TARGET void Block2(const int8_t* a, const float* scale, const floa
   alignas(64) uint8_t btile[2][512];
   alignas(64) int32_t c[2][16 * 16];
   __m512 acc[2][4];
-  const __m512i lo_mask = _mm512_set1_epi8(0x0f);
   int64_t b = b0;
   for (; b + 1 < b1; b += 2) {
     for (int i = 0; i < rows; ++i) acc[0][i] = acc[1][i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      for (int h = 0; h < 2; ++h) {
-        const uint8_t* src = tq + ((b + h) * G + g) * kTileBytes;
-        if constexpr (FOUR) {
-          for (int v = 0; v < 4; ++v) {
-            const __m512i w = _mm512_loadu_si512(src + v * 64);
-            _mm512_store_si512(btile[h] + (2 * v) * 64, _mm512_and_si512(w, lo_mask));
-            _mm512_store_si512(btile[h] + (2 * v + 1) * 64,
-                               _mm512_and_si512(_mm512_srli_epi16(w, 4), lo_mask));
-          }
-        }
+      if constexpr (FOUR) {
+        UnpackNibbles(tq + (b * G + g) * kTileBytes, btile[0]);
+        UnpackNibbles(tq + ((b + 1) * G + g) * kTileBytes, btile[1]);
       }
       if constexpr (FOUR) {
         _tile_loadd(4, btile[0], 64);
@@ -266,32 +275,14 @@ PYSPEC_AMX_I8_TARGET void Block2(const int8_t* a, const float* scale, const floa
         const __m512 mv =
             FOUR ? _mm512_loadu_ps(tm + ((b + h) * G + g) * 16) : _mm512_setzero_ps();
         for (int i = 0; i < rows; ++i) {
-          const int32_t* ci = c[h] + (4 * i) * 16;
-          const __m512i hi = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(ci), 8),
-                                              _mm512_load_si512(ci + 16));
-          const __m512i lo = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(ci + 32), 8),
-                                              _mm512_load_si512(ci + 48));
-          const __m512 s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(65536.0f),
-                                           _mm512_cvtepi32_ps(lo));
-          if constexpr (FOUR) {
-            acc[h][i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[i * G + g]), acc[h][i]);
-          }
-          acc[h][i] = _mm512_fmadd_ps(dv, s, acc[h][i]);
+          acc[h][i] = AddGroup<FOUR>(acc[h][i], c[h] + (4 * i) * 16, dv, mv,
+                                     FOUR ? xsum[i * G + g] : 0.0f);
         }
       }
     }
     for (int h = 0; h < 2; ++h) {
-      const __m512 bv =
-          bias != nullptr ? _mm512_loadu_ps(bias + (b + h) * 16) : _mm512_setzero_ps();
       for (int i = 0; i < rows; ++i) {
-        float* o = out + i * N + (b + h) * 16;
-        if (bad[i]) {
-          _mm512_storeu_ps(o, _mm512_set1_ps(std::nanf("")));
-          continue;
-        }
-        __m512 y = _mm512_mul_ps(acc[h][i], _mm512_set1_ps(scale[i]));
-        if (bias != nullptr) y = _mm512_add_ps(y, bv);
-        _mm512_storeu_ps(o, y);
+        StoreOutputs(out + i * N + (b + h) * 16, acc[h][i], scale[i], bad[i] != 0, bias, b + h);
       }
     }
   }
