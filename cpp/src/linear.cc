@@ -988,16 +988,9 @@ void Linear(const TensorView& x, const TensorView& w, const TensorView* bias,
     const uint16_t* pk = packed.data();
     const uint16_t* wp = w.ptr<uint16_t>();
     uint16_t* op = static_cast<uint16_t*>(out.data);
-    const int64_t blocks = N / 16;
-    const int64_t grain = std::max<int64_t>(1, kMinChunkBytes / (16 * K * 2));
-    auto run = [&](int64_t b0, int64_t b1) {
+    detail::RunBlocks(&tp, N / 16, 16 * K * 2, [&](int64_t b0, int64_t b1) {
       detail::AmxLinearBlocks(pk, wp, bias_f, op, M, N, K, b0, b1);
-    };
-    if (blocks <= grain) {
-      run(0, blocks);
-    } else {
-      tp.ParallelFor(blocks, grain, run);
-    }
+    });
     return;
   }
 
@@ -1015,16 +1008,21 @@ void Linear(const TensorView& x, const TensorView& w, const TensorView* bias,
   const BlocksFn fn = kernel.fn;
   const int64_t blocks = (N + kNr - 1) / kNr;
   const int64_t block_bytes = std::max<int64_t>(1, kNr * K * DTypeSize(x.dtype));
-  const int64_t grain = std::max<int64_t>(1, kMinChunkBytes / block_bytes);
-  if (blocks <= grain) {
-    fn(c, 0, blocks);
-    return;
-  }
-  tp.ParallelFor(blocks, grain, [&](int64_t b0, int64_t b1) { fn(c, b0, b1); });
+  detail::RunBlocks(&tp, blocks, block_bytes, [&](int64_t b0, int64_t b1) { fn(c, b0, b1); });
 }
 
 
 namespace detail {
+
+void RunBlocks(ThreadPool* pool, int64_t blocks, int64_t block_bytes,
+               const std::function<void(int64_t, int64_t)>& run) {
+  const int64_t grain = std::max<int64_t>(1, kMinChunkBytes / std::max<int64_t>(1, block_bytes));
+  if (blocks <= grain) {
+    run(0, blocks);
+    return;
+  }
+  (pool != nullptr ? *pool : ThreadPool::Default()).ParallelFor(blocks, grain, run);
+}
 
 void RefuseCuda(std::initializer_list<const TensorView*> ts, const char* op) {
   for (const TensorView* t : ts) {
@@ -1146,7 +1144,6 @@ void LinearPacked(const TensorView& x, const TensorView& q, const TensorView& d,
               M, N, K, ldx};
   const int64_t blocks = (N + kNr - 1) / kNr;
   const int64_t block_bytes = kNr * (K * bits / 8 + (K / 32) * (bits == 4 ? 8 : 4));
-  const int64_t grain = std::max<int64_t>(1, kMinChunkBytes / block_bytes);
   const bool w512 = SelectKernel(DType::kFloat32).fn == &RunBlocksAvx512;
   auto run = [&](int64_t b0, int64_t b1) {
     if (w512) {
@@ -1161,12 +1158,7 @@ void LinearPacked(const TensorView& x, const TensorView& q, const TensorView& d,
       PackedBlocks256<8>(c, b0, b1);
     }
   };
-  ThreadPool& tp = pool != nullptr ? *pool : ThreadPool::Default();
-  if (blocks <= grain) {
-    run(0, blocks);
-  } else {
-    tp.ParallelFor(blocks, grain, run);
-  }
+  detail::RunBlocks(pool, blocks, block_bytes, run);
 #endif
 }
 

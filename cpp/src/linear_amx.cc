@@ -10,12 +10,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "cpu_isa.h"
-
-#if defined(PYSPEC_X86) && defined(__linux__) && defined(__x86_64__) && \
-    ((defined(__clang__) && __clang_major__ >= 12) ||                     \
-     (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
-#define PYSPEC_HAVE_AMX 1
+#ifdef PYSPEC_HAVE_AMX
 #include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -36,14 +31,6 @@ namespace {
 
 // Elements of one packed input tile (16 k pairs x 16 rows x 2), i.e. 32 k of a 16-row chunk.
 constexpr int64_t kTileElems = 512;
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
 
 // Accumulates C tiles 0..NM-1 over all of K for one block of 16 weight rows. The weights stream
 // in address order (a block's rows are contiguous), which the hardware prefetchers follow: software
@@ -86,17 +73,22 @@ PYSPEC_AMX_TARGET inline __attribute__((always_inline)) __m256i RoundToBf16(__m5
 
 }  // namespace
 
-bool AmxBf16Available() {
-  static const bool ok = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    const bool amx_bf16 = (d >> 22) & 1u, amx_tile = (d >> 24) & 1u;
-    const bool avx512f = (b >> 16) & 1u, avx512bw = (b >> 30) & 1u;
-    if (!(amx_bf16 && amx_tile && avx512f && avx512bw)) return false;
-    // Linux hands out the tile data state only on request (once per process, for all threads).
+bool AmxFeatureAvailable(int feature_bit) {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const bool feature = (d >> feature_bit) & 1u, amx_tile = (d >> 24) & 1u;
+  const bool avx512f = (b >> 16) & 1u, avx512bw = (b >> 30) & 1u;
+  if (!(feature && amx_tile && avx512f && avx512bw)) return false;
+  // Linux hands out the tile data state only on request (once per process, for all threads).
+  static const bool granted = [] {
     constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
+  return granted;
+}
+
+bool AmxBf16Available() {
+  static const bool ok = AmxFeatureAvailable(22);
   return ok;
 }
 
@@ -117,7 +109,7 @@ void AmxPackInputs(const uint16_t* x, int64_t M, int64_t K, uint16_t* packed) {
 PYSPEC_AMX_TARGET void AmxLinearBlocks(const uint16_t* packed, const uint16_t* w,
                                        const float* bias, uint16_t* out, int64_t M, int64_t N,
                                        int64_t K, int64_t b0, int64_t b1) {
-  TileConfig cfg;
+  AmxTileConfig cfg;
   std::memset(&cfg, 0, sizeof(cfg));
   cfg.palette_id = 1;
   for (int t = 0; t < 8; ++t) {
@@ -172,6 +164,7 @@ PYSPEC_AMX_TARGET void AmxLinearBlocks(const uint16_t* packed, const uint16_t* w
 
 #else  // no AMX in this build
 
+bool AmxFeatureAvailable(int) { return false; }
 bool AmxBf16Available() { return false; }
 void AmxPackInputs(const uint16_t*, int64_t, int64_t, uint16_t*) {}
 void AmxLinearBlocks(const uint16_t*, const uint16_t*, const float*, uint16_t*, int64_t, int64_t,

@@ -11,12 +11,45 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
 
+#include "cpu_isa.h"
 #include "pyspec/tensor_view.h"
 
+// AMX code is built where the compiler can emit it: x86-64 Linux, GCC >= 11 or Clang >= 12.
+#if defined(PYSPEC_X86) && defined(__linux__) && defined(__x86_64__) && \
+    ((defined(__clang__) && __clang_major__ >= 12) ||                     \
+     (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define PYSPEC_HAVE_AMX 1
+#endif
+
 namespace pyspec {
+class ThreadPool;
+
 namespace detail {
+
+#ifdef PYSPEC_HAVE_AMX
+// LDTILECFG's 64-byte operand (palette 1: rows and bytes per row of tiles 0-7).
+struct alignas(64) AmxTileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+#endif
+
+// True when the CPU has AMX-TILE, the AMX feature in bit `feature_bit` of CPUID.(7, 0).EDX (22:
+// AMX-BF16, 25: AMX-INT8), AVX-512F and AVX-512BW, the build can emit them, and the OS granted this
+// process the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, asked once for all threads).
+bool AmxFeatureAvailable(int feature_bit);
+
+// run(b0, b1) over [0, blocks) blocks of `block_bytes` weight bytes each: on the calling thread when
+// they are too few to be worth waking a worker (under 96 KiB in all), else split over `pool`
+// (ThreadPool::Default() when null) in chunks of at least that many bytes.
+void RunBlocks(ThreadPool* pool, int64_t blocks, int64_t block_bytes,
+               const std::function<void(int64_t, int64_t)>& run);
 
 // True when the CPU has AMX-TILE and AMX-BF16, the build can emit them, and the OS granted this
 // process the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM); asked once, cached.

@@ -16,14 +16,8 @@
 #include "pyspec/linear.h"
 #include "pyspec/thread_pool.h"
 
-#if defined(PYSPEC_X86) && defined(__linux__) && defined(__x86_64__) && \
-    ((defined(__clang__) && __clang_major__ >= 12) ||                     \
-     (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
-#define PYSPEC_HAVE_AMX_INT8 1
-#include <cpuid.h>
+#ifdef PYSPEC_HAVE_AMX
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 namespace pyspec {
@@ -36,21 +30,12 @@ constexpr int64_t kPieceRows = 4 * kBlockRows;  // their fixed-point byte rows
 
 }  // namespace
 
-#ifdef PYSPEC_HAVE_AMX_INT8
+#ifdef PYSPEC_HAVE_AMX
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 bool AmxInt8Available() {
-  static const bool ok = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    const bool amx_int8 = (d >> 25) & 1u, amx_tile = (d >> 24) & 1u;
-    const bool avx512f = (b >> 16) & 1u, avx512bw = (b >> 30) & 1u;
-    if (!(amx_int8 && amx_tile && avx512f && avx512bw)) return false;
-    // Linux hands out the tile data state only on request (once per process, for all threads).
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
+  static const bool ok = AmxFeatureAvailable(25);
   return ok;
 }
 
@@ -58,17 +43,9 @@ namespace {
 
 #define PYSPEC_AMX_I8_TARGET __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw")))
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 // Tiles for `piece_rows` (1..48) byte rows of inputs.
 PYSPEC_AMX_I8_TARGET void Configure(int piece_rows) {
-  TileConfig cfg;
+  AmxTileConfig cfg;
   std::memset(&cfg, 0, sizeof(cfg));
   cfg.palette_id = 1;
   for (int t = 0; t < 3; ++t) {
@@ -463,24 +440,16 @@ void LinearFixed(const TensorView& x, const TensorView& tq, const TensorView& td
   const float* mp = tm != nullptr ? tm->ptr<float>() : nullptr;
   const float* biasp = bias != nullptr ? bias->ptr<float>() : nullptr;
   float* op = static_cast<float*>(out.data);
-  const int64_t blocks = N / 16;
   const int64_t block_bytes = 16 * (K * (tm != nullptr ? 4 : 8) / 8 + G * (tm != nullptr ? 8 : 4));
-  const int64_t grain = std::max<int64_t>(1, (int64_t{96} * 1024) / block_bytes);
-  auto run = [&](int64_t b0, int64_t b1) {
+  detail::RunBlocks(pool, N / 16, block_bytes, [&](int64_t b0, int64_t b1) {
     detail::FixedLinearBlocks(ap, sp, xs, bp, qp, dp, mp, biasp, op, M, N, K, b0, b1);
-  };
-  ThreadPool& tp = pool != nullptr ? *pool : ThreadPool::Default();
-  if (blocks <= grain) {
-    run(0, blocks);
-  } else {
-    tp.ParallelFor(blocks, grain, run);
-  }
+  });
 }
 
 namespace detail {
 void FixedPackInputs(const float* x, int64_t M, int64_t K, int8_t* a, float* scale, float* xsum,
                      uint8_t* bad) {
-#ifdef PYSPEC_HAVE_AMX_INT8
+#ifdef PYSPEC_HAVE_AMX
   PackInputsAvx512(x, M, K, a, scale, xsum, bad);
 #else
   (void)x, (void)M, (void)K, (void)a, (void)scale, (void)xsum, (void)bad;
