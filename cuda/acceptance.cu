@@ -102,13 +102,11 @@ void ApplySamplingFilters(const TensorView& logits, const TensorView& temperatur
   }
 }
 
-void AcceptTrees(const TensorView& target_probs, const TensorView* draft_probs,
-                 const TensorView& tokens, const TensorView& parents,
-                 const TensorView& tree_indptr, const TensorView& greedy,
-                 const TensorView& sampled_children, const TensorView& seeds,
-                 const TensorView& offsets, const TensorView& accepted_nodes,
-                 const TensorView& emitted_tokens, const TensorView& num_accepted,
-                 const AcceptOptions& options, void* stream_ptr) {
+void AcceptTrees(const AcceptTreesArgs& args, void* stream_ptr) {
+  const TensorView &target_probs = args.target, *draft_probs = args.draft();
+  const TensorView &tokens = args.tokens, &parents = args.parents, &tree_indptr = args.tree_indptr;
+  const TensorView &greedy = args.greedy, &sampled_children = args.sampled_children;
+  const AcceptOptions& options = args.options;
   CheckDevice(target_probs, "target_probs", DeviceType::kCUDA);
   RequireDevice("accept_trees");
   DeviceGuard guard(target_probs.device.index);
@@ -137,9 +135,7 @@ void AcceptTrees(const TensorView& target_probs, const TensorView* draft_probs,
   meta.indptr = ind.data();
   meta.greedy = gr.data();
   meta.sampled = sc.data();
-  const detail::AcceptShape shape = detail::CheckAcceptArgs(
-      target_probs, draft_probs, tokens, parents, tree_indptr, greedy, sampled_children, seeds,
-      offsets, accepted_nodes, emitted_tokens, num_accepted, options, DeviceType::kCUDA, meta);
+  const detail::AcceptShape shape = detail::CheckAcceptArgs(args, DeviceType::kCUDA, meta);
   const int64_t batch = shape.batch, vocab = shape.vocab;
   if (batch == 0) return;
   PYSPEC_CHECK(batch <= INT32_MAX, "too many requests for one launch");
@@ -172,13 +168,13 @@ void AcceptTrees(const TensorView& target_probs, const TensorView* draft_probs,
   a.in.skip_residual = options.debug_skip_residual;
   a.greedy = greedy.ptr<const uint8_t>();
   a.sampled = sampled_children.ptr<const uint8_t>();
-  a.seeds = seeds.ptr<const int64_t>();
-  a.offsets = offsets.ptr<const int64_t>();
+  a.seeds = args.seeds.ptr<const int64_t>();
+  a.offsets = args.offsets.ptr<const int64_t>();
   a.scratch_slot = slot_dev;
   a.scratch = scratch.as<double>();
-  a.accepted_nodes = accepted_nodes.ptr<int32_t>();
-  a.emitted_tokens = emitted_tokens.ptr<int32_t>();
-  a.num_accepted = num_accepted.ptr<int32_t>();
+  a.accepted_nodes = args.accepted_nodes.ptr<int32_t>();
+  a.emitted_tokens = args.emitted_tokens.ptr<int32_t>();
+  a.num_accepted = args.num_accepted.ptr<int32_t>();
   a.errors = err_dev;
   a.width = shape.width;
   kernels::AcceptKernel<<<static_cast<unsigned>(batch), kernels::kAcceptThreads, 0, stream>>>(a);

@@ -71,46 +71,55 @@ void RegisterAcceptance(py::module_& m) {
          py::handle tree_indptr, py::handle greedy, py::handle sampled_children, py::handle seeds,
          py::handle offsets, py::handle accepted_nodes, py::handle emitted_tokens,
          py::handle num_accepted, double row_sum_tolerance, bool debug_skip_residual,
-         uintptr_t stream) {
-        TensorView tp = ToView(target_probs, "target_probs");
-        CheckCudaBuilt(tp, "accept_trees");
+         bool target_is_logits, uintptr_t stream) {
+        AcceptTreesArgs a;
+        a.target = ToView(target_probs, "target_probs");
+        CheckCudaBuilt(a.target, "accept_trees");
         const std::optional<TensorView> dp = OptionalView(draft_probs, "draft_probs");
-        TensorView tok = ToView(tokens, "tokens"), par = ToView(parents, "parents");
-        TensorView ind = ToView(tree_indptr, "tree_indptr"), gr = ToView(greedy, "greedy");
-        TensorView sc = ToView(sampled_children, "sampled_children");
-        TensorView sd = ToView(seeds, "seeds"), of = ToView(offsets, "offsets");
-        TensorView an = ToView(accepted_nodes, "accepted_nodes");
-        TensorView et = ToView(emitted_tokens, "emitted_tokens");
-        TensorView na = ToView(num_accepted, "num_accepted");
-        AcceptOptions opt;
-        opt.row_sum_tolerance = row_sum_tolerance;
-        opt.debug_skip_residual = debug_skip_residual;
-        CheckNoOverlap({{&an, "accepted_nodes"}, {&et, "emitted_tokens"}, {&na, "num_accepted"}},
-                       {{&tp, "target_probs"}, {ViewPtr(dp), "draft_probs"}, {&tok, "tokens"},
-                        {&par, "parents"}, {&ind, "tree_indptr"}, {&gr, "greedy"},
-                        {&sc, "sampled_children"}, {&sd, "seeds"}, {&of, "offsets"}});
+        if (dp) a.draft_probs = *dp;
+        a.tokens = ToView(tokens, "tokens");
+        a.parents = ToView(parents, "parents");
+        a.tree_indptr = ToView(tree_indptr, "tree_indptr");
+        a.greedy = ToView(greedy, "greedy");
+        a.sampled_children = ToView(sampled_children, "sampled_children");
+        a.seeds = ToView(seeds, "seeds");
+        a.offsets = ToView(offsets, "offsets");
+        a.accepted_nodes = ToView(accepted_nodes, "accepted_nodes");
+        a.emitted_tokens = ToView(emitted_tokens, "emitted_tokens");
+        a.num_accepted = ToView(num_accepted, "num_accepted");
+        a.options.row_sum_tolerance = row_sum_tolerance;
+        a.options.debug_skip_residual = debug_skip_residual;
+        a.options.target_is_logits = target_is_logits;
+        CheckNoOverlap({{&a.accepted_nodes, "accepted_nodes"}, {&a.emitted_tokens, "emitted_tokens"},
+                        {&a.num_accepted, "num_accepted"}},
+                       {{&a.target, "target_probs"}, {a.draft(), "draft_probs"},
+                        {&a.tokens, "tokens"}, {&a.parents, "parents"},
+                        {&a.tree_indptr, "tree_indptr"}, {&a.greedy, "greedy"},
+                        {&a.sampled_children, "sampled_children"}, {&a.seeds, "seeds"},
+                        {&a.offsets, "offsets"}});
         py::gil_scoped_release release;
 #ifdef PYSPEC_WITH_CUDA
-        if (IsCuda(tp)) {
-          cuda::AcceptTrees(tp, ViewPtr(dp), tok, par, ind, gr, sc, sd, of, an, et, na, opt,
-                            StreamPtr(stream));
+        if (IsCuda(a.target)) {
+          cuda::AcceptTrees(a, StreamPtr(stream));
           return;
         }
 #endif
-        AcceptTrees(tp, ViewPtr(dp), tok, par, ind, gr, sc, sd, of, an, et, na, opt);
+        AcceptTrees(a);
       },
       py::arg("target_probs"), py::arg("draft_probs"), py::arg("tokens"), py::arg("parents"),
       py::arg("tree_indptr"), py::arg("greedy"), py::arg("sampled_children"), py::arg("seeds"),
       py::arg("offsets"), py::arg("accepted_nodes"), py::arg("emitted_tokens"),
       py::arg("num_accepted"), py::arg("row_sum_tolerance") = 1e-3,
-      py::arg("debug_skip_residual") = false, py::arg("stream") = 0,
+      py::arg("debug_skip_residual") = false, py::arg("target_is_logits") = false,
+      py::arg("stream") = 0,
       "Batched tree acceptance (greedy walk, recursive rejection sampling with draft_probs, or the "
       "target-only walk for deterministic children). Inputs: target_probs float32 [N, V], "
       "draft_probs float32 [N, V] or None, tokens int32 [N], parents int32 [N] (tree-local), "
       "tree_indptr int64 [B+1], greedy and sampled_children bool/uint8 [B], seeds and offsets int64 "
       "[B]. Outputs written in place: accepted_nodes and emitted_tokens int32 [B, W] (W >= max depth "
-      "+ 1, -1 padded), num_accepted int32 [B]. debug_skip_residual breaks losslessness on purpose "
-      "(tests only).");
+      "+ 1, -1 padded), num_accepted int32 [B]. target_is_logits: every request greedy and "
+      "target_probs holds the logits (CPU; each node's token is its row's first maximum). "
+      "debug_skip_residual breaks losslessness on purpose (tests only).");
 
   m.def(
       "tree_batch_max_depth",

@@ -29,15 +29,23 @@ least-recently-used first. Draft tokens never get blocks: only accepted tokens a
 Pool exhaustion is reported by return values (``add_request`` -> -1, ``reserve``/``commit`` ->
 False); bad arguments raise ValueError naming the argument.
 )doc")
-      .def(py::init<int64_t, int, bool>(), py::arg("num_blocks"), py::arg("block_size"),
-           py::arg("enable_prefix_cache") = true,
-           "num_blocks >= 1 blocks of block_size (1..65536) token slots each.")
+      .def(py::init([](py::handle num_blocks, py::handle block_size, bool enable_prefix_cache) {
+             const int64_t n = IntArg(num_blocks, "num_blocks");
+             const int64_t bs = IntArg(block_size, "block_size");
+             // (the core checks the range; this only keeps the value intact through the cast)
+             PYSPEC_CHECK(bs == static_cast<int>(bs), "block_size must be in [1, 65536]; got ", bs);
+             return new BM(n, static_cast<int>(bs), enable_prefix_cache);
+           }),
+           py::arg("num_blocks"), py::arg("block_size"), py::arg("enable_prefix_cache") = true,
+           "num_blocks >= 1 blocks of block_size (1..65536) token slots each (ints; a bad one "
+           "raises ValueError naming it).")
       .def_readonly_static("NO_SPACE", &BM::kNoSpace)
       .def(
           "add_request",
-          [](BM& bm, int64_t request_id, py::handle prompt) {
+          [](BM& bm, py::handle request_id, py::handle prompt) {
+            const int64_t id = IntArg(request_id, "request_id");
             std::vector<int32_t> tokens = TokensArg(prompt, "prompt");
-            return bm.AddRequest(request_id, tokens);
+            return bm.AddRequest(id, tokens);
           },
           py::arg("request_id"), py::arg("prompt"),
           "Register a request and allocate blocks for its prompt (list of ints or 1-D int32/int64 "

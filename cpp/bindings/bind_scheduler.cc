@@ -37,6 +37,10 @@ std::vector<std::string> LogitsNames(const std::vector<LogitsKind>& kinds) {
 
 void RegisterScheduler(py::module_& m) {
   m.attr("MAX_DRAFT_SOURCES") = kMaxDraftSources;
+  m.attr("BUDGET_PROBE_FIRST") = kBudgetProbeFirst;
+  m.attr("BUDGET_PROBE_MAX") = kBudgetProbeMax;
+  m.attr("CALIBRATION_STEPS") = kCalibrationSteps;
+  m.attr("REFIT_INTERVAL") = kRefitInterval;
   m.def(
       "optimal_draft_length",
       [](double alpha, double draft_cost, double verify_cost, int64_t max_len) {
@@ -89,6 +93,12 @@ void RegisterScheduler(py::module_& m) {
       .def_property_readonly("num_cost_fallbacks",
                              [](const Request& r) { return r.stats.num_cost_fallbacks; })
       .def_property_readonly("num_probes", [](const Request& r) { return r.stats.num_probes; })
+      .def_property_readonly("switch_ewma",
+                             [](const Request& r) -> py::object {
+                               if (r.switch_ewma < 0) return py::none();
+                               return py::float_(r.switch_ewma);
+                             })
+      .def_readonly("switch_steps", &Request::switch_steps)
       .def_property_readonly("history", [](const Request& r) {
         std::vector<std::string> out;
         for (RequestState s : r.history) out.emplace_back(RequestStateName(s));
@@ -146,20 +156,23 @@ accepted drafts + the bonus/recovered token).)doc")
       .def(
           "add_decode",
           [](StepResult& r, py::handle request_id, py::handle tokens, py::handle num_drafted,
-             py::handle num_accepted) {
+             py::handle num_accepted, py::handle num_nodes) {
             const int64_t id = IntArg(request_id, "request_id");
             std::vector<int32_t> t = TokensArg(tokens, "tokens");
             const int64_t drafted = IntArg(num_drafted, "num_drafted");
             const int64_t acc = num_accepted.is_none()
                                     ? static_cast<int64_t>(t.size()) - 1
                                     : IntArg(num_accepted, "num_accepted", "an int or None");
-            r.AddDecode(id, std::move(t), drafted, acc);
+            const int64_t nodes =
+                num_nodes.is_none() ? -1 : IntArg(num_nodes, "num_nodes", "an int or None");
+            r.AddDecode(id, std::move(t), drafted, acc, nodes);
           },
           py::arg("request_id"), py::arg("tokens"), py::arg("num_drafted") = 0,
-          py::arg("num_accepted") = py::none(),
+          py::arg("num_accepted") = py::none(), py::arg("num_nodes") = py::none(),
           "A decode/speculative result: emitted tokens (>= 1; a list of ints or a 1-D int "
-          "tensor), drafts verified, drafts accepted (default len(tokens) - 1). A bad argument "
-          "raises ValueError naming it.");
+          "tensor), drafts verified (tree levels), drafts accepted (default len(tokens) - 1), "
+          "and the tree's nodes beyond the root (default: num_drafted; the cost model's nodes "
+          "per level). A bad argument raises ValueError naming it.");
   RefuseUninitialized<StepResult>();
 
   py::class_<Scheduler>(m, "Scheduler", R"doc(
@@ -177,7 +190,7 @@ that do not match the last step) raise ValueError.)doc")
                        int64_t spec_disable_batch_size, double ewma_alpha,
                        double min_acceptance_rate, int64_t warmup_steps, int64_t probe_interval,
                        bool record_transitions, bool cost_model, double draft_cost,
-                       double verify_cost) {
+                       double verify_cost, bool measure_costs, double deployment_ewma_alpha) {
              SchedulerConfig c;
              c.max_num_batched_tokens = max_num_batched_tokens;
              c.max_num_seqs = max_num_seqs;
@@ -194,6 +207,8 @@ that do not match the last step) raise ValueError.)doc")
              c.cost_model = cost_model;
              c.draft_cost = draft_cost;
              c.verify_cost = verify_cost;
+             c.measure_costs = measure_costs;
+             c.deployment_ewma_alpha = deployment_ewma_alpha;
              return new Scheduler(c, num_blocks, block_size, enable_prefix_cache);
            }),
            py::arg("num_blocks"), py::arg("block_size"), py::kw_only(),
@@ -204,7 +219,8 @@ that do not match the last step) raise ValueError.)doc")
            py::arg("ewma_alpha") = 0.2, py::arg("min_acceptance_rate") = 0.0,
            py::arg("warmup_steps") = 4, py::arg("probe_interval") = 32,
            py::arg("record_transitions") = false, py::arg("cost_model") = false,
-           py::arg("draft_cost") = 0.0, py::arg("verify_cost") = 0.02)
+           py::arg("draft_cost") = 0.0, py::arg("verify_cost") = 0.02,
+           py::arg("measure_costs") = false, py::arg("deployment_ewma_alpha") = 2.0 / 65.0)
       .def("set_spec_budget", &Scheduler::SetSpecBudget, py::arg("spec_token_budget"),
            py::arg("spec_disable_batch_size"),
            "Update the batch-aware speculation limits (draft tokens per step shared by the batch, "
@@ -222,6 +238,54 @@ that do not match the last step) raise ValueError.)doc")
            py::arg("verify_cost"),
            "Update the measured cost ratios (per draft token, per extra verified token; both "
            "relative to one plain decode step).")
+      .def("observe_step_time", &Scheduler::ObserveStepTime, py::arg("batch"), py::arg("tokens"),
+           py::arg("seconds"),
+           "Adaptive speculation: a decode-only step of `batch` requests ran `tokens` rows "
+           "(roots and draft nodes) through the target in `seconds`.")
+      .def("observe_draft_time", &Scheduler::ObserveDraftTime, py::arg("evidence_group"),
+           py::arg("seconds"), py::arg("levels"),
+           "Adaptive speculation: the drafter of `evidence_group` drafted `levels` tree levels "
+           "in `seconds`.")
+      .def("refit_cost_model", &Scheduler::RefitCostModel,
+           "Refit the cost model from the measured step and draft times now (update() does every "
+           "REFIT_INTERVAL steps with measure_costs=True).")
+      .def_property_readonly(
+          "cost_model_stats",
+          [](const Scheduler& s) {
+            const CostModelStats& c = s.cost_model_stats();
+            py::dict d;
+            d["draft_cost"] = c.draft_cost;
+            d["verify_cost"] = c.verify_cost;
+            d["spec_free_tokens"] = c.spec_free_tokens;
+            d["budget_probes"] = c.budget_probes;
+            d["calibration_steps"] = c.calibration_steps;
+            d["nodes_per_level"] = s.cost_model().nodes_per_level();
+            d["budget_probe_interval"] = s.cost_model().budget_probe_interval();
+            return d;
+          },
+          "What the cost model measured: draft_cost, verify_cost (per draft level, relative to "
+          "a plain step, times the batch), spec_free_tokens (None until fitted), budget_probes, "
+          "calibration_steps, nodes_per_level, budget_probe_interval.")
+      .def_property_readonly(
+          "deployment_acceptance_ewma",
+          [](const Scheduler& s) -> py::object {
+            const double e = s.deployment_acceptance_ewma();
+            if (e < 0) return py::none();
+            return py::float_(e);
+          },
+          "The deployment's acceptance average (accepted / drafted levels per speculative "
+          "step); None before the first.")
+      .def("disable_speculation", &Scheduler::DisableSpeculation, py::arg("request_id"),
+           "The request's drafter failed: it decodes plainly from now on. False if finished.")
+      .def(
+          "switch_reason",
+          [](const Scheduler& s, int64_t id, double switch_below) {
+            return std::string(SwitchReasonName(s.GetSwitchReason(id, switch_below)));
+          },
+          py::arg("request_id"), py::arg("switch_below"),
+          "Why the request should move to another drafter: 'low_acceptance' (its acceptance "
+          "average with its drafter stayed below switch_below), 'cost_model' (it started plain "
+          "on its drafter's evidence), or '' (neither, or switch_below <= 0).")
       .def(
           "add_request",
           [](Scheduler& s, py::handle request_id, py::handle prompt, py::handle max_tokens,

@@ -37,6 +37,17 @@ void SchedulerConfig::Validate() const {
                "draft_cost must be a finite number >= 0; got ", draft_cost);
   PYSPEC_CHECK(std::isfinite(verify_cost) && verify_cost >= 0.0,
                "verify_cost must be a finite number >= 0; got ", verify_cost);
+  PYSPEC_CHECK(deployment_ewma_alpha > 0.0 && deployment_ewma_alpha <= 1.0,
+               "deployment_ewma_alpha must be in (0, 1]; got ", deployment_ewma_alpha);
+}
+
+const char* SwitchReasonName(SwitchReason r) {
+  switch (r) {
+    case SwitchReason::kNone: return "";
+    case SwitchReason::kLowAcceptance: return "low_acceptance";
+    case SwitchReason::kCostModel: return "cost_model";
+  }
+  return "?";
 }
 
 const char* StepKindName(StepKind k) {
@@ -76,12 +87,13 @@ void StepResult::AddPrefill(int64_t id, int64_t num_computed) {
 }
 
 void StepResult::AddDecode(int64_t id, std::vector<int32_t> tokens, int64_t num_drafted,
-                           int64_t num_accepted) {
+                           int64_t num_accepted, int64_t num_nodes) {
   Entry e;
   e.id = id;
   e.tokens = std::move(tokens);
   e.num_drafted = num_drafted;
   e.num_accepted = num_accepted;
+  e.num_nodes = num_nodes;
   entries.push_back(std::move(e));
 }
 
@@ -163,7 +175,51 @@ bool Scheduler::ResetAcceptance(int64_t id, int32_t evidence_group) {
   r.steps_since_switch = 0;
   r.spec_steps_at_switch = st.num_spec_steps;
   r.resume_plain = false;
+  r.switch_ewma = -1.0;
+  r.switch_steps = 0;
   return true;
+}
+
+bool Scheduler::DisableSpeculation(int64_t id) {
+  Request& r = Get(id, "DisableSpeculation");
+  if (r.finished()) return false;
+  r.params.speculative = false;
+  if (r.state() == RequestState::kRunningSpeculative) {
+    r.TransitionTo(RequestState::kRunningPlain);
+    r.steps_since_switch = 0;
+    r.spec_steps_at_switch = r.stats.num_spec_steps;
+  }
+  return true;
+}
+
+SwitchReason Scheduler::GetSwitchReason(int64_t id, double switch_below) const {
+  const Request& r = GetRequest(id);
+  if (r.finished() || !(switch_below > 0.0)) return SwitchReason::kNone;
+  if (r.switch_steps == 0) {
+    // Started plain on its drafter's losing record here: it would neither draft nor gather
+    // evidence to switch on before its first probe.
+    const bool started_plain = r.state() == RequestState::kRunningPlain &&
+                               r.stats.num_spec_steps == 0 && r.stats.num_cost_fallbacks > 0;
+    return started_plain ? SwitchReason::kCostModel : SwitchReason::kNone;
+  }
+  if (r.switch_steps < kSwitchMinSteps || r.switch_ewma >= switch_below) {
+    return SwitchReason::kNone;
+  }
+  return SwitchReason::kLowAcceptance;
+}
+
+void Scheduler::ObserveStepTime(int64_t batch, int64_t tokens, double seconds) {
+  cost_.ObserveStep(batch, tokens, seconds);
+}
+
+void Scheduler::ObserveDraftTime(int32_t group, double seconds, int64_t levels) {
+  cost_.ObserveDraft(group, seconds, levels);
+}
+
+void Scheduler::RefitCostModel() {
+  const CostModelUpdate u = cost_.Refit(config_.memory_bound_tokens);
+  if (u.set_costs) SetCostModel(u.draft_cost, u.verify_cost);
+  if (u.memory_bound_tokens) SetMemoryBoundTokens(*u.memory_bound_tokens);
 }
 
 bool Scheduler::SetDraftSource(int64_t id, int32_t source) {
@@ -515,6 +571,8 @@ ScheduleOutput Scheduler::Step() {
     }
   }
 
+  if (config_.measure_costs && cost_.CalibrationDue()) Calibrate(out);
+
   out.pending_copies = bm_->TakePendingCopies();
   out.preempted_ids = step_preempted_;
   out.finished_ids = std::move(pending_finished_);
@@ -524,6 +582,24 @@ ScheduleOutput Scheduler::Step() {
   in_flight_ = true;
   ++num_steps_;
   return out;
+}
+
+void Scheduler::Calibrate(ScheduleOutput& out) {
+  // A calibration step is decode-only (prefill runs at another rate): the step-time fit needs
+  // plain steps of the batch it sees.
+  for (StepKind k : out.kinds) {
+    if (k == StepKind::kPrefill) return;
+  }
+  bool held = false;  // (a step in which nothing would have drafted is not one)
+  for (int64_t i = 0; i < out.size(); ++i) {
+    if (out.kinds[i] != StepKind::kSpeculative) continue;
+    out.kinds[i] = StepKind::kDecode;
+    out.logits[i] = LogitsKind::kLast;
+    out.draft_budget[i] = 0;
+    in_flight_set_[out.ids[i]] = Scheduled{StepKind::kDecode, 0};
+    held = true;
+  }
+  if (held) cost_.OnCalibration();
 }
 
 std::vector<RequestOutput> Scheduler::Update(const StepResult& result) {
@@ -554,6 +630,15 @@ std::vector<RequestOutput> Scheduler::Update(const StepResult& result) {
                    e.id, ": num_accepted must equal len(tokens) - 1 and be <= num_drafted; got ",
                    e.num_accepted);
     }
+  }
+
+  if (config_.measure_costs && !result.entries.empty()) {
+    for (const StepResult::Entry& e : result.entries) {
+      if (!e.prefill && e.num_drafted > 0) {
+        cost_.ObserveTree(e.num_nodes >= 0 ? e.num_nodes : e.num_drafted, e.num_drafted);
+      }
+    }
+    if (++adaptive_steps_ % kRefitInterval == 0) RefitCostModel();
   }
 
   std::vector<RequestOutput> outputs;
@@ -613,6 +698,12 @@ void Scheduler::ApplyDecode(Request& r, const StepResult::Entry& e, RequestOutpu
     for (int64_t i = 0; i < a; ++i) ++st.accepted_at[i];
     double rate = static_cast<double>(a) / static_cast<double>(e.num_drafted);
     st.ewma = st.ewma < 0 ? rate : config_.ewma_alpha * rate + (1 - config_.ewma_alpha) * st.ewma;
+    r.switch_ewma = r.switch_ewma < 0 ? rate
+                                      : (1 - kSwitchEwmaWeight) * r.switch_ewma +
+                                            kSwitchEwmaWeight * rate;
+    ++r.switch_steps;
+    const double da = config_.deployment_ewma_alpha;
+    deploy_ewma_ = deploy_ewma_ < 0 ? rate : (1 - da) * deploy_ewma_ + da * rate;
     const double trials = static_cast<double>(a + (a < e.num_drafted ? 1 : 0));
     if (st.alpha_den <= 0.0) {
       st.alpha_num = static_cast<double>(a);

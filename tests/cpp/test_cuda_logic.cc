@@ -173,17 +173,21 @@ void ExpectWalkMatchesCpu(Batch& bt, bool skip_residual) {
   AcceptOptions opt;
   opt.debug_skip_residual = skip_residual;
   TensorView draft = F32(bt.draft, {N, V});
-  AcceptTrees(F32(bt.target, {N, V}), &draft,
-              TensorView::Contiguous(bt.tokens.data(), DType::kInt32, {N}),
-              TensorView::Contiguous(bt.parents.data(), DType::kInt32, {N}),
-              TensorView::Contiguous(bt.indptr.data(), DType::kInt64, {B + 1}),
-              TensorView::Contiguous(bt.greedy.data(), DType::kUInt8, {B}),
-              TensorView::Contiguous(bt.sampled.data(), DType::kUInt8, {B}),
-              TensorView::Contiguous(bt.seeds.data(), DType::kInt64, {B}),
-              TensorView::Contiguous(bt.offsets.data(), DType::kInt64, {B}),
-              TensorView::Contiguous(nodes.data(), DType::kInt32, {B, W}),
-              TensorView::Contiguous(emitted.data(), DType::kInt32, {B, W}),
-              TensorView::Contiguous(count.data(), DType::kInt32, {B}), opt);
+  AcceptTreesArgs a;
+  a.target = F32(bt.target, {N, V});
+  a.draft_probs = draft;
+  a.tokens = TensorView::Contiguous(bt.tokens.data(), DType::kInt32, {N});
+  a.parents = TensorView::Contiguous(bt.parents.data(), DType::kInt32, {N});
+  a.tree_indptr = TensorView::Contiguous(bt.indptr.data(), DType::kInt64, {B + 1});
+  a.greedy = TensorView::Contiguous(bt.greedy.data(), DType::kUInt8, {B});
+  a.sampled_children = TensorView::Contiguous(bt.sampled.data(), DType::kUInt8, {B});
+  a.seeds = TensorView::Contiguous(bt.seeds.data(), DType::kInt64, {B});
+  a.offsets = TensorView::Contiguous(bt.offsets.data(), DType::kInt64, {B});
+  a.accepted_nodes = TensorView::Contiguous(nodes.data(), DType::kInt32, {B, W});
+  a.emitted_tokens = TensorView::Contiguous(emitted.data(), DType::kInt32, {B, W});
+  a.num_accepted = TensorView::Contiguous(count.data(), DType::kInt32, {B});
+  a.options = opt;
+  AcceptTrees(a);
   accept_logic::WalkInputs in{bt.target.data(), bt.draft.data(), bt.tokens.data(),
                               bt.parents.data(), bt.indptr.data(), V, 1e-3, skip_residual};
   std::vector<double> resid(V), qcur(V);

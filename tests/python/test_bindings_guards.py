@@ -123,6 +123,7 @@ _STEP_RESULT_BAD = [
     (lambda r: r.add_decode(1, [1], 0, 1.0), "'num_accepted' must be an int or None; got float"),
     (lambda r: r.add_decode(1, [1], num_accepted=np.float64(0)),
      "'num_accepted' must be an int or None"),
+    (lambda r: r.add_decode(1, [1], 0, 0, 1.5), "'num_nodes' must be an int or None; got float"),
 ]
 
 
@@ -175,6 +176,9 @@ _ARGS = {
     ("Scheduler", "add_request"): "(1, [1, 2])",
     ("Scheduler", "update"): "(_C.StepResult(),)",
     ("Scheduler", "set_cost_model"): "(0.1, 0.1)",
+    ("Scheduler", "observe_step_time"): "(1, 1, 0.1)",
+    ("Scheduler", "observe_draft_time"): "(0, 0.1, 1)",
+    ("Scheduler", "switch_reason"): "(0, 0.5)",
     ("StepResult", "add_prefill"): "(1, 2)",
     ("StepResult", "add_decode"): "(1, [1])",
     ("SuffixIndex", "longest_match"): "([1],)",

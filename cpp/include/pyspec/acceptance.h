@@ -50,6 +50,12 @@ void ApplySamplingFilters(const TensorView& logits, const TensorView& temperatur
 struct AcceptOptions {
   // Tolerance of |sum(row) - 1| for the probability rows that are read.
   double row_sum_tolerance = 1e-3;
+  // Every request greedy, and `target` holds the target's logits (float32) instead of its
+  // probabilities: each node's token is its row's first maximal logit, what temperature 0 gives,
+  // without building the one-hot rows (at 16 nodes x 49k tokens those cost about as much as the
+  // rest of a step's bookkeeping). A row holding a NaN or +inf, or only -inf, is a ValueError as
+  // in ApplySamplingFilters. CPU only.
+  bool target_is_logits = false;
   // FOR TESTS ONLY: on a rejection keep sampling from the unmodified target row instead of the
   // residual (sampled children), and test deterministic children one by one against the
   // unmodified target (accept x with probability p(x), then sample p). This makes the sampler wrong
@@ -60,7 +66,7 @@ struct AcceptOptions {
 // Walks each request's draft tree from the root and decides the accepted path.
 //
 // Per request b (trees flattened: node j of tree b is row tree_indptr[b] + j):
-//   greedy[b] != 0: at node i take t = argmax target_probs[i] (lowest id on ties); if a child has
+//   greedy[b] != 0: at node i take t = argmax target[i] (lowest id on ties); if a child has
 //     token t move to it (the first such child), else emit t and stop; at a leaf emit t (bonus).
 //   sampled_children[b] != 0 (the children of node i were drawn WITHOUT replacement from q =
 //     draft_probs[i], in index order): recursive rejection sampling (Jeon et al. 2024, "Recursive
@@ -88,25 +94,31 @@ struct AcceptOptions {
 // Validation: shapes, dtypes, devices, trees (ValidateTreeBatch), token ids of non-root nodes in
 // [0, V). Probability rows are checked where they are read, i.e. along the walk (non-finite or
 // negative entries, |sum - 1| > row_sum_tolerance); rows the walk never reaches are not read.
-// Shapes / dtypes (all CPU, contiguous):
-//   target_probs     [N, V] float32: row i = target distribution of the token after node i
-//   draft_probs      [N, V] float32 or nullptr: row i = distribution node i's children were drawn from
+// Shapes / dtypes (all CPU, contiguous), the fields of AcceptTreesArgs:
+//   target           [N, V] float32: row i = target distribution of the token after node i (or
+//                    its logits, with options.target_is_logits)
+//   draft_probs      [N, V] float32, or data == nullptr: row i = distribution node i's children
+//                    were drawn from
 //   tokens           [N] int32 (root token ignored)
 //   parents          [N] int32, tree-local (-1 at each root)
 //   tree_indptr      [B + 1] int64
 //   greedy           [B] bool/uint8
-//   sampled_children [B] bool/uint8 (must be 0 where draft_probs is nullptr, unless greedy)
+//   sampled_children [B] bool/uint8 (must be 0 where draft_probs is absent, unless greedy)
 //   seeds, offsets   [B] int64 (offsets[b]: the sequence position of the token the root decides)
 //   accepted_nodes   [B, W] int32 out, W >= max tree depth + 1: accepted path from the root (0), -1 pad
 //   emitted_tokens   [B, W] int32 out: accepted draft tokens then the recovered/bonus token, -1 pad
 //   num_accepted     [B] int32 out: accepted draft tokens (emitted = num_accepted + 1)
-void AcceptTrees(const TensorView& target_probs, const TensorView* draft_probs,
-                 const TensorView& tokens, const TensorView& parents,
-                 const TensorView& tree_indptr, const TensorView& greedy,
-                 const TensorView& sampled_children, const TensorView& seeds,
-                 const TensorView& offsets, const TensorView& accepted_nodes,
-                 const TensorView& emitted_tokens, const TensorView& num_accepted,
-                 const AcceptOptions& options = AcceptOptions(), ThreadPool* pool = nullptr);
+struct AcceptTreesArgs {
+  TensorView target;
+  TensorView draft_probs;  // data == nullptr: none
+  TensorView tokens, parents, tree_indptr;
+  TensorView greedy, sampled_children, seeds, offsets;
+  TensorView accepted_nodes, emitted_tokens, num_accepted;
+  AcceptOptions options;
+
+  const TensorView* draft() const { return draft_probs.data != nullptr ? &draft_probs : nullptr; }
+};
+void AcceptTrees(const AcceptTreesArgs& args, ThreadPool* pool = nullptr);
 
 // The largest tree depth in a flattened tree batch (validates it first); the output width of
 // AcceptTrees must be at least this + 1.
@@ -137,14 +149,7 @@ struct AcceptMeta {
 struct AcceptShape {
   int64_t batch, total, vocab, width;
 };
-AcceptShape CheckAcceptArgs(const TensorView& target_probs, const TensorView* draft_probs,
-                            const TensorView& tokens, const TensorView& parents,
-                            const TensorView& tree_indptr, const TensorView& greedy,
-                            const TensorView& sampled_children, const TensorView& seeds,
-                            const TensorView& offsets, const TensorView& accepted_nodes,
-                            const TensorView& emitted_tokens, const TensorView& num_accepted,
-                            const AcceptOptions& options, DeviceType device,
-                            const AcceptMeta& meta);
+AcceptShape CheckAcceptArgs(const AcceptTreesArgs& args, DeviceType device, const AcceptMeta& meta);
 
 // The instruction set of ApplySamplingFilters' passes over a row: "auto" | "generic" | "avx2" |
 // "avx512" (every build gives the same bits; tests and benchmarks). Returns the one now in use.

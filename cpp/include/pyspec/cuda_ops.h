@@ -43,13 +43,7 @@ void MaterializeKV(const TensorView& scratch, const TensorView& pages, const Ten
 void ApplySamplingFilters(const TensorView& logits, const TensorView& temperature,
                           const TensorView& top_k, const TensorView& top_p,
                           const TensorView& min_p, const TensorView& probs, void* stream);
-void AcceptTrees(const TensorView& target_probs, const TensorView* draft_probs,
-                 const TensorView& tokens, const TensorView& parents,
-                 const TensorView& tree_indptr, const TensorView& greedy,
-                 const TensorView& sampled_children, const TensorView& seeds,
-                 const TensorView& offsets, const TensorView& accepted_nodes,
-                 const TensorView& emitted_tokens, const TensorView& num_accepted,
-                 const AcceptOptions& options, void* stream);
+void AcceptTrees(const AcceptTreesArgs& args, void* stream);
 
 // ---- tree attention ---------------------------------------------------------------------------
 

@@ -121,6 +121,12 @@ struct DraftSourceEstimate {
   int64_t draft_len = 0;  // 0: never active (starts at initial_draft_tokens)
 };
 
+// Drafter switching (SchedulerConfig::switch_below): a short acceptance average of the request's
+// steps with its current drafter, weight kSwitchEwmaWeight per speculative step (about the last
+// nine steps), judged after kSwitchMinSteps such steps.
+inline constexpr double kSwitchEwmaWeight = 0.2;
+inline constexpr int64_t kSwitchMinSteps = 4;
+
 // Draft sources a request can have (Scheduler::SetDraftSource).
 inline constexpr int32_t kMaxDraftSources = 16;
 
@@ -169,6 +175,10 @@ struct Request {
   int64_t spec_steps_at_switch = 0;
   // Preempted while RUNNING_PLAIN: it resumes plain, its wait for the next probe going on.
   bool resume_plain = false;
+  // Drafter switching evidence since the current drafter took over (ResetAcceptance): the
+  // acceptance average (kSwitchEwmaWeight; < 0 before a speculative step) and the steps.
+  double switch_ewma = -1.0;
+  int64_t switch_steps = 0;
   AcceptanceStats stats;
   // The draft source of the next steps; stats.ewma / alpha_* and draft_len are its estimate, the
   // others' wait in saved_sources[source] (grown on demand).

@@ -45,6 +45,12 @@
 // probed again (back to RUNNING_SPECULATIVE) after probe_interval plain steps; a probe that falls
 // back again within probe_interval steps doubles its wait before the next one (up to
 // kMaxProbeBackoff times probe_interval).
+// With measure_costs (adaptive.h), draft_cost, verify_cost and memory_bound_tokens are measured: the
+// engine reports step and draft times (ObserveStepTime / ObserveDraftTime), Update() feeds the
+// verified trees' sizes and refits every kRefitInterval steps, and a decode-only step after
+// kCalibrationSteps in a row that all drafted is a calibration step: its speculative entries are
+// scheduled as plain decode steps (their KV reservation kept). A request's drafter-switching
+// evidence (GetSwitchReason) and the deployment's acceptance average are kept here too.
 //
 // Update() applies the runner's results: prefill -> MarkComputed; decode -> Commit(emitted tokens,
 // num_computed = accepted + 1), stats/EWMA, stop conditions (a stop token ends the request and the
@@ -63,6 +69,7 @@
 #include <utility>
 #include <vector>
 
+#include "pyspec/adaptive.h"
 #include "pyspec/block_manager.h"
 #include "pyspec/request.h"
 
@@ -88,6 +95,12 @@ struct SchedulerConfig {
   int64_t memory_bound_tokens = 0;
   double draft_cost = 0.0;                // per draft token, relative to a plain step (>= 0)
   double verify_cost = 0.02;              // per extra verified token, relative to a plain step
+  // Measure the cost model's ratios and the memory-bound limit from the step times the engine
+  // reports (ObserveStepTime / ObserveDraftTime; adaptive.h), refit every kRefitInterval steps,
+  // and run calibration steps.
+  bool measure_costs = false;
+  // Weight of the newest speculative step in the deployment-wide acceptance average (reporting).
+  double deployment_ewma_alpha = 2.0 / 65.0;
 
   void Validate() const;  // throws ValueError
 };
@@ -158,13 +171,24 @@ struct StepResult {
     std::vector<int32_t> tokens;  // decode: accepted drafts + bonus/recovered token (>= 1)
     int64_t num_drafted = 0;      // decode: draft tokens / tree nodes verified
     int64_t num_accepted = 0;     // decode: accepted drafts (= tokens.size() - 1)
+    // decode: the verified tree's nodes beyond the root when num_drafted counts its levels (the
+    // cost model's nodes per level); -1: num_drafted itself.
+    int64_t num_nodes = -1;
   };
   std::vector<Entry> entries;
 
   void AddPrefill(int64_t id, int64_t num_computed);
   void AddDecode(int64_t id, std::vector<int32_t> tokens, int64_t num_drafted,
-                 int64_t num_accepted);
+                 int64_t num_accepted, int64_t num_nodes = -1);
 };
+
+// Why a request should move to another drafter (Scheduler::SwitchReason).
+enum class SwitchReason : uint8_t {
+  kNone = 0,
+  kLowAcceptance,  // its acceptance average stayed below the threshold
+  kCostModel,      // it started plain on its drafter's evidence and has not drafted since
+};
+const char* SwitchReasonName(SwitchReason r);
 
 // What Update() changed per request: the tokens kept this step (for streaming) and whether it
 // finished.
@@ -239,6 +263,26 @@ class Scheduler {
   // an engine that measures when its forward turns compute-bound narrows them at run time.
   void SetSpecBudget(int64_t spec_token_budget, int64_t spec_disable_batch_size);
   void SetMemoryBoundTokens(int64_t tokens);  // >= 0; see SchedulerConfig
+  // ---- adaptive speculation (adaptive.h; with config.measure_costs) ----
+  // A decode-only step (no prefill) of `batch` requests ran `tokens` rows in `seconds`.
+  void ObserveStepTime(int64_t batch, int64_t tokens, double seconds);
+  // The drafter of evidence group `group` drafted `levels` tree levels in `seconds`.
+  void ObserveDraftTime(int32_t group, double seconds, int64_t levels);
+  // Applies the cost model's refit now (Update() does every kRefitInterval steps).
+  void RefitCostModel();
+  const CostModelStats& cost_model_stats() const { return cost_.stats(); }
+  const StepCostModel& cost_model() const { return cost_; }
+  // The deployment's acceptance average (accepted / drafted levels per speculative step, weight
+  // deployment_ewma_alpha); < 0 before the first speculative step.
+  double deployment_acceptance_ewma() const { return deploy_ewma_; }
+  // The request's drafter failed: it decodes plainly from now on (no draft budget, no probes).
+  // Allowed mid-step. False if it has finished; throws ValueError for an unknown id.
+  bool DisableSpeculation(int64_t id);
+  // Whether the request should move to another drafter: its acceptance average with its drafter
+  // (kSwitchEwmaWeight) is below `switch_below` after kSwitchMinSteps speculative steps, or it
+  // started plain on its drafter's evidence. kNone for a finished request or switch_below <= 0.
+  // Throws ValueError for an unknown id.
+  SwitchReason GetSwitchReason(int64_t id, double switch_below) const;
   // An evidence group's decayed fallback evidence: accepted draft tokens and trials over its
   // requests' speculative steps (kDeploymentEvidenceDecay per step); a new request's prior. Zero
   // for a group without any.
@@ -267,6 +311,8 @@ class Scheduler {
   // Moves a request whose prompt is computed to RUNNING (speculative or plain, see the .cc).
   void StartRunning(Request& r);
   void ApplyDecode(Request& r, const StepResult::Entry& e, RequestOutput& out);
+  // A calibration step (adaptive.h): the step's speculative entries decode plainly.
+  void Calibrate(ScheduleOutput& out);
   void Emit(ScheduleOutput& out, Request& r, StepKind kind, const std::vector<int32_t>& toks,
             int64_t budget, int64_t num_slots);
 
@@ -284,6 +330,9 @@ class Scheduler {
   std::vector<int64_t> pending_freed_;
   int64_t next_arrival_ = 0;
   std::unordered_map<int32_t, std::pair<double, double>> deploy_fb_;  // group -> (hits, trials)
+  StepCostModel cost_;
+  int64_t adaptive_steps_ = 0;  // steps that ran (the refit's clock)
+  double deploy_ewma_ = -1.0;
   int64_t num_steps_ = 0;
   int64_t num_preemptions_ = 0;
 };

@@ -113,17 +113,21 @@ Result RunAccept(const std::vector<Request>& reqs, int64_t vocab, bool with_draf
   std::vector<int32_t> out_nodes(B * width), out_tokens(B * width), out_count(B);
   TensorView tv = TensorView::Contiguous(target.data(), DType::kFloat32, {N, vocab});
   TensorView dv = TensorView::Contiguous(draft.data(), DType::kFloat32, {N, vocab});
-  AcceptTrees(tv, with_draft ? &dv : nullptr,
-              TensorView::Contiguous(tokens.data(), DType::kInt32, {N}),
-              TensorView::Contiguous(parents.data(), DType::kInt32, {N}),
-              TensorView::Contiguous(indptr.data(), DType::kInt64, {B + 1}),
-              TensorView::Contiguous(greedy.data(), DType::kUInt8, {B}),
-              TensorView::Contiguous(sampled.data(), DType::kUInt8, {B}),
-              TensorView::Contiguous(seeds.data(), DType::kInt64, {B}),
-              TensorView::Contiguous(offsets.data(), DType::kInt64, {B}),
-              TensorView::Contiguous(out_nodes.data(), DType::kInt32, {B, width}),
-              TensorView::Contiguous(out_tokens.data(), DType::kInt32, {B, width}),
-              TensorView::Contiguous(out_count.data(), DType::kInt32, {B}), opt, pool);
+  AcceptTreesArgs a;
+  a.target = tv;
+  if (with_draft) a.draft_probs = dv;
+  a.tokens = TensorView::Contiguous(tokens.data(), DType::kInt32, {N});
+  a.parents = TensorView::Contiguous(parents.data(), DType::kInt32, {N});
+  a.tree_indptr = TensorView::Contiguous(indptr.data(), DType::kInt64, {B + 1});
+  a.greedy = TensorView::Contiguous(greedy.data(), DType::kUInt8, {B});
+  a.sampled_children = TensorView::Contiguous(sampled.data(), DType::kUInt8, {B});
+  a.seeds = TensorView::Contiguous(seeds.data(), DType::kInt64, {B});
+  a.offsets = TensorView::Contiguous(offsets.data(), DType::kInt64, {B});
+  a.accepted_nodes = TensorView::Contiguous(out_nodes.data(), DType::kInt32, {B, width});
+  a.emitted_tokens = TensorView::Contiguous(out_tokens.data(), DType::kInt32, {B, width});
+  a.num_accepted = TensorView::Contiguous(out_count.data(), DType::kInt32, {B});
+  a.options = opt;
+  AcceptTrees(a, pool);
   Result res;
   res.num_accepted = out_count;
   for (int64_t b = 0; b < B; ++b) {
@@ -484,141 +488,62 @@ TEST(AcceptErrors, BadInputThrowsValueError) {
   EXPECT_NO_THROW(RunAccept({lazy}, 2, false));
 }
 
-// ---- sampling filters -----------------------------------------------------------------------------
+// ---- greedy from logits -------------------------------------------------------------------------
 
-std::vector<float> Filter(const std::vector<float>& logits, int64_t vocab, float t, int32_t k, float p,
-                          float m) {
-  const int64_t n = static_cast<int64_t>(logits.size()) / vocab;
-  std::vector<float> temp(n, t), tp(n, p), mp(n, m), out(n * vocab, -1.0f);
-  std::vector<int32_t> tk(n, k);
-  std::vector<float> in = logits;
-  ApplySamplingFilters(TensorView::Contiguous(in.data(), DType::kFloat32, {n, vocab}),
-                       TensorView::Contiguous(temp.data(), DType::kFloat32, {n}),
-                       TensorView::Contiguous(tk.data(), DType::kInt32, {n}),
-                       TensorView::Contiguous(tp.data(), DType::kFloat32, {n}),
-                       TensorView::Contiguous(mp.data(), DType::kFloat32, {n}),
-                       TensorView::Contiguous(out.data(), DType::kFloat32, {n, vocab}));
-  return out;
-}
-
-int CountNonZero(const std::vector<float>& v) {
-  return static_cast<int>(std::count_if(v.begin(), v.end(), [](float x) { return x != 0.0f; }));
-}
-
-TEST(AcceptFilters, TemperatureZeroIsOneHotAtLowestArgmax) {
-  std::vector<float> out = Filter({1.0f, 3.0f, 3.0f, -2.0f}, 4, 0.0f, 2, 0.5f, 0.1f);
-  EXPECT_EQ(out, (std::vector<float>{0.0f, 1.0f, 0.0f, 0.0f}));
-}
-
-TEST(AcceptFilters, NoFilterIsSoftmaxOfTemperedLogits) {
-  std::vector<float> logits = {0.5f, -1.0f, 2.0f, 0.0f, -INFINITY};
-  std::vector<float> out = Filter(logits, 5, 0.7f, 0, 1.0f, 0.0f);
-  double z = 0;
-  for (int v = 0; v < 4; ++v) z += std::exp(logits[v] / 0.7);
-  for (int v = 0; v < 4; ++v) EXPECT_NEAR(out[v], std::exp(logits[v] / 0.7) / z, 1e-6);
-  EXPECT_EQ(out[4], 0.0f);
-}
-
-TEST(AcceptFilters, TopKKeepsExactlyKWithLowIdsOnTies) {
-  std::mt19937 rng(1);
-  const int64_t V = 97;
-  for (int32_t k : {1, 2, 5, 50, 96}) {
-    std::vector<float> logits(V);
-    for (float& x : logits) x = static_cast<float>(rng() % 7);  // many ties
-    std::vector<float> out = Filter(logits, V, 1.3f, k, 1.0f, 0.0f);
-    EXPECT_EQ(CountNonZero(out), k);
-    // Reference: stable order by (logit desc, id asc), first k.
-    std::vector<int> ids(V);
-    std::iota(ids.begin(), ids.end(), 0);
-    std::stable_sort(ids.begin(), ids.end(), [&](int a, int b) { return logits[a] > logits[b]; });
-    for (int i = 0; i < V; ++i) EXPECT_EQ(out[ids[i]] != 0.0f, i < k) << "k=" << k << " rank " << i;
-    EXPECT_NEAR(std::accumulate(out.begin(), out.end(), 0.0), 1.0, 1e-5);
+// The greedy walk straight from logits (AcceptOptions::target_is_logits) against the walk over the
+// temperature-0 rows the filters make of the same logits, on random trees of random batches, with
+// ties (a few distinct values) and -inf entries.
+TEST(AcceptGreedyLogits, EqualsTheWalkOverOneHotRows) {
+  std::mt19937 rng(5);
+  const int64_t V = 37;
+  for (int trial = 0; trial < 50; ++trial) {
+    std::vector<Request> one_hot, logits;
+    const int batch = 1 + static_cast<int>(rng() % 5);
+    for (int b = 0; b < batch; ++b) {
+      Request r;
+      r.greedy = true;
+      const int n = 1 + static_cast<int>(rng() % 9);
+      for (int i = 0; i < n; ++i) {
+        r.parents.push_back(i == 0 ? -1 : static_cast<int32_t>(rng() % i));
+        r.tokens.push_back(static_cast<int32_t>(rng() % 4));  // small ids: children often hit
+        std::vector<float> z(V);
+        for (float& x : z) x = (rng() % 8 == 0) ? -INFINITY : static_cast<float>(rng() % 5);
+        z[rng() % V] = 2.0f;  // at least one finite entry
+        r.target.push_back(z);
+      }
+      logits.push_back(r);
+      for (auto& row : r.target) {
+        std::vector<float> p(V, 0.0f);
+        p[std::max_element(row.begin(), row.end()) - row.begin()] = 1.0f;  // first maximum
+        row = p;
+      }
+      one_hot.push_back(r);
+    }
+    AcceptOptions opt;
+    opt.target_is_logits = true;
+    const Result want = RunAccept(one_hot, V, false);
+    const Result got = RunAccept(logits, V, false, opt);
+    EXPECT_EQ(got.nodes, want.nodes) << "trial " << trial;
+    EXPECT_EQ(got.emitted, want.emitted) << "trial " << trial;
+    EXPECT_EQ(got.num_accepted, want.num_accepted) << "trial " << trial;
   }
 }
 
-TEST(AcceptFilters, TopPBoundaryKeepsTheCrossingToken) {
-  // probs (T=1) proportional to 4, 3, 2, 1 -> 0.4, 0.3, 0.2, 0.1.
-  std::vector<float> logits = {std::log(3.0f), std::log(1.0f), std::log(4.0f), std::log(2.0f)};
-  auto kept = [&](float p) { return CountNonZero(Filter(logits, 4, 1.0f, 0, p, 0.0f)); };
-  EXPECT_EQ(kept(0.05f), 1);
-  EXPECT_EQ(kept(0.39f), 1);
-  EXPECT_EQ(kept(0.41f), 2);  // 0.4 < 0.41: the 0.3 token crosses it and is kept
-  EXPECT_EQ(kept(0.69f), 2);
-  EXPECT_EQ(kept(0.71f), 3);
-  EXPECT_EQ(kept(0.95f), 4);
-  std::vector<float> out = Filter(logits, 4, 1.0f, 0, 0.6f, 0.0f);
-  EXPECT_NEAR(out[2], 4.0 / 7.0, 1e-6);
-  EXPECT_NEAR(out[0], 3.0 / 7.0, 1e-6);
-}
-
-TEST(AcceptFilters, TopPMatchesSortedReferenceOnLargeRows) {
-  std::mt19937 rng(2);
-  std::normal_distribution<float> normal(0.0f, 2.0f);
-  const int64_t V = 5000;
-  for (float p : {0.1f, 0.5f, 0.9f, 0.999f}) {
-    std::vector<float> logits(V);
-    for (float& x : logits) x = normal(rng);
-    std::vector<float> out = Filter(logits, V, 0.9f, 0, p, 0.0f);
-    std::vector<int> ids(V);
-    std::iota(ids.begin(), ids.end(), 0);
-    std::stable_sort(ids.begin(), ids.end(), [&](int a, int b) { return logits[a] > logits[b]; });
-    double z = 0, cum = 0;
-    for (float x : logits) z += std::exp(x / 0.9);
-    int expect = 0;
-    while (cum < p * z) cum += std::exp(logits[ids[expect++]] / 0.9);
-    EXPECT_EQ(CountNonZero(out), expect) << "p=" << p;
-    for (int i = 0; i < expect; ++i) EXPECT_NE(out[ids[i]], 0.0f);
-  }
-}
-
-TEST(AcceptFilters, TopKThenTopPThenMinP) {
-  // probs 0.4, 0.3, 0.2, 0.1 (ids 2, 0, 3, 1).
-  std::vector<float> logits = {std::log(3.0f), std::log(1.0f), std::log(4.0f), std::log(2.0f)};
-  // top-k 3 -> {.4,.3,.2}/.9; top-p .75 on that: .444, .777 -> keeps 2 tokens.
-  EXPECT_EQ(CountNonZero(Filter(logits, 4, 1.0f, 3, 0.75f, 0.0f)), 2);
-  // min-p 0.45: keep p >= 0.18 -> ids 2, 0, 3.
-  std::vector<float> out = Filter(logits, 4, 1.0f, 0, 1.0f, 0.45f);
-  EXPECT_EQ(out[1], 0.0f);
-  EXPECT_NEAR(out[2], 4.0 / 9.0, 1e-6);
-  // min-p 0.76 keeps only the top token (0.3 / 0.4 = 0.75 < 0.76).
-  EXPECT_EQ(CountNonZero(Filter(logits, 4, 1.0f, 0, 1.0f, 0.76f)), 1);
-}
-
-TEST(AcceptFilters, HalfAndBFloat16Inputs) {
-  // 1.0, 2.0, -inf in fp16 and bf16.
-  std::vector<uint16_t> half = {0x3C00, 0x4000, 0xFC00}, bf16 = {0x3F80, 0x4000, 0xFF80};
-  std::vector<float> temp = {1.0f}, tp = {1.0f}, mp = {0.0f};
-  std::vector<int32_t> tk = {0};
-  for (auto* in : {&half, &bf16}) {
-    std::vector<float> out(3);
-    ApplySamplingFilters(
-        TensorView::Contiguous(in->data(), in == &half ? DType::kFloat16 : DType::kBFloat16, {1, 3}),
-        TensorView::Contiguous(temp.data(), DType::kFloat32, {1}),
-        TensorView::Contiguous(tk.data(), DType::kInt32, {1}),
-        TensorView::Contiguous(tp.data(), DType::kFloat32, {1}),
-        TensorView::Contiguous(mp.data(), DType::kFloat32, {1}),
-        TensorView::Contiguous(out.data(), DType::kFloat32, {1, 3}));
-    EXPECT_NEAR(out[1], std::exp(2.0) / (std::exp(1.0) + std::exp(2.0)), 1e-6);
-    EXPECT_EQ(out[2], 0.0f);
-  }
-}
-
-TEST(AcceptFilters, BadInputThrowsValueError) {
-  EXPECT_THROW(Filter({1.0f, NAN}, 2, 1.0f, 0, 1.0f, 0.0f), ValueError);
-  EXPECT_THROW(Filter({-INFINITY, -INFINITY}, 2, 1.0f, 0, 1.0f, 0.0f), ValueError);
-  EXPECT_THROW(Filter({1.0f, 2.0f}, 2, -1.0f, 0, 1.0f, 0.0f), ValueError);
-  EXPECT_THROW(Filter({1.0f, 2.0f}, 2, 1.0f, -1, 1.0f, 0.0f), ValueError);
-  EXPECT_THROW(Filter({1.0f, 2.0f}, 2, 1.0f, 0, 0.0f, 0.0f), ValueError);
-  EXPECT_THROW(Filter({1.0f, 2.0f}, 2, 1.0f, 0, 1.0f, 1.5f), ValueError);
-  std::vector<float> logits(4), temp(2), out(4);
-  std::vector<int32_t> tk(2);
-  EXPECT_THROW(ApplySamplingFilters(TensorView::Contiguous(logits.data(), DType::kFloat32, {2, 2}),
-                                    TensorView::Contiguous(temp.data(), DType::kFloat32, {2}),
-                                    TensorView::Contiguous(tk.data(), DType::kInt32, {2}),
-                                    TensorView::Contiguous(temp.data(), DType::kFloat32, {1}),
-                                    TensorView::Contiguous(temp.data(), DType::kFloat32, {2}),
-                                    TensorView::Contiguous(out.data(), DType::kFloat32, {2, 2})),
-               ValueError);
+TEST(AcceptGreedyLogits, BadRowsAndNonGreedyRequestsThrow) {
+  AcceptOptions opt;
+  opt.target_is_logits = true;
+  Request r = GreedyChain(4, {0, 1}, {1, 2});
+  r.target[0] = {0.0f, NAN, 1.0f, 0.0f};
+  EXPECT_THROW(RunAccept({r}, 4, false, opt), ValueError);
+  r.target[0] = {0.0f, INFINITY, 1.0f, 0.0f};
+  EXPECT_THROW(RunAccept({r}, 4, false, opt), ValueError);
+  r.target[0] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+  EXPECT_THROW(RunAccept({r}, 4, false, opt), ValueError);
+  Request s = GreedyChain(4, {0, 1}, {1, 2});
+  s.greedy = false;
+  EXPECT_THROW(RunAccept({s}, 4, false, opt), ValueError);
+  s.greedy = true;
+  EXPECT_THROW(RunAccept({s}, 4, true, opt), ValueError);  // draft rows given
 }
 
 }  // namespace
