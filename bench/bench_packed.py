@@ -36,7 +36,7 @@ sys.path.insert(0, HERE)
 def held_bytes(model) -> int:
     """Bytes of the weights a model holds: its tensors (as the server's memory gauge counts them)
     and its packed codes."""
-    from pyspec.serve.app import _model_tensors
+    from pyspec.serve.metrics import model_tensors as _model_tensors
 
     return sum(t.numel() * t.element_size() for t in _model_tensors(model)) + model.packed_bytes
 

@@ -11,8 +11,10 @@ from pyspec import _C
 from pyspec._C import TokenTree
 from pyspec import ops
 from pyspec.ops import cuda_available
-from pyspec.engine import Engine, Router, SamplingParams, StepError
-from pyspec.llm import LLM, Completion, GenerationOutput, SpecConfig, StreamChunk, generate
+from pyspec.engine import Engine, Router, StepError
+from pyspec.llm import LLM, SpecConfig, generate
+from pyspec.outputs import Completion, GenerationOutput, StreamChunk
+from pyspec.params import SamplingParams
 
 __version__ = _C.__version__
 

@@ -7,6 +7,8 @@ import dataclasses
 import sys
 import time
 
+from pyspec.cli_flags import add_model_flags
+
 
 def _cmd_info(args: argparse.Namespace) -> int:
     import pyspec
@@ -62,7 +64,7 @@ DEFAULT_PROMPT = ("Rewrite this Python function with clearer variable names and 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     import pyspec
-    from pyspec.engine import check_sampling_options
+    from pyspec.params import check_sampling_options
 
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1; got {args.max_tokens}")
@@ -167,14 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu",
-                   help="cpu, or cuda / cuda:N (a CUDA build with a GPU): where the model runs")
-    p.add_argument("--packed-weights", default="auto", choices=["auto", "codes", "off"],
-                   help="auto: float32 matrices that are exactly 4-bit / 8-bit block codes (the "
-                        "default model's) are read as those codes, same output bit for bit; "
-                        "codes: also free the decoder layers' float32 copies (about 5x less "
-                        "memory for them, same output; long prefills rebuild them per step)")
+    add_model_flags(p)
     p.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
     p.add_argument("--compare", action="store_true",
                    help="also run plain decoding and print both speeds, the speedup and whether "

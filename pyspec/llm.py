@@ -22,8 +22,10 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
-from pyspec.engine import (Engine, RequestStats, Router, SamplingParams, StepError, _as_params,
-                           _is_int, _is_real, sample_seed)
+from pyspec.engine import Engine, Router, StepError
+from pyspec.outputs import (Completion, GenerationOutput, OutputTracker, StreamChunk,
+                            apply_outputs)
+from pyspec.params import SamplingParams, as_params, is_int, is_real, sample_seed, validate_params
 from pyspec.runner import ModelRunner
 
 __all__ = ["LLM", "SpecConfig", "GenerationOutput", "Completion", "StreamChunk", "generate"]
@@ -73,21 +75,21 @@ class SpecConfig:
         """ValueError naming the first bad field and what it allows (NaN and infinities fail
         the range checks)."""
         n = self.num_speculative_tokens
-        if n is not None and (not _is_int(n) or not 0 <= n <= 255):
+        if n is not None and (not is_int(n) or not 0 <= n <= 255):
             raise ValueError(f"num_speculative_tokens must be None or an int in [0, 255]; got "
                              f"{n!r}")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"adaptive must be a bool; got {self.adaptive!r}")
-        if not _is_real(self.fallback_on_alpha_below) or \
+        if not is_real(self.fallback_on_alpha_below) or \
                 not 0.0 <= self.fallback_on_alpha_below < 1.0:
             raise ValueError(f"fallback_on_alpha_below must be a number in [0, 1); got "
                              f"{self.fallback_on_alpha_below!r}")
-        if not _is_int(self.ewma_window) or not 1 <= self.ewma_window <= 100_000:
+        if not is_int(self.ewma_window) or not 1 <= self.ewma_window <= 100_000:
             raise ValueError(f"ewma_window must be an int in [1, 100000]; got {self.ewma_window!r}")
         for name in ("warmup_steps", "probe_interval", "spec_disable_batch_size",
                      "spec_token_budget"):
             v = getattr(self, name)
-            if not _is_int(v) or not 0 <= v <= 1 << 30:
+            if not is_int(v) or not 0 <= v <= 1 << 30:
                 raise ValueError(f"{name} must be an int >= 0; got {v!r}")
         if not isinstance(self.drafters, Mapping) or not all(
                 isinstance(k, str) and k for k in self.drafters):
@@ -96,133 +98,8 @@ class SpecConfig:
         if self.router is not None and not isinstance(self.router, Router):
             raise ValueError(f"router must be a pyspec.Router or None; got "
                              f"{type(self.router).__name__}")
-        if not _is_real(self.switch_below) or not 0.0 <= self.switch_below <= 1.0:
+        if not is_real(self.switch_below) or not 0.0 <= self.switch_below <= 1.0:
             raise ValueError(f"switch_below must be a number in [0, 1]; got {self.switch_below!r}")
-
-
-@dataclass
-class Completion:
-    text: str
-    token_ids: List[int]
-    finish_reason: Optional[str]
-    stats: RequestStats
-
-
-@dataclass
-class GenerationOutput:
-    """One prompt's result. ``text``/``token_ids``/``finish_reason``/``stats`` are those of the
-    first sample; ``outputs`` holds all ``n`` samples."""
-
-    prompt: Optional[str]
-    prompt_token_ids: List[int]
-    text: str
-    token_ids: List[int]
-    finish_reason: Optional[str]
-    stats: RequestStats
-    outputs: List[Completion]
-    seconds: float  # wall time from submission to the last sample's end
-    time_to_first_token: Optional[float]
-
-    @property
-    def tokens_per_second(self) -> float:
-        return len(self.token_ids) / self.seconds if self.seconds > 0 else float("inf")
-
-
-@dataclass
-class StreamChunk:
-    text: str  # new text since the previous chunk
-    token_ids: List[int]  # new tokens
-    finished: bool
-    finish_reason: Optional[str]
-    stats: Optional[RequestStats] = None  # on the final chunk
-
-
-class _Track:
-    """Per engine request: incremental detokenization and stop strings."""
-
-    def __init__(self, llm: "LLM", rid: int, params: SamplingParams, t0: float):
-        self.rid = rid
-        self.dec = llm.tokenizer.incremental_decoder() if llm.tokenizer is not None else None
-        stop = params.stop
-        self.stops = [stop] if isinstance(stop, str) else list(stop or [])
-        self._longest = max((len(s) for s in self.stops), default=0)
-        self.text = ""
-        self.sent = 0  # characters of text handed out so far
-        self.tokens: List[int] = []
-        self.finished = False
-        self.reason: Optional[str] = None
-        self.t0 = t0
-        self.t_first: Optional[float] = None
-        self.t_end: Optional[float] = None
-        # Whoever steps the engine hands this request's outputs to ``sink`` (a stream's buffer),
-        # and a failed step's error to ``error``.
-        self.sink = None
-        self.error: Optional[BaseException] = None
-
-    def push(self, new: List[int], finished: bool, reason: Optional[str]):
-        """Returns (text delta, token delta, stopped-by-string). Text that could be the start of
-        a stop string is held back until it is known not to be one (never streamed, then cut).
-
-        A speculative step emits several tokens at once; they are taken one at a time, as plain
-        decoding would emit them, so a stop string ends the output at the token that completed
-        it: tokens the step accepted past that one are not output (the text and the token ids
-        are those of plain decoding, whatever the drafter)."""
-        if new and self.t_first is None:
-            self.t_first = time.perf_counter()
-        sent = self.sent
-        if self.stops and self.dec is not None:
-            # One pass per token (the last also flushes the decoder when the request ends; a
-            # request that ends without a new token still flushes).
-            for i in range(max(len(new), 1 if finished else 0)):
-                before = len(self.text)
-                if i < len(new):
-                    self.text += self.dec.push(new[i])
-                if finished and i >= len(new) - 1:
-                    self.text += self.dec.flush()
-                if len(self.text) == before:
-                    continue
-                # A new occurrence ends in the new text, so it starts at most len(s) - 1 before.
-                lo = max(0, before - self._longest + 1)
-                hits = [j for j in (self.text.find(s, lo) for s in self.stops) if j >= 0]
-                if hits:
-                    cut = min(hits)
-                    kept = list(new[:i + 1])
-                    self.tokens.extend(kept)
-                    self.text = self.text[:cut]
-                    self.sent = cut
-                    self.finished, self.reason = True, "stop"
-                    self.t_end = time.perf_counter()
-                    return self.text[sent:cut], kept, True
-        elif self.dec is not None:
-            piece = "".join(self.dec.push(t) for t in new)
-            if finished:
-                piece += self.dec.flush()
-            self.text += piece
-        self.tokens.extend(new)
-        if finished:
-            self.finished, self.reason = True, reason
-            self.t_end = time.perf_counter()
-            self.sent = len(self.text)
-            return self.text[sent:], new, False
-        self.sent = max(sent, len(self.text) - self._held())
-        return self.text[sent:self.sent], new, False
-
-    def _held(self) -> int:
-        """Characters at the end of the text that begin some stop string (the longest such
-        run, shorter than the stop string itself)."""
-        hold = 0
-        for s in self.stops:
-            if len(s) < 2:
-                continue
-            tail = self.text[max(0, len(self.text) - len(s) + 1):]
-            # The earliest place in the tail from which the rest of it starts ``s``.
-            j = tail.find(s[0])
-            while j >= 0:
-                if s.startswith(tail[j:]):
-                    hold = max(hold, len(tail) - j)
-                    break
-                j = tail.find(s[0], j + 1)
-        return hold
 
 
 class LLM:
@@ -266,11 +143,11 @@ class LLM:
         if not isinstance(block_size, int) or isinstance(block_size, bool) or \
                 not 1 <= block_size <= 1024:
             raise ValueError(f"block_size must be an int in [1, 1024]; got {block_size!r}")
-        if not _is_int(kv_cache_tokens) or kv_cache_tokens < block_size:
+        if not is_int(kv_cache_tokens) or kv_cache_tokens < block_size:
             raise ValueError(f"kv_cache_tokens must be an int >= block_size; got {kv_cache_tokens!r}")
         for name, v in (("max_num_seqs", max_num_seqs),
                         ("max_num_batched_tokens", max_num_batched_tokens)):
-            if not _is_int(v) or v < 1:
+            if not is_int(v) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1; got {v!r}")
         if not isinstance(enable_prefix_cache, bool):
             raise ValueError(f"enable_prefix_cache must be a bool; got {enable_prefix_cache!r}")
@@ -311,7 +188,7 @@ class LLM:
         self.load_seconds = time.perf_counter() - t0
         # Every unfinished request of this LLM by engine id, whichever call made it: calls may
         # interleave (a stream left open while generate() runs, two streams read in turns).
-        self._tracks: Dict[int, _Track] = {}
+        self._tracks: Dict[int, OutputTracker] = {}
 
     @property
     def drafter_name(self) -> str:
@@ -325,7 +202,7 @@ class LLM:
             if not prompt:
                 raise ValueError("a prompt must be a non-empty string or a list of token ids")
             return self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)) and all(_is_int(t) for t in prompt):
+        if isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
             return [int(t) for t in prompt]
         raise ValueError(f"a prompt must be a string or a list of token ids; got "
                          f"{type(prompt).__name__}")
@@ -340,9 +217,7 @@ class LLM:
         return self.tokenizer.encode_chat(list(messages), add_generation_prompt=True)
 
     def _params(self, params) -> SamplingParams:
-        from pyspec.engine import validate_params
-
-        p = _as_params(params)
+        p = as_params(params)
         validate_params(p, self.engine.vocab_size)  # before the end-of-sequence ids are added
         if not p.ignore_eos:
             eos = [int(e) for e in self.tokenizer.eos_token_ids]
@@ -376,31 +251,27 @@ class LLM:
                 pass
 
     def _step(self) -> None:
-        """One engine step. Every output goes to its own request's track, whoever stepped; a
+        """One engine step. Every output goes to its own request's tracker, whoever stepped; a
         failed step's requests (finished with 'error', their KV freed) get the error, and the
         call that owns them raises it: the other requests go on."""
-        eng = self.engine
         try:
-            outs = eng.step()
+            outs = self.engine.step()
         except StepError as e:
             for rid in e.request_ids:
                 t = self._tracks.pop(rid, None)
                 if t is not None:
                     t.error = e
             return
-        for o in outs:
-            t = self._tracks.get(o.request_id)
-            if t is None or t.finished:
+        for d in apply_outputs(self.engine, outs, self._tracks):
+            t = d.tracker
+            if t is None:
                 continue
-            delta, toks, stopped = t.push(o.new_tokens, o.finished, o.finish_reason)
-            if stopped and not o.finished:
-                eng.abort(o.request_id)  # frees its KV now
             if t.finished:
-                self._tracks.pop(o.request_id, None)
-            if t.sink is not None and (delta or toks or t.finished):
-                t.sink(delta, toks)
+                self._tracks.pop(d.request_id, None)
+            if t.sink is not None and (d.text or d.token_ids or t.finished):
+                t.sink(d.text, d.token_ids)
 
-    def _drive(self, tracks: Dict[int, _Track]) -> None:
+    def _drive(self, tracks: Dict[int, OutputTracker]) -> None:
         """Step until every one of ``tracks`` has finished (raising the error of one that
         failed)."""
         while True:
@@ -433,7 +304,7 @@ class LLM:
         if not isinstance(prompts, (str, list, tuple)):
             raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; "
                              f"got {type(prompts).__name__}")
-        single = isinstance(prompts, str) or (bool(prompts) and all(_is_int(t) for t in prompts))
+        single = isinstance(prompts, str) or (bool(prompts) and all(is_int(t) for t in prompts))
         plist_in = [prompts] if single else list(prompts)
         if not plist_in:
             raise ValueError("no prompts given")
@@ -449,13 +320,13 @@ class LLM:
     def _run(self, prompts, encoded, ps) -> List[GenerationOutput]:
         t0 = time.perf_counter()
         groups = []
-        tracks: Dict[int, _Track] = {}
+        tracks: Dict[int, OutputTracker] = {}
         try:
             for ids, p in zip(encoded, ps):
                 rids = self._submit(ids, p)
                 groups.append(rids)
                 for rid in rids:
-                    tracks[rid] = self._tracks[rid] = _Track(self, rid, p, t0)
+                    tracks[rid] = self._tracks[rid] = OutputTracker(self.tokenizer, p, t0)
         except BaseException:  # nothing of this call stays queued
             self._discard(tracks)
             raise
@@ -487,7 +358,7 @@ class LLM:
         ids = self.chat_prompt(prompt) if chat else self.encode(prompt)
         t0 = time.perf_counter()
         (rid,) = self._submit(ids, p)
-        track = _Track(self, rid, p, t0)
+        track = OutputTracker(self.tokenizer, p, t0)
         buf: collections.deque = collections.deque()
         track.sink = lambda delta, toks: buf.append((delta, toks))
         self._tracks[rid] = track
@@ -517,7 +388,7 @@ def generate(prompt: Prompt, *, model: Optional[str] = None, draft="default",
     and return its :class:`GenerationOutput`. ``sampling``: :class:`SamplingParams` fields. Loads
     the model on every call: keep an :class:`LLM` to generate many times."""
     if not (isinstance(prompt, str) or isinstance(prompt, (list, tuple)) and prompt
-            and all(_is_int(t) for t in prompt)):
+            and all(is_int(t) for t in prompt)):
         raise ValueError("generate() takes one prompt: a string or a list of token ids (for a "
                          "batch, keep an LLM and call its generate() with a list of prompts); got "
                          f"{type(prompt).__name__}" + (" of strings" if isinstance(prompt, (

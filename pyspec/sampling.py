@@ -29,7 +29,7 @@ import torch
 from pyspec import _C
 from pyspec.ops import _stream_of
 
-__all__ = ["AcceptResult", "accept", "apply_sampling_filters"]
+__all__ = ["AcceptResult", "accept", "accept_greedy", "apply_sampling_filters"]
 
 _FLOAT_LOGITS = (torch.float32, torch.float16, torch.bfloat16)
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
@@ -210,6 +210,7 @@ def accept(
     offsets: Union[int, torch.Tensor] = 0,
     sampled_children: Union[None, bool, torch.Tensor] = None,
     row_sum_tolerance: float = 1e-3,
+    debug_skip_residual: bool = False,
 ) -> AcceptResult:
     """Decide which draft tokens each request keeps (lossless speculative-decoding acceptance).
 
@@ -247,6 +248,9 @@ def accept(
             context length); the node at depth ``k`` decides position ``offset + k``.
         sampled_children: bool or bool ``[B]``; default: True when ``draft_probs`` is given.
         row_sum_tolerance: allowed ``|sum(row) - 1|`` of the probability rows read.
+        debug_skip_residual: FOR TESTS ONLY: a deliberately wrong rule (the recovered token is
+            sampled from the unmodified target, not the residual), which the statistical tests use
+            to show that they detect a broken sampler.
 
     Returns:
         An :class:`AcceptResult`.
@@ -282,14 +286,52 @@ def accept(
         raise ValueError(f"'row_sum_tolerance' must be a number in (0, 0.5]; got "
                          f"{row_sum_tolerance!r}")
 
+    return _accept_trees(target_probs, draft_probs, tokens, parents, tree_indptr, greedy_t,
+                         sampled_t, seeds_t, offsets_t, float(row_sum_tolerance),
+                         debug_skip_residual=bool(debug_skip_residual))
+
+
+def accept_greedy(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+                  tree_indptr: torch.Tensor) -> AcceptResult:
+    """Greedy acceptance straight from the target's logits: what :func:`accept` gives for
+    ``greedy=True`` on the temperature-0 rows of ``logits``, without building those rows. Each
+    node's token is its row's first maximal logit (lowest id on ties); the walk moves to the first
+    child holding it and emits it where none does or at a leaf.
+
+    Args:
+        logits: float32 ``[N, V]`` CPU tensor; row ``i`` the target's logits after node ``i``.
+        tokens, parents, tree_indptr: the trees, as for :func:`accept`.
+
+    A row holding a NaN or ``+inf``, or only ``-inf``, is a ``ValueError`` (as in
+    :func:`apply_sampling_filters`)."""
+    logits = _require_tensor(logits, "logits")
+    if logits.dtype != torch.float32 or logits.dim() != 2 or logits.device.type != "cpu":
+        raise ValueError(f"'logits' must be a float32 [N, V] cpu tensor; got {logits.dtype} "
+                         f"{list(logits.shape)} on {logits.device}")
+    tokens = _int_tensor(tokens, "tokens", torch.int32, 1)
+    parents = _int_tensor(parents, "parents", torch.int32, 1)
+    tree_indptr = _int_tensor(tree_indptr, "tree_indptr", torch.int64, 1)
+    if tree_indptr.numel() < 1:
+        raise ValueError("'tree_indptr' must have batch + 1 >= 1 entries")
+    b = tree_indptr.numel() - 1
+    zeros = torch.zeros((b,), dtype=torch.int64)
+    return _accept_trees(logits.contiguous(), None, tokens, parents, tree_indptr,
+                         torch.ones((b,), dtype=torch.bool), torch.zeros((b,), dtype=torch.bool),
+                         zeros, zeros, 1e-3, target_is_logits=True)
+
+
+def _accept_trees(target, draft_probs, tokens, parents, tree_indptr, greedy, sampled, seeds,
+                  offsets, row_sum_tolerance, **flags) -> AcceptResult:
+    dev = target.device
     if dev.type == "cuda":
         # Tree metadata may be given on the cpu; the op wants one device.
         tokens, parents, tree_indptr = (x.to(dev) for x in (tokens, parents, tree_indptr))
+    b = tree_indptr.numel() - 1
     width = _C.tree_batch_max_depth(parents.cpu(), tree_indptr.cpu()) + 1
     accepted_nodes = torch.empty((b, width), dtype=torch.int32, device=dev)
     emitted_tokens = torch.empty((b, width), dtype=torch.int32, device=dev)
     num_accepted = torch.empty((b,), dtype=torch.int32, device=dev)
-    _C.accept_trees(target_probs, draft_probs, tokens, parents, tree_indptr, greedy_t, sampled_t,
-                    seeds_t, offsets_t, accepted_nodes, emitted_tokens, num_accepted,
-                    float(row_sum_tolerance), stream=_stream_of(target_probs))
+    _C.accept_trees(target, draft_probs, tokens, parents, tree_indptr, greedy, sampled, seeds,
+                    offsets, accepted_nodes, emitted_tokens, num_accepted, row_sum_tolerance,
+                    stream=_stream_of(target), **flags)
     return AcceptResult(accepted_nodes, emitted_tokens, num_accepted)

@@ -1,33 +1,35 @@
-"""End-to-end smoke run of the data plane on a tiny random-weight Llama model.
+"""``pyspec smoke``: the data plane end to end on a tiny random-weight Llama model, no download.
 
-It runs greedy generation twice through the real runner — plain decoding, and prompt-lookup
-speculative decoding whose draft chains are verified with tree attention over the paged KV — and
-reports whether both outputs are identical, the acceptance length and the speedup. It is the main
-job until the engine and the embedded default model take over; a tiny model's step is dominated by
-per-step overhead, so its speed says little about real models.
+Greedy generation twice through one engine each: plain decoding, and prompt-lookup speculative
+decoding at a fixed draft length whose chains are verified with tree attention over the paged KV.
+Reports whether both outputs are identical, the acceptance length and the speedup. A tiny model's
+step is dominated by per-step overhead, so its speed says little about real models.
 """
 
 from __future__ import annotations
 
+import time
 from typing import List
 
 import torch
 
-from pyspec.decode import decode_one, prompt_lookup_drafter
+from pyspec.engine import Engine
 from pyspec.models.config import ModelConfig
 from pyspec.models.llama import LlamaForCausalLM
+from pyspec.params import SamplingParams
 from pyspec.runner import ModelRunner
 
 
-def tiny_config(vocab: int = 111) -> ModelConfig:
-    return ModelConfig.from_dict(dict(
+def _tiny_model(vocab: int, seed: int) -> LlamaForCausalLM:
+    cfg = ModelConfig.from_dict(dict(
         architectures=["LlamaForCausalLM"], vocab_size=vocab, hidden_size=256, intermediate_size=512,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
-        max_position_embeddings=4096, tie_word_embeddings=False), source="tiny")
+        max_position_embeddings=4096, tie_word_embeddings=False), source="smoke")
+    return LlamaForCausalLM.random(cfg, seed=seed)
 
 
-def default_prompt(vocab: int = 111, length: int = 48, seed: int = 1) -> List[int]:
-    """A prompt with repeated phrases, the kind of input prompt lookup is made for."""
+def _prompt(vocab: int, seed: int, length: int = 48) -> List[int]:
+    """Repeated phrases: the input prompt lookup is made for."""
     g = torch.Generator().manual_seed(seed)
     phrase = torch.randint(0, vocab, (8,), generator=g).tolist()
     noise = torch.randint(0, vocab, (length,), generator=g).tolist()
@@ -35,24 +37,37 @@ def default_prompt(vocab: int = 111, length: int = 48, seed: int = 1) -> List[in
 
 
 def main(max_new_tokens: int = 96, gamma: int = 6, seed: int = 0) -> dict:
-    cfg = tiny_config()
-    model = LlamaForCausalLM.random(cfg, seed=seed)
-    runner = ModelRunner(model, num_blocks=64, block_size=16)
-    prompt = default_prompt(cfg.vocab_size, seed=seed + 1)
-    drafter = prompt_lookup_drafter()
-    decode_one(runner, prompt, 8, drafter=drafter, gamma=gamma)  # warm-up
-    plain = decode_one(runner, prompt, max_new_tokens)
-    spec = decode_one(runner, prompt, max_new_tokens, drafter=drafter, gamma=gamma)
+    vocab = 111
+    model = _tiny_model(vocab, seed)
+    prompt = _prompt(vocab, seed + 1)
+    params = SamplingParams(max_tokens=max_new_tokens)
+
+    def engine(draft):
+        return Engine(ModelRunner(model, num_blocks=64, block_size=16),
+                      drafter=draft if gamma > 0 else "none", gamma=gamma or None, adaptive=False)
+
+    plain_eng, spec_eng = engine("none"), engine("ngram")
+    for eng in (plain_eng, spec_eng):  # warm-up
+        eng.generate([prompt], SamplingParams(max_tokens=8))
+
+    def run(eng):
+        t0 = time.perf_counter()
+        res = eng.generate([prompt], params)[0]
+        return res, time.perf_counter() - t0
+
+    plain, plain_s = run(plain_eng)
+    spec, spec_s = run(spec_eng)
+    st = spec.stats
     return dict(
         prompt=prompt,
-        plain_tokens=plain.tokens,
-        spec_tokens=spec.tokens,
-        identical=plain.tokens == spec.tokens,
-        acceptance_length=spec.acceptance_length,
-        draft_acceptance_rate=spec.accepted / max(spec.drafted, 1),
-        plain_tok_per_s=len(plain.tokens) / plain.seconds,
-        spec_tok_per_s=len(spec.tokens) / spec.seconds,
-        speedup=plain.seconds / spec.seconds,
-        plain_steps=plain.steps,
-        spec_steps=spec.steps,
+        plain_tokens=plain.token_ids,
+        spec_tokens=spec.token_ids,
+        identical=plain.token_ids == spec.token_ids,
+        acceptance_length=st.acceptance_length,
+        draft_acceptance_rate=st.accepted_tokens / max(st.draft_tokens, 1),
+        plain_tok_per_s=len(plain.token_ids) / plain_s,
+        spec_tok_per_s=len(spec.token_ids) / spec_s,
+        speedup=plain_s / spec_s,
+        plain_steps=plain.stats.steps,
+        spec_steps=st.steps,
     )

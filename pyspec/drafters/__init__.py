@@ -1,208 +1,23 @@
-"""Draft methods behind one interface (:class:`Drafter`): n-gram / prompt lookup, an independent
-draft model, self-speculative layer skipping, Medusa heads and EAGLE heads with dynamic trees.
+"""Draft methods behind one interface (:class:`Drafter`): n-gram / prompt lookup, a corpus of the
+target's earlier answers (suffix), an independent draft model, self-speculative layer skipping,
+Medusa heads and EAGLE heads with dynamic trees, and their combinations.
 
-:func:`make_drafter` turns a user-facing spec into a drafter for a target runner::
-
-    "none"                 plain decoding (returns None)
-    "ngram" | "ngram:N"    prompt lookup, n-grams up to N (default 3)
-    "layer-skip:L"         the target's first L layers + final norm + lm_head ("layer-skip": L/4)
-    "default"              for the embedded model: prompt lookup, else the corpus drafter shipped
-                           in pyspec/data/default_corpus ("ngram|suffix"; "ngram|eagle" in a
-                           build without it); a target the shipped drafters do not fit gets
-                           "ngram"; one of the same vocabulary but other weights a warning
-    "suffix[@OPTIONS]"     the shipped corpus drafter alone (options as for PATH@... below)
-    "eagle[@OPTIONS]"      the EAGLE head shipped in pyspec/data/default_drafter
-    PATH                   a folder holding drafter.json (EAGLE/Medusa heads) or config.json (an
-                           independent draft model with the target's vocabulary)
-    PATH@tree=W            ... a draft model drafting top-W dynamic trees instead of a chain
-    PATH@width=W,depth=D,nodes=N   ... an EAGLE drafter with another tree shape
-    PATH@nodes=N,depth=D,match=M,min-match=K,prob=P,children=C,learn=T
-                           ... a corpus drafter (drafter.json method "suffix": continuations
-                           retrieved from the target's earlier answers) with other limits;
-                           learn=T also learns from finished requests (their newest T tokens)
-    A+B[+C...]             the drafters' trees merged into one per step (MergedDrafter), e.g.
-                           "ngram+PATH"
-    A|B[|C...]             per step, the draft of the first drafter that has one (FirstDrafter),
-                           e.g. "ngram|PATH": prompt lookup, else the head ('|' binds looser than
-                           '+': "ngram|A+B")
-    a Drafter instance     used as is
+:func:`make_drafter` (:mod:`pyspec.drafters.spec`) turns a spec string (``"ngram"``,
+``"default"``, ``"eagle@width=3"``, ``"ngram|DIR"``, ...) into a drafter; the drafter folder
+format is :mod:`pyspec.drafters.folder`.
 """
 
-from __future__ import annotations
-
-import os
-from typing import Optional, Union
-
 from pyspec.drafters.base import Draft, Drafter, DraftRequest, PrefillChunk, Verified
-from pyspec.drafters.heads import (EagleDrafter, MedusaDrafter, load_heads, read_config,
-                                   save_heads, target_mismatch)
+from pyspec.drafters.folder import read_config, target_mismatch
+from pyspec.drafters.heads import EagleDrafter, MedusaDrafter, load_heads, save_heads
 from pyspec.drafters.merged import FirstDrafter, MergedDrafter, merge_drafts
 from pyspec.drafters.model import LayerSkipDrafter, ModelDrafter
 from pyspec.drafters.ngram import NgramDrafter
+from pyspec.drafters.spec import DRAFT_CHOICES, is_draft_model_folder, make_drafter, split_spec
 from pyspec.drafters.suffix import SuffixDrafter
 
 __all__ = ["Drafter", "Draft", "DraftRequest", "PrefillChunk", "Verified", "NgramDrafter",
            "SuffixDrafter", "ModelDrafter", "LayerSkipDrafter", "MedusaDrafter", "EagleDrafter",
-           "MergedDrafter", "FirstDrafter", "merge_drafts", "make_drafter",
-           "load_heads", "save_heads", "DRAFT_CHOICES"]
-
-DRAFT_CHOICES = ("none, ngram, ngram:N, layer-skip[:L], default, suffix, eagle, a "
-                 "drafter/draft-model folder, or several joined by '+' (merged trees) or '|' "
-                 "(the first that drafts)")
-
-
-def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Drafter]:
-    if spec is None or spec == "none":
-        return None
-    if isinstance(spec, Drafter):
-        return spec
-    if not isinstance(spec, str) or not spec:
-        raise ValueError(f"draft must be a string ({DRAFT_CHOICES}) or a Drafter; got {spec!r}")
-    split = split_spec(spec)
-    if split is not None:
-        sep, specs = split
-        if any(not part for part in specs):
-            raise ValueError(f"draft {spec!r} has an empty part: each part of 'A{sep}B' must be "
-                             f"a drafter ({DRAFT_CHOICES})")
-        parts = [make_drafter(part, target_runner) for part in specs]
-        if any(p is None for p in parts):
-            raise ValueError(f"{spec!r}: 'none' cannot be part of a combined drafter")
-        return (FirstDrafter if sep == "|" else MergedDrafter)(parts)
-    name, colon, arg = spec.partition(":")
-    if name == "default":
-        if colon:
-            raise ValueError(f"draft {spec!r}: 'default' takes no argument (it is prompt lookup, "
-                             "else the shipped corpus)")
-        from pyspec.models.default import default_corpus_path, default_drafter_path
-
-        # Prompt lookup when the context offers a continuation (long and often right), else the
-        # continuations of the target's earlier answers (the shipped corpus: measured faster than
-        # prompt lookup alone and than the shipped head, README "Performance"); the head where a
-        # build ships no corpus; prompt lookup alone for a target the shipped drafters do not fit.
-        path = default_corpus_path()
-        if path is not None and \
-                read_config(path).get("vocab_size") == target_runner.model.cfg.vocab_size:
-            return FirstDrafter([NgramDrafter(3), make_drafter(path, target_runner)])
-        path = default_drafter_path()
-        if path is None or target_mismatch(read_config(path), target_runner.model.cfg):
-            return NgramDrafter(3)
-        return FirstDrafter([NgramDrafter(3), make_drafter(path, target_runner)])
-    shipped, at, opts = spec.partition("@")
-    if shipped in ("eagle", "suffix"):
-        from pyspec.models.default import shipped_drafter_path
-
-        path = shipped_drafter_path(shipped)
-        if path is None:
-            raise ValueError(f"draft {shipped!r} names the drafter shipped for the embedded "
-                             "model, and this build ships none; give a drafter folder")
-        if shipped == "eagle":
-            why = target_mismatch(read_config(path), target_runner.model.cfg)
-            if why:
-                raise ValueError(f"the shipped EAGLE head is for the embedded model: {why}")
-        return make_drafter(path + at + opts, target_runner)
-    if name == "ngram":
-        n = _int_arg(arg, "ngram", 3)
-        return NgramDrafter(n)
-    if name == "layer-skip":
-        total = target_runner.model.cfg.num_hidden_layers
-        n = _int_arg(arg, "layer-skip", max(1, total // 4))
-        if not 1 <= n < total:
-            raise ValueError(f"layer-skip needs 1 <= L < {total} (the target's layers); got {n}")
-        return LayerSkipDrafter(target_runner, n, max_depth=5)
-    path, _, opt = spec.partition("@")
-    path = os.path.expanduser(path)
-    if os.path.isdir(path):
-        if _folder_kind(path) == "drafter":
-            cfg = read_config(path)
-            if cfg["method"] == "suffix":
-                from pyspec.drafters.suffix import OPTIONS, load_suffix
-
-                over = _folder_options(opt, OPTIONS, "unknown corpus drafter option", "")
-                return load_suffix(path, cfg, target_runner, **over)
-            over = _folder_options(opt, {"width": "width", "depth": "max_depth",
-                                         "nodes": "max_nodes"},
-                                   "unknown drafter option", " (EAGLE trees)")
-            return load_heads(path, target_runner, **over)
-        if _folder_kind(path) == "draft-model":
-            from pyspec.models.llama import LlamaForCausalLM
-
-            width = 1
-            if opt:
-                key, _, val = opt.partition("=")
-                if key != "tree":
-                    raise ValueError(f"unknown draft-model option {opt!r}; allowed: tree=W")
-                if not val:
-                    raise ValueError(f"draft-model option {opt!r} needs a value: tree=W (the "
-                                     "tree width, 1 = a chain)")
-                width = _int_arg(val, "tree", 1, "=")
-            tm = target_runner.model
-            # As the target was loaded: packed codes where exact, unless the target said "off".
-            model = LlamaForCausalLM.from_pretrained(
-                path, dtype=tm.dtype, packed_weights=getattr(tm, "packed_weights", "auto"))
-            return ModelDrafter(model, target_runner, width=width, max_depth=5)
-        raise ValueError(f"{path!r} holds neither drafter.json (EAGLE/Medusa heads) nor "
-                         "config.json (a draft model)")
-    if os.path.exists(path):
-        raise ValueError(f"{path!r} is a file, not a drafter folder (a folder with drafter.json "
-                         "or a draft model's config.json)")
-    if os.sep in path or path.startswith((".", "~")):
-        raise ValueError(f"drafter folder {path!r} does not exist")
-    raise ValueError(f"unknown drafter {spec!r}; use {DRAFT_CHOICES}")
-
-
-def _folder_kind(path: str) -> Optional[str]:
-    """What a drafter folder holds: "drafter" (drafter.json: heads or a corpus), "draft-model"
-    (a model's config.json), or None."""
-    if os.path.isfile(os.path.join(path, "drafter.json")):
-        return "drafter"
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return "draft-model"
-    return None
-
-
-def is_draft_model_folder(spec: str) -> bool:
-    """``spec`` names a draft-model folder (a model with the target's vocabulary), as
-    :func:`make_drafter` reads it."""
-    path = os.path.expanduser(spec.partition("@")[0])
-    return os.path.isdir(path) and _folder_kind(path) == "draft-model"
-
-
-def split_spec(spec: str):
-    """``(separator, parts)`` of a combined spec (``A|B`` splits first: it binds looser than
-    ``A+B``), or None for a single drafter. A folder whose name holds a separator is one part;
-    options ("@...") may follow it."""
-    path = spec.partition("@")[0]
-    for sep in ("|", "+"):
-        if sep in spec and not (sep in path and os.path.exists(os.path.expanduser(path))):
-            return sep, spec.split(sep)
-    return None
-
-
-def _folder_options(opt: str, names: dict, unknown: str, what: str) -> dict:
-    """``key=value,...`` options of a drafter folder spec, as keyword arguments (``names``: option
-    -> argument; ``prob`` is a number, the rest integers)."""
-    over = {}
-    for item in filter(None, opt.split(",")):
-        key, eq, val = item.partition("=")
-        if key not in names:
-            raise ValueError(f"{unknown} {key!r}; allowed: "
-                             + ", ".join(f"{k}=" for k in names) + what)
-        if not eq or not val:
-            raise ValueError(f"drafter option {key!r} needs a value: {key}=VALUE")
-        if key == "prob":
-            try:
-                over[names[key]] = float(val)
-            except ValueError:
-                raise ValueError(f"prob= needs a number in [0, 1); got {val!r}") from None
-        else:
-            over[names[key]] = _int_arg(val, key, 0, "=")
-    return over
-
-
-def _int_arg(arg: str, name: str, default: int, sep: str = ":") -> int:
-    if not arg:
-        return default
-    try:
-        return int(arg)
-    except ValueError:
-        raise ValueError(f"{name}{sep}N needs an integer N; got {arg!r}") from None
+           "MergedDrafter", "FirstDrafter", "merge_drafts", "make_drafter", "split_spec",
+           "is_draft_model_folder", "load_heads", "save_heads", "read_config", "target_mismatch",
+           "DRAFT_CHOICES"]

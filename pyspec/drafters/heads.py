@@ -37,10 +37,8 @@ per-head rank paths (the Medusa paper's format), truncated to the step's node bu
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
-import warnings
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -48,14 +46,13 @@ import torch.nn.functional as F
 
 from pyspec import TokenTree
 from pyspec.drafters.base import Draft, Drafter, DraftRequest, PrefillChunk, Verified, slots_of
+from pyspec.drafters.folder import (WEIGHTS_NAME, check_target, read_config, warn_target_hash,
+                                    write_config)
 from pyspec.drafters.tree_builder import TreeBuilder
 from pyspec.linear import linear
 from pyspec.ops import rms_norm
 from pyspec.runner import ModelRunner, SeqStep
 
-FORMAT = "pyspec-drafter"
-CONFIG_NAME = "drafter.json"
-WEIGHTS_NAME = "drafter.safetensors"
 DEFAULT_MEDUSA_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [2, 0], [0, 2],
                        [1, 1], [0, 0, 1], [0, 1, 0], [0, 0, 0, 0]]
 _LAYER_KEYS = ["input_layernorm.weight", "post_attention_layernorm.weight",
@@ -69,32 +66,13 @@ _LAYER_KEYS = ["input_layernorm.weight", "post_attention_layernorm.weight",
 
 
 def save_heads(path: str, method: str, tensors: Dict[str, torch.Tensor], config: dict) -> str:
+    """Write a heads folder: ``drafter.safetensors`` and ``drafter.json`` (pyspec.drafters.folder)."""
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
-    cfg = dict(config, format=FORMAT, format_version=1, method=method)
     save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, WEIGHTS_NAME))
-    with open(os.path.join(path, CONFIG_NAME), "w") as f:
-        json.dump(cfg, f, indent=1)
+    write_config(path, method, config)
     return path
-
-
-def read_config(path: str) -> dict:
-    """A drafter folder's validated drafter.json (format and method)."""
-    cfg_path = os.path.join(path, CONFIG_NAME)
-    if not os.path.isfile(cfg_path):
-        raise ValueError(f"{path!r} is not a drafter folder: {CONFIG_NAME} is missing")
-    with open(cfg_path) as f:
-        try:
-            cfg = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
-    if cfg.get("format") != FORMAT:
-        raise ValueError(f"{cfg_path}: 'format' must be {FORMAT!r}; got {cfg.get('format')!r}")
-    if cfg.get("method") not in ("eagle", "medusa", "suffix"):
-        raise ValueError(f"{cfg_path}: 'method' must be 'eagle', 'medusa' or 'suffix'; got "
-                         f"{cfg.get('method')!r}")
-    return cfg
 
 
 def read_heads(path: str):
@@ -105,20 +83,6 @@ def read_heads(path: str):
     if not os.path.isfile(w_path):
         raise ValueError(f"{path!r}: {WEIGHTS_NAME} is missing")
     return cfg, load_file(w_path)
-
-
-def target_mismatch(cfg: dict, target_cfg) -> Optional[str]:
-    """Why a drafter config does not fit a target's shapes (hidden size, vocabulary), or None."""
-    for key, want in (("hidden_size", target_cfg.hidden_size), ("vocab_size", target_cfg.vocab_size)):
-        if cfg.get(key) != want:
-            return f"drafter {key} {cfg.get(key)} does not match the target's {want}"
-    return None
-
-
-def _check_target(cfg: dict, target_cfg) -> None:
-    why = target_mismatch(cfg, target_cfg)
-    if why:
-        raise ValueError(why)
 
 
 def _shape(t: Dict[str, torch.Tensor], name: str, shape: Sequence[int]) -> torch.Tensor:
@@ -486,15 +450,11 @@ class EagleDrafter(Drafter):
 
 
 def load_heads(path: str, target_runner: ModelRunner, **overrides) -> Drafter:
-    """Load a Medusa/EAGLE (or corpus) drafter folder against a target (shape mismatches are
-    errors)."""
-    cfg = read_config(path)
-    if cfg["method"] == "suffix":
-        from pyspec.drafters.suffix import load_suffix
-
-        return load_suffix(path, cfg, target_runner, **overrides)
+    """Load a Medusa/EAGLE drafter folder against a target (shape mismatches are errors)."""
     cfg, tensors = read_heads(path)
-    _check_target(cfg, target_runner.model.cfg)
+    if cfg["method"] not in ("eagle", "medusa"):
+        raise ValueError(f"{path!r} holds a {cfg['method']!r} drafter, not EAGLE or Medusa heads")
+    check_target(cfg, target_runner.model.cfg)
     defaults = dict(cfg.get("defaults") or {})
     if cfg["method"] == "medusa":
         if any(k in overrides for k in ("width", "max_depth", "max_nodes")):
@@ -512,17 +472,3 @@ def load_heads(path: str, target_runner: ModelRunner, **overrides) -> Drafter:
     d.path = path
     warn_target_hash(d, path, target_runner)
     return d
-
-
-def warn_target_hash(d: Drafter, path: str, target_runner: ModelRunner) -> None:
-    """Warn when a drafter's manifest names other target weights than ``target_runner``'s."""
-    want = (d.manifest.get("target") or {}).get("sha256")
-    src = getattr(target_runner.model, "source_path", None)
-    if want and src:
-        from pyspec.models.loader import weights_sha256
-
-        have = weights_sha256(src)
-        if have != want:
-            warnings.warn(f"drafter {path} was trained for target weights {want[:12]}..., but the "
-                          f"target at {src} has {have[:12]}...: it will run (output stays "
-                          "lossless) but its acceptance may be much lower", stacklevel=3)

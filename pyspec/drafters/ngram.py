@@ -9,10 +9,22 @@ keeps an acceptance estimate and a draft length per match length."""
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
-from pyspec.decode import prompt_lookup_drafter, prompt_lookup_match
 from pyspec.drafters.base import Draft, Drafter, DraftRequest
+
+
+def prompt_lookup_match(context: List[int], max_ngram: int = 3) -> Tuple[int, int]:
+    """(n, where): the longest n <= max_ngram whose last-n-token suffix occurred earlier in
+    ``context`` with a token after it, and the index right after that latest occurrence (the
+    copied continuation starts there); (0, -1) when none did."""
+    n_ctx = len(context)
+    for n in range(min(max_ngram, n_ctx - 1), 0, -1):
+        tail = context[n_ctx - n:]
+        for start in range(n_ctx - n - 1, -1, -1):
+            if context[start:start + n] == tail:
+                return n, start + n
+    return 0, -1
 
 
 class NgramDrafter(Drafter):
@@ -22,14 +34,14 @@ class NgramDrafter(Drafter):
         if not isinstance(max_ngram, int) or not 1 <= max_ngram <= 16:
             raise ValueError(f"max_ngram must be an int in [1, 16]; got {max_ngram!r}")
         self.max_ngram = max_ngram
-        self._lookup = prompt_lookup_drafter(max_ngram)
         self.num_draft_sources = max_ngram  # source k: a match of max_ngram - k tokens
 
     def propose(self, reqs: List[DraftRequest]) -> List[Draft]:
         out = []
         for r in reqs:
             ctx = r.context if isinstance(r.context, list) else list(r.context)
-            chain = self._lookup(ctx, min(r.budget, r.depth_limit))
+            n, where = prompt_lookup_match(ctx, self.max_ngram)
+            chain = ctx[where:where + min(r.budget, r.depth_limit)] if n else []
             out.append(Draft([int(ctx[-1])] + [int(t) for t in chain],
                              list(range(-1, len(chain)))))
         return out

@@ -32,6 +32,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from pyspec.drafters.base import Draft, Drafter, DraftRequest
+from pyspec.drafters.folder import CONFIG_NAME, warn_target_hash, write_config
 
 CORPUS_NAME = "corpus.npz"
 # Match-length buckets, one draft source each: >= 6 tokens, 3-5, 2, 1.
@@ -176,8 +177,6 @@ OPTIONS = {"nodes": "max_nodes", "depth": "max_depth", "match": "max_match",
 def save_corpus(path: str, docs: Sequence[Sequence[int]], vocab_size: int, *,
                 manifest: Optional[dict] = None, defaults: Optional[dict] = None) -> str:
     """Write a corpus drafter folder from token documents (e.g. the target's answers)."""
-    from pyspec.drafters.heads import CONFIG_NAME, FORMAT
-
     lens = [len(d) for d in docs]
     tokens = np.fromiter((int(t) for d in docs for t in d), dtype=np.int64, count=sum(lens))
     if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
@@ -187,11 +186,10 @@ def save_corpus(path: str, docs: Sequence[Sequence[int]], vocab_size: int, *,
     dtype = np.uint16 if vocab_size <= 1 << 16 else np.int32
     np.savez_compressed(os.path.join(path, CORPUS_NAME), tokens=tokens.astype(dtype),
                         offsets=offsets)
-    cfg = {"format": FORMAT, "format_version": 1, "method": "suffix", "vocab_size": int(vocab_size),
-           "corpus": {"tokens": int(tokens.size), "documents": len(lens)},
-           "defaults": dict(defaults or {}), "manifest": dict(manifest or {})}
-    with open(os.path.join(path, CONFIG_NAME), "w") as f:
-        json.dump(cfg, f, indent=1)
+    write_config(path, "suffix", {"vocab_size": int(vocab_size),
+                                  "corpus": {"tokens": int(tokens.size), "documents": len(lens)},
+                                  "defaults": dict(defaults or {}),
+                                  "manifest": dict(manifest or {})})
     return path
 
 
@@ -199,8 +197,6 @@ def read_corpus(path: str, vocab_size: int, cfg: Optional[dict] = None):
     """A corpus drafter folder's (``drafter.json`` of method "suffix" + ``corpus.npz``) token
     documents as flat int32 tokens and int64 offsets, checked against the target's vocabulary
     (``cfg``: its ``drafter.json`` when the caller has read it already)."""
-    from pyspec.drafters.heads import CONFIG_NAME
-
     if cfg is None:
         try:
             with open(os.path.join(path, CONFIG_NAME)) as f:
@@ -248,7 +244,5 @@ def load_suffix(path: str, cfg: dict, target_runner, **overrides) -> SuffixDraft
     d = SuffixDrafter(index, **opts)
     d.manifest = cfg.get("manifest") or {}
     d.path = path
-    from pyspec.drafters.heads import warn_target_hash
-
     warn_target_hash(d, path, target_runner)
     return d

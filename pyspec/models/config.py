@@ -59,6 +59,13 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    @property
+    def context_limit(self) -> int:
+        """The most tokens (prompt + new) a request may span: the sliding window, and the
+        trained context unless dynamic RoPE scaling extends it."""
+        return min(self.sliding_window or (1 << 62), self.max_position_embeddings
+                   if self.rope_scaling.rope_type != "dynamic" else (1 << 62))
+
     @classmethod
     def from_dict(cls, d: Dict[str, Any], source: str = "config") -> "ModelConfig":
         d = {k: v for k, v in d.items() if v is not None}  # null means "not set"

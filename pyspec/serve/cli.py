@@ -6,6 +6,8 @@ import logging
 import math
 import signal
 
+from pyspec.cli_flags import add_model_flags
+
 log = logging.getLogger("pyspec.serve")
 
 
@@ -124,14 +126,7 @@ def add_parser(sub):
     p.add_argument("--served-model-name", default="pyspec")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu",
-                   help="cpu, or cuda / cuda:N (a CUDA build with a GPU): where the model runs")
-    p.add_argument("--packed-weights", default="auto", choices=["auto", "codes", "off"],
-                   help="auto: float32 matrices that are exactly 4-bit / 8-bit block codes (the "
-                        "default model's) are read as those codes, same output bit for bit; "
-                        "codes: also free the decoder layers' float32 copies (about 5x less "
-                        "memory for them, same output; long prefills rebuild them per step)")
+    add_model_flags(p)
     p.add_argument("--kv-cache-tokens", type=int, default=16384)
     p.add_argument("--prompt-log", default=None,
                    help="append a sampled share of prompts to this JSONL (eval-draft replays it)")

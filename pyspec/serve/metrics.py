@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pyspec.engine import BUDGET_PROBE_FIRST, BUDGET_PROBE_STEPS, CALIBRATION_STEPS
+from pyspec._C import BUDGET_PROBE_FIRST, BUDGET_PROBE_MAX, CALIBRATION_STEPS
 
 # Fine enough for sub-10 ms tokens, up to minutes for whole requests.
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
@@ -35,7 +35,7 @@ class Metrics:
         self.budget_probes = Counter(p + "budget_probes",
                                      "Times the memory-bound draft budget was lifted after it had "
                                      f"stopped every draft for {BUDGET_PROBE_FIRST}-"
-                                     f"{BUDGET_PROBE_STEPS} steps (to re-measure)", registry=r)
+                                     f"{BUDGET_PROBE_MAX} steps (to re-measure)", registry=r)
         self.calibration_steps = Counter(p + "calibration_steps",
                                          "Decode steps run without drafts after "
                                          f"{CALIBRATION_STEPS} steps in a row that all drafted "
@@ -142,3 +142,77 @@ def memory_limit() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         return 0
+
+
+def model_tensors(model):
+    """The tensors a loaded model holds (embedding, head, final norm, every layer's), each once.
+    Codes-only matrices (packed_weights="codes") count through the model's packed_bytes."""
+    import torch
+
+    seen = set()
+    for t in [model.embed, model.lm_head, model.norm] + [v for layer in model.layers
+                                                         for v in layer.values()]:
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            yield t
+
+
+def kv_bytes(engine) -> int:
+    """K and V pages of an engine's target pool and of its drafters' own pools (an EAGLE
+    head's, a draft model's)."""
+    return sum(2 * p.k.numel() * p.k.element_size()
+               for p in [engine.runner.kv] + engine.drafting.pools)
+
+
+def draft_bytes(engine) -> int:
+    """Bytes of weights the drafters hold beyond the target's own tensors: a draft model's
+    weights (unless it shares the target's), head weights, and the host copies of the target's
+    embedding / norm / lm_head that heads keep when the target is on a GPU (on a CPU target those
+    are the target's tensors and count once, as target weights). Each tensor counts once."""
+    import torch
+
+    seen = {id(t) for t in model_tensors(engine.runner.model)}
+    total = 0
+
+    def add(t):
+        nonlocal total
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+
+    def parts(d):
+        # Combined drafters ('+', '|') hold their parts; a part may appear under several names.
+        sub = getattr(d, "parts", None)
+        if not sub:
+            yield d
+        for p in sub or ():
+            yield from parts(p)
+
+    for d in (p for top in engine.drafters.values() for p in parts(top)):
+        m = getattr(d, "model", None)
+        if m is not None and not getattr(d, "share", False):
+            for t in model_tensors(m):
+                add(t)
+            # A draft model's packed codes.
+            for p in (m._packed_weights() if hasattr(m, "_packed_weights") else []):
+                for t in (p.q, p.d, p.m):
+                    add(t)
+        head = getattr(d, "head", None)
+        if head is not None:
+            for t in model_tensors(head):
+                add(t)
+        for name in ("fc_w", "fc_b", "fuse_w", "embed_w", "norm_w", "lm_head", "w", "b"):
+            add(getattr(d, name, None))
+    return total
+
+
+def set_memory_gauges(metrics: Metrics, llm, shadow=None) -> None:
+    """The memory gauges of a server of ``llm`` (and its shadow engine)."""
+    metrics.memory.labels(component="target_weights").set(
+        sum(t.numel() * t.element_size() for t in model_tensors(llm.model))
+        + llm.model.packed_bytes)
+    metrics.memory.labels(component="kv_pool").set(kv_bytes(llm.engine))
+    metrics.memory.labels(component="draft_weights").set(draft_bytes(llm.engine))
+    if shadow is not None:
+        metrics.memory.labels(component="shadow_kv_pool").set(kv_bytes(shadow.engine))
+        metrics.memory.labels(component="shadow_draft_weights").set(draft_bytes(shadow.engine))

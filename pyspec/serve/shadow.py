@@ -30,7 +30,7 @@ def shadow_blocks(llm, ratio: float) -> int:
     mirrored alone), and never more than the live pool. A full-size copy would double the KV
     memory (on a GPU, device memory) for a small share of traffic; mirrored copies that do not
     fit at a moment wait or are preempted in the shadow engine, never touching live requests."""
-    from pyspec.serve.app import context_tokens
+    from pyspec.serve.protocol import context_tokens
 
     live = llm.runner.kv.num_blocks
     one = -(-(context_tokens(llm) + 1) // llm.runner.block_size)
@@ -116,11 +116,15 @@ class Shadow:
         self.m_speedup.set(self._speedup)
 
     def _run(self):
-        from pyspec.llm import _Track
+        from pyspec.outputs import OutputTracker, apply_outputs
 
         eng = self.engine
-        live: Dict[int, list] = {}  # engine id -> [key, t0, t_first, stop-string tracker]
+        live: Dict[int, list] = {}  # engine id -> [key, t0, t_first]
         ids_of: Dict[str, int] = {}  # key -> engine id, for aborts
+        # The engine knows stop tokens only; stop strings are applied here as the live loop
+        # applies them, else a copy would run on to max_tokens past where its live request
+        # stopped (requests without stop strings need no tracker).
+        trackers: Dict[int, OutputTracker] = {}
         while not self._stop:
             block = not live
             while True:
@@ -132,6 +136,7 @@ class Shadow:
                 if item is None:
                     return
                 if item[0] == "abort":
+                    trackers.pop(ids_of.get(item[1], -1), None)
                     self._drop(live, ids_of, item[1])
                     continue
                 _, key, ids, p = item
@@ -141,10 +146,10 @@ class Shadow:
                     log.warning("shadow: could not mirror a request: %s", e)
                     continue
                 t0 = time.perf_counter()
-                # The engine knows stop tokens only; stop strings are the serving loop's, so the
-                # copy would otherwise run on to max_tokens past where its live request stopped.
-                live[rid] = [key, t0, None, _Track(self.llm, rid, p, t0) if p.stop else None]
+                live[rid] = [key, t0, None]
                 ids_of[key] = rid
+                if p.stop:
+                    trackers[rid] = OutputTracker(self.llm.tokenizer, p, t0)
             if not live:
                 continue
             try:
@@ -156,40 +161,36 @@ class Shadow:
                     eng.result(rid, pop=True)
                 live.clear()
                 ids_of.clear()
+                trackers.clear()
                 continue
             now = time.perf_counter()
-            for o in outs:
-                ent = live.get(o.request_id)
+            for d in apply_outputs(eng, outs, trackers):
+                ent = live.get(d.request_id)
                 if ent is None:
                     continue
-                if o.new_tokens and ent[2] is None:
+                if d.token_ids and ent[2] is None:
                     ent[2] = now
-                track = ent[3]
-                stopped = False
-                if track is not None and not o.finished:
-                    track.push(o.new_tokens, False, None)
-                    stopped = track.finished
-                if o.finished or stopped:
-                    if stopped:
-                        eng.abort(o.request_id)
-                    res = eng.result(o.request_id, pop=True)
-                    del live[o.request_id]
-                    ids_of.pop(ent[0], None)
-                    st = res.stats
-                    self.m_requests.inc()
-                    self.m_drafts.inc(st.drafts)
-                    self.m_draft_tokens.inc(st.draft_tokens)
-                    self.m_accepted.inc(st.accepted_tokens)
-                    self._drafts += st.drafts
-                    self._accepted += st.accepted_tokens
-                    if self._drafts:
-                        self.m_al.set(1 + self._accepted / self._drafts)
-                    # Tokens past a stop string (accepted in the same step) are not output.
-                    n = len(track.tokens) if stopped else len(res.token_ids)
-                    if n > 1 and ent[2] is not None:
-                        with self._lock:
-                            self._shadow_tpot[ent[0]] = (now - ent[2]) / (n - 1)
-                            self._pair(ent[0])
+                if not d.finished:
+                    continue
+                res = eng.result(d.request_id, pop=True)
+                del live[d.request_id]
+                trackers.pop(d.request_id, None)
+                ids_of.pop(ent[0], None)
+                st = res.stats
+                self.m_requests.inc()
+                self.m_drafts.inc(st.drafts)
+                self.m_draft_tokens.inc(st.draft_tokens)
+                self.m_accepted.inc(st.accepted_tokens)
+                self._drafts += st.drafts
+                self._accepted += st.accepted_tokens
+                if self._drafts:
+                    self.m_al.set(1 + self._accepted / self._drafts)
+                # Tokens past a stop string (accepted in the same step) are not output.
+                n = len(d.tracker.tokens) if d.stopped else len(res.token_ids)
+                if n > 1 and ent[2] is not None:
+                    with self._lock:
+                        self._shadow_tpot[ent[0]] = (now - ent[2]) / (n - 1)
+                        self._pair(ent[0])
 
     def _drop(self, live, ids_of, key) -> None:
         rid = ids_of.pop(key, None)

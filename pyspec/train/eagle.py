@@ -180,25 +180,6 @@ class EagleHead(nn.Module):
         return {**out, "draft_vocab": self.draft_vocab.to(torch.int64)}
 
 
-def _batches(seqs, max_entries: int, max_len: int, rng: torch.Generator):
-    """Index batches of sequences with similar lengths (<= max_entries padded entries each)."""
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].tokens))
-    out, cur, cur_max = [], [], 0
-    for i in order:
-        n = min(len(seqs[i].tokens) - 2, max_len)
-        if n < 1:
-            continue
-        if cur and max(cur_max, n) * (len(cur) + 1) > max_entries:
-            out.append(cur)
-            cur, cur_max = [], 0
-        cur.append(i)
-        cur_max = max(cur_max, n)
-    if cur:
-        out.append(cur)
-    perm = torch.randperm(len(out), generator=rng).tolist()
-    return [out[k] for k in perm]
-
-
 def _tensors(seqs, idx, max_len, h_final):
     """Batch rows: next tokens, input features (all feature layers), the final layer's features
     one position on (the teacher), mask."""

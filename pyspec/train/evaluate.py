@@ -106,7 +106,7 @@ def _summary(rows: List[dict]) -> dict:
 def sampling_params(max_tokens: int, temperature: float):
     """The evaluation's sampling parameters, checked (ValueError naming the bad one): done before
     the target loads, so a bad value costs no load."""
-    from pyspec.engine import SamplingParams, validate_params
+    from pyspec.params import SamplingParams, validate_params
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0)
     # The vocabulary only bounds stop_token_ids, and there are none here.
@@ -133,9 +133,7 @@ def evaluate(target: Optional[str], drafts: Dict[str, str], prompts, *, max_toke
     enc = [base.chat_prompt([{"role": "user", "content": p}]) for _, p in prompts]
     # Every prompt is checked against the context before any is evaluated: one too long would
     # otherwise fail the run when evaluation reaches it.
-    from pyspec.engine import context_limit
-
-    limit = context_limit(base.model.cfg)
+    limit = base.model.cfg.context_limit
     for i, ids in enumerate(enc):
         if len(ids) + max_tokens > limit:
             name = where[i] if where else f"prompt {i + 1}"
@@ -322,6 +320,8 @@ def record_in_manifest(draft_dir: str, report: dict, args) -> None:
 
 
 def add_parser(sub):
+    from pyspec.cli_flags import add_model_flags
+
     p = sub.add_parser("eval-draft", help="acceptance report for a drafter (and a promotion gate)")
     p.add_argument("--target", default=None, help="target model folder (default: the embedded)")
     p.add_argument("--draft", default="default", help="drafter spec (see pyspec generate --draft)")
@@ -331,12 +331,7 @@ def add_parser(sub):
                    help="at most N prompts of each category (in file order)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--packed-weights", default="auto", choices=["auto", "codes", "off"],
-                   help="auto: the target reads float32 matrices that are exactly 4-bit / 8-bit "
-                        "block codes as those codes (same outputs, other speedups); codes: also "
-                        "frees their float32 copies (reported as packed: the same speeds); off: "
-                        "float32, as evaluations recorded before packed weights existed")
+    add_model_flags(p, dtypes=("float32", "bfloat16"), device=False)
     p.add_argument("--no-adaptive", dest="adaptive", action="store_false",
                    help="fixed draft lengths (the drafter's), no fallback to plain decoding: "
                         "the drafter's acceptance without the cost model's decisions")
@@ -354,7 +349,7 @@ def add_parser(sub):
 def _cmd(args) -> int:
     if args.max_tokens < 1:
         raise ValueError("--max-tokens must be >= 1")
-    from pyspec.engine import SamplingParams, check_sampling_options
+    from pyspec.params import SamplingParams, check_sampling_options
 
     # Before anything is loaded or written.
     check_sampling_options(SamplingParams(max_tokens=args.max_tokens,

@@ -28,9 +28,26 @@ def mixed_precision():
 def make_plan(seqs, epochs: int, max_entries: int, max_len: int,
               rng: torch.Generator) -> List[list]:
     """One shuffled list of length-bucketed batches per epoch (deterministic for the rng)."""
-    from pyspec.train.eagle import _batches
+    return [length_batches(seqs, max_entries, max_len, rng) for _ in range(epochs)]
 
-    return [_batches(seqs, max_entries, max_len, rng) for _ in range(epochs)]
+
+def length_batches(seqs, max_entries: int, max_len: int, rng: torch.Generator):
+    """Index batches of sequences with similar lengths (<= max_entries padded entries each)."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].tokens))
+    out, cur, cur_max = [], [], 0
+    for i in order:
+        n = min(len(seqs[i].tokens) - 2, max_len)
+        if n < 1:
+            continue
+        if cur and max(cur_max, n) * (len(cur) + 1) > max_entries:
+            out.append(cur)
+            cur, cur_max = [], 0
+        cur.append(i)
+        cur_max = max(cur_max, n)
+    if cur:
+        out.append(cur)
+    perm = torch.randperm(len(out), generator=rng).tolist()
+    return [out[k] for k in perm]
 
 
 def set_lr(opt: torch.optim.Optimizer, lr: float, step: int, total: int) -> None:

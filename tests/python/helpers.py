@@ -1,4 +1,7 @@
+from typing import List
+
 import pytest
+import torch
 
 
 def devices():
@@ -16,6 +19,27 @@ def require_module(name: str) -> None:
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
             pytest.fail(f"test dependency '{name}' is missing in CI (see .ci/run)")
         pytest.skip(f"'{name}' is not installed")
+
+
+# ---- tiny random models ---------------------------------------------------------------------------
+
+
+def tiny_config(vocab: int = 111):
+    """A 2-layer Llama config (hidden 256, 4 heads, 2 KV heads) for random-weight models."""
+    from pyspec.models.config import ModelConfig
+
+    return ModelConfig.from_dict(dict(
+        architectures=["LlamaForCausalLM"], vocab_size=vocab, hidden_size=256, intermediate_size=512,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+        max_position_embeddings=4096, tie_word_embeddings=False), source="tiny")
+
+
+def default_prompt(vocab: int = 111, length: int = 48, seed: int = 1) -> List[int]:
+    """A prompt with repeated phrases, the kind of input prompt lookup is made for."""
+    g = torch.Generator().manual_seed(seed)
+    phrase = torch.randint(0, vocab, (8,), generator=g).tolist()
+    noise = torch.randint(0, vocab, (length,), generator=g).tolist()
+    return (phrase + noise[:8]) * (length // 16) + phrase
 
 
 # ---- greedy equality up to measured near-ties ---------------------------------------------------

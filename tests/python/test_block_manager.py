@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from pyspec import _C
-from pyspec.kv_cache import NO_SPACE, BlockManager
+BlockManager = _C.BlockManager
+NO_SPACE = _C.BlockManager.NO_SPACE
 
 
 def test_basic_flow():

@@ -15,7 +15,7 @@ from pyspec import TokenTree
 from pyspec.engine import Engine, SamplingParams
 from pyspec.models.llama import LlamaForCausalLM, resolve_device
 from pyspec.runner import ModelRunner, SeqStep
-from pyspec.smoke import tiny_config
+from helpers import tiny_config
 from test_drafters import MAX_TOKENS, _drafter, prompts
 
 
@@ -36,13 +36,13 @@ def test_device_argument_errors(tmp_path):
         LlamaForCausalLM.from_pretrained(str(tmp_path), device="mps")
     with pytest.raises(ValueError, match="device must be"):
         LlamaForCausalLM.random(tiny_config()).to("mps")
-    from pyspec import generation
+    import pyspec
     from test_llm import write_tiny_model
 
     folder = write_tiny_model(tmp_path / "tiny")
     with pytest.raises(ValueError, match="device must be"):
-        generation.load(str(folder), device="mps", progress=False)
-    assert generation.load(str(folder), device="cpu", progress=False).model.device.type == "cpu"
+        pyspec.LLM(str(folder), draft="none", device="mps", progress=False)
+    assert pyspec.LLM(str(folder), draft="none", device="cpu").model.device.type == "cpu"
     assert resolve_device("cpu") == torch.device("cpu")
     if not _cuda_usable():
         # A CPU-only machine or build says which of the two it is.

@@ -41,7 +41,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def reference(target):
-    from pyspec.decode import decode_one
+    from reference import decode_one
     from pyspec.runner import ModelRunner
 
     llm, ids = target

@@ -18,9 +18,24 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def loaded():
-    from pyspec import generation
+    import pyspec
 
-    return generation.load(None, dtype="float32", progress=False)
+    return pyspec.LLM(draft="none", progress=False)
+
+
+def _greedy(llm, ids, draft, max_tokens, gamma=None):
+    """Greedy tokens of ``llm``'s model on one engine with ``draft`` (fixed draft lengths)."""
+    from pyspec.engine import Engine
+    from pyspec.runner import ModelRunner
+
+    eng = Engine(ModelRunner(llm.model, num_blocks=64, block_size=16), drafter=draft,
+                 gamma=gamma, adaptive=False)
+    eos = list(llm.tokenizer.eos_token_ids)
+    return eng.generate([ids], {"max_tokens": max_tokens, "stop_token_ids": eos})[0]
+
+
+def _chat_ids(llm, prompt):
+    return llm.chat_prompt([{"role": "user", "content": prompt}])
 
 
 def test_greedy_32_tokens_match_transformers(loaded):
@@ -29,13 +44,11 @@ def test_greedy_32_tokens_match_transformers(loaded):
     require_module("transformers")
     import transformers
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from pyspec import generation
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(loaded.path, dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(loaded.model_path, dtype=torch.float32)
     hf.eval()
     for prompt in PROMPTS:
-        ids = generation.encode_prompt(loaded.tokenizer, prompt)
-        ours = generation.run(loaded, ids, draft="none", max_tokens=32).tokens
+        ids = _chat_ids(loaded, prompt)
+        ours = _greedy(loaded, ids, "none", 32).token_ids
         with torch.no_grad():
             out = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
                               eos_token_id=None, pad_token_id=0)
@@ -46,16 +59,14 @@ def test_greedy_32_tokens_match_transformers(loaded):
 
 
 def test_speculative_greedy_is_identical_on_the_default_model(loaded):
-    from pyspec import generation
-
     prompt = ("Repeat this list exactly, then add one item: apples, pears, plums, cherries, "
               "apples, pears, plums, cherries.")
-    ids = generation.encode_prompt(loaded.tokenizer, prompt)
-    plain = generation.run(loaded, ids, draft="none", max_tokens=48)
-    spec = generation.run(loaded, ids, draft="ngram", gamma=5, max_tokens=48)
-    assert spec.tokens == plain.tokens
-    assert spec.steps < plain.steps  # prompt lookup drafts were accepted
-    text = loaded.tokenizer.decode(spec.tokens, skip_special_tokens=True)
+    ids = _chat_ids(loaded, prompt)
+    plain = _greedy(loaded, ids, "none", 48)
+    spec = _greedy(loaded, ids, "ngram", 48, gamma=5)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.steps < plain.stats.steps  # prompt lookup drafts were accepted
+    text = loaded.tokenizer.decode(spec.token_ids, skip_special_tokens=True)
     assert "apples" in text
 
 
@@ -63,7 +74,8 @@ def test_default_model_runs_on_packed_weights_with_identical_output(loaded, monk
     """The default model's weights came from a Q4_1 / Q8_0 GGUF: every dense matrix packs (4-bit
     layers, 8-bit lm_head) and greedy decoding, plain and speculative, gives the float32
     weights' tokens."""
-    from pyspec import _C, generation
+    import pyspec
+    from pyspec import _C
 
     if not _C._packed_linear_available():
         assert loaded.model._packed is None
@@ -76,11 +88,11 @@ def test_default_model_runs_on_packed_weights_with_identical_output(loaded, monk
     dense_bytes += model.lm_head.numel() * 4
     assert model.packed_bytes < dense_bytes / 4  # 111 MB against 538 MB
     monkeypatch.setenv("PYSPEC_PACKED_WEIGHTS", "0")
-    dense = generation.load(None, dtype="float32", progress=False)
+    dense = pyspec.LLM(draft="none", progress=False)
     assert dense.model._packed is None
     for prompt in PROMPTS[:2]:
-        ids = generation.encode_prompt(loaded.tokenizer, prompt)
+        ids = _chat_ids(loaded, prompt)
         for draft in ("none", "ngram"):
-            a = generation.run(loaded, ids, draft=draft, max_tokens=32).tokens
-            b = generation.run(dense, ids, draft=draft, max_tokens=32).tokens
+            a = _greedy(loaded, ids, draft, 32, gamma=5 if draft == "ngram" else None).token_ids
+            b = _greedy(dense, ids, draft, 32, gamma=5 if draft == "ngram" else None).token_ids
             assert a == b, (prompt, draft)

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from pyspec import _C
-from pyspec.decode import decode_one
+from reference import decode_one
 from pyspec.drafters import (Draft, Drafter, EagleDrafter, FirstDrafter, LayerSkipDrafter,
                              MedusaDrafter, MergedDrafter, ModelDrafter, NgramDrafter, load_heads,
                              make_drafter, save_heads)
 from pyspec.engine import Engine, SamplingParams
 from pyspec.models.llama import LlamaForCausalLM
 from pyspec.runner import ModelRunner
-from pyspec.smoke import default_prompt, tiny_config
+from helpers import default_prompt, tiny_config
 
 MAX_TOKENS = 24
 
@@ -231,8 +231,7 @@ def test_a_request_that_starts_plain_switches_to_an_untried_drafter(model, plain
     good = ModelDrafter(LlamaForCausalLM.random(model.cfg, seed=0), runner, max_depth=3)
     eng = Engine(runner, drafter=bad, drafters={"self": good},
                  router=pyspec_router(default="exploding", switch_order=["self"]),
-                 max_draft_tokens=3)
-    eng._update_cost_model = lambda: None
+                 max_draft_tokens=3, measure_costs=False)
     eng.scheduler.set_cost_model(0.5, 0.2)
     first = eng.generate([prompts()[3]], SamplingParams(max_tokens=MAX_TOKENS))[0]
     assert first.stats.fallbacks.get("cost_model", 0) >= 1 and first.stats.drafts > 0
@@ -280,7 +279,7 @@ def test_a_switch_gives_the_new_drafter_a_fresh_start(model, plain):
 
 
 def test_prompt_lookup_sources_are_match_lengths():
-    from pyspec.decode import prompt_lookup_match
+    from pyspec.drafters.ngram import prompt_lookup_match
     from pyspec.drafters.base import DraftRequest
 
     d = NgramDrafter(3)
@@ -352,7 +351,7 @@ def test_first_drafter_parts_keep_their_own_draft_length(model, sourced):
     assert first.num_draft_sources == 2
     eng = Engine(runner, drafter=first, adaptive=False, max_draft_tokens=3)
     if not sourced:
-        eng._sourced = {}
+        eng.drafting.sourced = {}
     steps = []
     eng.trace_hook = lambda t: steps.append(t.decisions)
     rid = eng.add_request(prompts()[3], SamplingParams(max_tokens=60))
@@ -520,17 +519,16 @@ def test_switch_to_a_draft_model_catches_up_its_kv(model, plain):
 
 
 def test_batch_aware_budget_from_measured_step_times(model):
-    """The engine's step-time fit (t = base + slope * tokens) sets the shared draft budget to the
-    tokens a step can add before it turns compute-bound, and stops speculation once the batch
-    alone gets there."""
+    """The scheduler's step-time fit (t = base + slope * tokens, from the step times the engine
+    reports) sets the shared draft budget to the tokens a step can add before it turns
+    compute-bound, and stops speculation once the batch alone gets there."""
     runner = ModelRunner(model, num_blocks=16, block_size=8)
     eng = Engine(runner, drafter="ngram")
     s = eng.scheduler
     assert s.memory_bound_tokens == 0
     for tokens in (4, 8, 12, 16, 20, 24, 28, 32):  # t = 10 ms + 1 ms per token
-        eng._observe_step_time(4, tokens, 0.010 + 0.001 * tokens)
-    eng._last_batch = 4
-    eng._update_cost_model()
+        s.observe_step_time(4, tokens, 0.010 + 0.001 * tokens)
+    s.refit_cost_model()
     assert s.memory_bound_tokens == 10 and eng.stats.spec_free_tokens == 6
     # The scheduler's share: what the running batch leaves of those tokens, split among the
     # speculating requests; nothing once the batch alone reaches them.
@@ -538,6 +536,8 @@ def test_batch_aware_budget_from_measured_step_times(model):
     assert s.spec_share(12, 3) == 0
     with pytest.raises(ValueError):
         s.set_memory_bound_tokens(-1)
+    with pytest.raises(ValueError, match="observe_step_time"):
+        s.observe_step_time(4, 2, 0.01)  # fewer tokens than requests
 
 
 def test_draft_costs_count_every_request_of_the_batch(model):
@@ -550,11 +550,11 @@ def test_draft_costs_count_every_request_of_the_batch(model):
     def costs(batch):
         runner = ModelRunner(model, num_blocks=16, block_size=8)
         eng = Engine(runner, drafter="ngram")
+        s = eng.scheduler
         for tokens in (4, 8, 12, 16, 20, 24, 28, 32):  # t = 10 ms + 1 ms per token
-            eng._observe_step_time(batch, tokens, 0.010 + 0.001 * tokens)
-        eng._last_batch = batch
-        eng._draft_time = {"ngram": [0.0014 * 10, 10.0]}  # 1.4 ms per draft level
-        eng._update_cost_model()
+            s.observe_step_time(batch, tokens, 0.010 + 0.001 * tokens)
+        s.observe_draft_time(0, 0.0014 * 10, 10)  # 1.4 ms per draft level
+        s.refit_cost_model()
         return eng.stats.draft_cost, eng.stats.verify_cost
 
     d1, v1 = costs(1)
@@ -571,56 +571,55 @@ def test_draft_costs_count_every_request_of_the_batch(model):
 def test_a_budget_that_stops_every_draft_is_probed_again(model):
     """A step-time fit that puts the memory-bound limit at or below the batch stops every draft,
     and so the step-size spread the fit would need to correct it: after BUDGET_PROBE_FIRST decode
-    steps without a draft token (then twice as many after each probe, up to BUDGET_PROBE_STEPS)
-    the engine lifts the limit (to twice the batch) until its next update, and the limit is then
+    steps without a draft token (then twice as many after each probe, up to BUDGET_PROBE_MAX)
+    the scheduler lifts the limit (to twice the batch) until its next refit, and the limit is then
     computed again from what the drafting steps measured."""
-    from pyspec.engine import BUDGET_PROBE_FIRST, BUDGET_PROBE_STEPS
+    from pyspec._C import BUDGET_PROBE_FIRST, BUDGET_PROBE_MAX
 
     runner = ModelRunner(model, num_blocks=16, block_size=8)
     eng = Engine(runner, drafter="ngram")
     s = eng.scheduler
     for tokens in (4, 8, 12, 16, 20):  # noise: t = 10 ms + 5 ms per token -> limit 2 < batch 4
-        eng._observe_step_time(4, tokens, 0.010 + 0.005 * tokens)
-    eng._last_batch = 4
-    eng._update_cost_model()
+        s.observe_step_time(4, tokens, 0.010 + 0.005 * tokens)
+    s.refit_cost_model()
     assert s.memory_bound_tokens == 2 and s.spec_share(4, 4) == 0
-    assert BUDGET_PROBE_FIRST < BUDGET_PROBE_STEPS
+    assert BUDGET_PROBE_FIRST < BUDGET_PROBE_MAX
     for _ in range(BUDGET_PROBE_FIRST - 1):  # plain steps only: the fit cannot move
-        eng._observe_step_time(4, 4, 0.030)
-    eng._update_cost_model()
+        s.observe_step_time(4, 4, 0.030)
+    s.refit_cost_model()
     assert s.memory_bound_tokens == 2 and eng.stats.budget_probes == 0
-    eng._observe_step_time(4, 4, 0.030)
-    eng._update_cost_model()
+    s.observe_step_time(4, 4, 0.030)
+    s.refit_cost_model()
     # lifted to twice the batch (at least 8 more tokens), not away: drafts again, a few per
     # request, instead of every request's full tree
     assert s.memory_bound_tokens == 12 and eng.stats.budget_probes == 1
     assert 0 < s.spec_share(4, 4) <= 2
     # The noisy fit again: the next probe waits twice as long, and the interval stops at
-    # BUDGET_PROBE_STEPS.
+    # BUDGET_PROBE_MAX.
     waits = []
     for probe in range(2, 7):
         for tokens in (4, 8, 12, 16, 20):
-            eng._observe_step_time(4, tokens, 0.010 + 0.005 * tokens)
-        eng._update_cost_model()
+            s.observe_step_time(4, tokens, 0.010 + 0.005 * tokens)
+        s.refit_cost_model()
         assert s.memory_bound_tokens <= 4
         n = 0
         while eng.stats.budget_probes < probe:
-            eng._observe_step_time(4, 4, 0.030)
-            eng._update_cost_model()
+            s.observe_step_time(4, 4, 0.030)
+            s.refit_cost_model()
             n += 1
         waits.append(n)
-    expected = [min(BUDGET_PROBE_FIRST * 2 ** k, BUDGET_PROBE_STEPS) for k in range(1, 6)]
+    expected = [min(BUDGET_PROBE_FIRST * 2 ** k, BUDGET_PROBE_MAX) for k in range(1, 6)]
     assert waits == expected
     for tokens in (8, 12, 16, 20) * 8:  # what the drafting steps measure: 1 ms per token
-        eng._observe_step_time(4, tokens, 0.026 + 0.001 * tokens)
-    eng._update_cost_model()
+        s.observe_step_time(4, tokens, 0.026 + 0.001 * tokens)
+    s.refit_cost_model()
     assert s.memory_bound_tokens > 4 and s.spec_share(4, 4) > 0
     # A limit that leaves room for drafts is not lifted, however long no request drafted
     # (then acceptance, not the budget, kept the drafts off).
     probes = eng.stats.budget_probes
-    for _ in range(2 * BUDGET_PROBE_STEPS):
-        eng._observe_step_time(4, 4, 0.030)
-    eng._update_cost_model()
+    for _ in range(2 * BUDGET_PROBE_MAX):
+        s.observe_step_time(4, 4, 0.030)
+    s.refit_cost_model()
     assert eng.stats.budget_probes == probes and s.memory_bound_tokens > 0
 
 
@@ -647,7 +646,7 @@ def test_a_drafter_that_always_drafts_gets_plain_calibration_steps(model):
     drafts nothing, so the step-time fit sees a plain step (with trees always the same size its
     intercept and slope are left to noise); the output is unchanged and the steps are counted.
     Without adaptive speculation there is no fit and no calibration step."""
-    from pyspec.engine import CALIBRATION_STEPS
+    from pyspec._C import CALIBRATION_STEPS
 
     n = 3 * CALIBRATION_STEPS + 40
     p = prompts()[3]
@@ -655,7 +654,7 @@ def test_a_drafter_that_always_drafts_gets_plain_calibration_steps(model):
     for adaptive in (True, False):
         runner = ModelRunner(model, num_blocks=64, block_size=8)
         # (cost_model=False: draft lengths that do not depend on this machine's timings; the
-        # calibration steps come with adaptive speculation either way)
+        # calibration steps come with the scheduler's measured costs either way)
         eng = Engine(runner, drafter=Oracle(p, want), adaptive=adaptive, max_draft_tokens=1,
                      cost_model=False)
         steps = []
@@ -782,7 +781,8 @@ def test_draft_bytes_counts_what_drafters_hold_beyond_the_target(model, tmp_path
     of combined drafters count."""
     pytest.importorskip("fastapi")
     from pyspec.engine import Engine
-    from pyspec.serve.app import _draft_bytes, _model_tensors
+    from pyspec.serve.metrics import draft_bytes as _draft_bytes
+    from pyspec.serve.metrics import model_tensors as _model_tensors
 
     def nbytes(ts):
         return sum(t.numel() * t.element_size() for t in ts)

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from pyspec.decode import decode_one, prompt_lookup_drafter
+from reference import decode_one, prompt_lookup_drafter
 from pyspec.engine import Engine, SamplingParams
 from pyspec.models.llama import LlamaForCausalLM
 from pyspec.runner import ModelRunner
-from pyspec.smoke import default_prompt, tiny_config
+from helpers import default_prompt, tiny_config
 
 MAX_TOKENS = 20
 GAMMA = 4
@@ -238,36 +238,38 @@ def test_bad_engine_config(model):
         Engine(runner, gamma=-1)
 
 
-def test_greedy_walk_equals_accept_on_one_hot_rows():
-    """The engine's greedy fast path (argmax of the logits, no probability rows) decides exactly
-    what the acceptance op decides from temperature-0 rows: random trees with repeated sibling
-    tokens, tied logits and several requests; a non-finite row defers to the op."""
-    from pyspec.drafters.base import Draft
-    from pyspec.engine import _greedy_walk
-    from pyspec.sampling import accept, apply_sampling_filters
+def test_greedy_walk_from_logits_equals_accept_on_one_hot_rows():
+    """The engine's greedy path (the core's walk over the logits, no probability rows) decides
+    exactly what the acceptance op decides from temperature-0 rows: random trees with repeated
+    sibling tokens, tied logits and several requests; a non-finite row is the filters' error."""
+    from pyspec.sampling import accept, accept_greedy, apply_sampling_filters
 
     g = torch.Generator().manual_seed(0)
     vocab = 7  # few tokens: children often hold the argmax, and ties are common
     for trial in range(300):
-        drafts, indptr = [], [0]
+        tokens, parents, indptr = [], [], [0]
         for _ in range(int(torch.randint(1, 4, (1,), generator=g))):
             n = int(torch.randint(1, 9, (1,), generator=g))
-            parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
-            tokens = torch.randint(0, vocab, (n,), generator=g).tolist()
-            drafts.append(Draft(tokens, parents))
+            parents += [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+            tokens += torch.randint(0, vocab, (n,), generator=g).tolist()
             indptr.append(indptr[-1] + n)
         logits = torch.randint(0, 3, (indptr[-1], vocab), generator=g).float()  # many ties
-        got = _greedy_walk(logits, drafts, indptr)
-        res = accept(apply_sampling_filters(logits, 0.0),
-                     torch.tensor([t for d in drafts for t in d.tokens], dtype=torch.int32),
-                     torch.tensor([p for d in drafts for p in d.parents], dtype=torch.int32),
-                     torch.tensor(indptr), greedy=True, seeds=0)
-        n_acc = res.num_accepted.tolist()
-        assert got[2] == n_acc, trial
-        assert got[0] == res.emitted_lists(), trial
-        assert got[1] == [row[:a + 1] for row, a in zip(res.accepted_nodes.tolist(), n_acc)], trial
-    logits[0, 1] = float("nan")
-    assert _greedy_walk(logits, drafts, indptr) is None
+        trees = (torch.tensor(tokens, dtype=torch.int32), torch.tensor(parents, dtype=torch.int32),
+                 torch.tensor(indptr))
+        got = accept_greedy(logits, *trees)
+        res = accept(apply_sampling_filters(logits, 0.0), *trees, greedy=True, seeds=0)
+        assert torch.equal(got.num_accepted, res.num_accepted), trial
+        assert got.emitted_lists() == res.emitted_lists(), trial
+        assert torch.equal(got.accepted_nodes, res.accepted_nodes), trial
+    for bad in (float("nan"), float("inf")):
+        logits[0, 1] = bad
+        with pytest.raises(ValueError, match="'logits' row 0 has a NaN or \\+inf entry at token 1"):
+            accept_greedy(logits, *trees)
+        with pytest.raises(ValueError, match="'logits' row 0 has a NaN or \\+inf entry at token 1"):
+            apply_sampling_filters(logits, 0.0)
+    logits[0] = float("-inf")
+    with pytest.raises(ValueError, match="no finite entry"):
+        accept_greedy(logits, *trees)
 
 
 def test_small_steps_run_all_their_torch_work_on_one_thread(model, monkeypatch, torch_threads_2):
@@ -306,9 +308,11 @@ def test_small_steps_run_all_their_torch_work_on_one_thread(model, monkeypatch, 
     d = Recording()
     eng = Engine(ModelRunner(model, num_blocks=64, block_size=8), drafter=d, gamma=2,
                  adaptive=False, max_num_batched_tokens=256)
-    accept = eng._accept
-    monkeypatch.setattr(eng, "_accept", lambda *a: (
-        d.seen["accept"].append(torch.get_num_threads()), accept(*a))[1])
+    import pyspec.engine.engine as engine_mod
+
+    accept = engine_mod.accept_step
+    monkeypatch.setattr(engine_mod, "accept_step", lambda *a, **k: (
+        d.seen["accept"].append(torch.get_num_threads()), accept(*a, **k))[1])
     threads = torch_threads_2
     limit = max_fast_rows(torch.float32)
     long_prompt = [(7 * i) % 100 + 1 for i in range(limit + 40)]
@@ -318,13 +322,14 @@ def test_small_steps_run_all_their_torch_work_on_one_thread(model, monkeypatch, 
     assert big and set(big) == {threads}  # the long prefill kept torch's threads
     for k in ("propose", "observe", "accept"):
         assert d.seen[k] and set(d.seen[k]) == {1}, (k, d.seen[k])
-    monkeypatch.setattr(eng, "_accept", lambda *a: 1 / 0)
+    monkeypatch.setattr(engine_mod, "accept_step", lambda *a, **k: 1 / 0)
     rid = eng.add_request([1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0))
     with pytest.raises(Exception):
         for _ in range(4):
             eng.step()
     assert eng.result(rid).finish_reason == "error"
     assert torch.get_num_threads() == threads
+    monkeypatch.setattr(engine_mod, "accept_step", accept)
 
     w = Wide()
     eng = Engine(ModelRunner(model, num_blocks=64, block_size=8), drafter=w, gamma=2,
@@ -333,18 +338,6 @@ def test_small_steps_run_all_their_torch_work_on_one_thread(model, monkeypatch, 
     assert w.seen["propose"] and set(w.seen["propose"]) == {threads}
     assert w.seen["observe"] and set(w.seen["observe"]) == {1}
     assert torch.get_num_threads() == threads
-
-
-def test_decode_one_steps_run_torch_on_one_thread(ref_runner, monkeypatch, torch_threads_2):
-    import pyspec.decode as dec
-
-    seen = []
-    filt = dec.apply_sampling_filters
-    monkeypatch.setattr(dec, "apply_sampling_filters",
-                        lambda *a, **k: (seen.append(torch.get_num_threads()), filt(*a, **k))[1])
-    decode_one(ref_runner, [1, 2, 3, 1, 2], 5, drafter=prompt_lookup_drafter(), gamma=GAMMA)
-    assert seen and set(seen) == {1}
-    assert torch.get_num_threads() == torch_threads_2
 
 
 def test_each_drafter_keeps_its_own_deployment_evidence(model):
@@ -368,7 +361,7 @@ def test_each_drafter_keeps_its_own_deployment_evidence(model):
     eng = Engine(ModelRunner(model, num_blocks=64, block_size=8), drafter=Silent(),
                  drafters={"wrong": Wrong()}, gamma=2,
                  router=Router([(lambda f: f.prompt_len > 4, "wrong")], default="silent"))
-    groups = eng._evidence_group
+    groups = eng.drafting.evidence_group
     assert sorted(groups) == ["silent", "wrong"] and len(set(groups.values())) == 2
     eng.generate([[1, 2, 3, 4, 5, 6]], SamplingParams(max_tokens=12, temperature=0.0))
     hits, trials = eng.scheduler.deployment_evidence(groups["wrong"])

@@ -13,7 +13,7 @@ from pyspec import TokenTree, _C, ops
 from pyspec.linear import max_fast_rows
 from pyspec.models.llama import LlamaForCausalLM
 from pyspec.runner import ModelRunner, SeqStep
-from pyspec.smoke import tiny_config
+from helpers import tiny_config
 
 
 def _model(dtype, bias=False, layers=2):

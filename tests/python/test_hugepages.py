@@ -6,7 +6,7 @@ import torch
 from pyspec import hugepages
 from pyspec.models.llama import LlamaForCausalLM
 from pyspec.runner import ModelRunner, SeqStep
-from pyspec.smoke import default_prompt, tiny_config
+from helpers import default_prompt, tiny_config
 
 needs_huge = pytest.mark.skipif(not hugepages.enabled(), reason="no MADV_HUGEPAGE here")
 

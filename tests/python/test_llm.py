@@ -11,7 +11,7 @@ import torch
 
 import pyspec
 from pyspec import cli
-from pyspec.decode import decode_one
+from reference import decode_one
 from pyspec.models.config import ModelConfig
 from pyspec.models.loader import expected_shapes
 from pyspec.runner import ModelRunner
@@ -296,13 +296,13 @@ def test_held_back_text_is_the_longest_stop_prefix():
     text that is a proper prefix of some stop string, checked against brute force."""
     import random
 
-    from pyspec.llm import _Track
+    from pyspec.outputs import OutputTracker
 
     rng = random.Random(0)
     for _ in range(500):
         stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 6)))
                  for _ in range(rng.randint(1, 3))]
-        t = _Track.__new__(_Track)
+        t = OutputTracker.__new__(OutputTracker)
         t.stops, t.text = stops, "".join(rng.choice("abc") for _ in range(rng.randint(0, 12)))
         want = max([k for s in stops for k in range(1, len(s)) if t.text.endswith(s[:k])],
                    default=0)
@@ -408,14 +408,9 @@ def test_deployment_acceptance_ewma_follows_ewma_window(model_dir, tmp_path, win
     2 / (ewma_window + 1), as the scheduler's per-request EWMAs do."""
     draft = write_tiny_model(tmp_path / "draft", layers=1, seed=5)
     llm = pyspec.LLM(model_dir, draft, pyspec.SpecConfig(ewma_window=window, adaptive=False))
-    rates = []
-    count = llm.engine._count_spec
-
-    def spy(r, nd, depth, a):
-        rates.append(a / depth)
-        count(r, nd, depth, a)
-
-    llm.engine._count_spec = spy
+    rates = []  # each speculative step's accepted / drafted depth, in order
+    llm.engine.trace_hook = lambda t: rates.extend(
+        a / depth for nd, depth, a, _ in t.decisions.values() if nd)
     # Another random model drafts, the target is sampled: acceptance varies by step.
     llm.generate("abc abc abc", pyspec.SamplingParams(max_tokens=40, temperature=1.0, seed=3,
                                                       ignore_eos=True))

@@ -297,7 +297,7 @@ def test_runner_refuses_out_of_range_token_ids():
     """Checked on the host before the forward: on a GPU an out-of-range id in the embedding would
     be a device-side assert that ends the CUDA context for every later request."""
     from pyspec.runner import ModelRunner, SeqStep
-    from pyspec.smoke import tiny_config
+    from helpers import tiny_config
 
     m = LlamaForCausalLM.random(tiny_config(), seed=0)
     r = ModelRunner(m, num_blocks=4, block_size=8)
@@ -314,7 +314,7 @@ def test_runner_logits_for_the_last_k_rows():
     """SeqStep.logits = k: exactly the last k rows of "all" (scoring a continuation, e.g. the
     serve quality gate, without a [tokens, vocab] array for the prompt)."""
     from pyspec.runner import ModelRunner, SeqStep
-    from pyspec.smoke import tiny_config
+    from helpers import tiny_config
 
     m = LlamaForCausalLM.random(tiny_config(), seed=0)
     seq = list(range(3, 40))

@@ -104,7 +104,7 @@ def test_codes_model_steps_equal_the_float32_model_bit_for_bit(grid_dir, fused, 
 
 @needs_kernel
 def test_codes_model_frees_the_float32_matrices(grid_dir):
-    from pyspec.serve.app import _model_tensors
+    from pyspec.serve.metrics import model_tensors as _model_tensors
 
     auto = LlamaForCausalLM.from_pretrained(grid_dir)
     codes = LlamaForCausalLM.from_pretrained(grid_dir, packed_weights="codes")
@@ -237,7 +237,7 @@ def test_server_on_a_codes_model(grid_dir):
         assert r.json()["choices"][0]["text"] == want[0].text
         gauge = [line for line in httpx.get(base + "/metrics").text.splitlines()
                  if line.startswith('pyspec_memory_bytes{component="target_weights"}')]
-        from pyspec.serve.app import _model_tensors
+        from pyspec.serve.metrics import model_tensors as _model_tensors
 
         held = sum(t.numel() * t.element_size() for t in _model_tensors(llm.model))
         assert float(gauge[0].split()[-1]) == held + llm.model.packed_bytes

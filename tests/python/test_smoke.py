@@ -7,8 +7,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from pyspec import smoke
-from pyspec.decode import decode_one, prompt_lookup_drafter
+from helpers import default_prompt, tiny_config
+from reference import decode_one, prompt_lookup_drafter
 from pyspec.models.llama import LlamaForCausalLM
 from pyspec.runner import ModelRunner
 
@@ -58,9 +58,9 @@ def _dense_greedy(model, prompt, n):
 
 
 def test_plain_and_speculative_match_dense_reference():
-    cfg = smoke.tiny_config()
+    cfg = tiny_config()
     model = LlamaForCausalLM.random(cfg, seed=3)
-    prompt = smoke.default_prompt(cfg.vocab_size, seed=4)
+    prompt = default_prompt(cfg.vocab_size, seed=4)
     n = 40
     ref = _dense_greedy(model, prompt, n)
     plain = decode_one(ModelRunner(model, 16, 16), prompt, n, prefill_chunk=20)

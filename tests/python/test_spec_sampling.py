@@ -21,7 +21,7 @@ from pyspec.engine import Engine, SamplingParams
 from pyspec.models.llama import LlamaForCausalLM
 from pyspec.runner import ModelRunner, SeqStep
 from pyspec.sampling import apply_sampling_filters
-from pyspec.smoke import tiny_config
+from helpers import tiny_config
 
 VOCAB = 6
 PROMPT = [1, 4, 2, 5, 3]

@@ -195,7 +195,7 @@ def test_learning_from_finished_requests():
     from pyspec.engine import Engine, SamplingParams
     from pyspec.models.llama import LlamaForCausalLM
     from pyspec.runner import ModelRunner
-    from pyspec.smoke import default_prompt, tiny_config
+    from helpers import default_prompt, tiny_config
 
     model = LlamaForCausalLM.random(tiny_config(), seed=0)
     prompt = default_prompt(length=30, seed=3)

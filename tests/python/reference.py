@@ -1,6 +1,6 @@
-"""Single-request decoding on the runner, plain or speculative (a draft chain verified as a tree).
-It is the reference loop the batched engine is checked against, and what the smoke run, the
-``pyspec generate`` command and the plain-decoding benchmark use.
+"""The reference decoding loop the batched engine is checked against: one request, plain or
+speculative (a draft chain verified as a tree), straight on the runner and a block manager, with
+none of the engine's scheduling, batching or adaptive speculation.
 
 Per step: reserve KV capacity for the tree's depth + 1 tokens, run the root + draft nodes through
 one forward (tree attention over the paged prefix), run acceptance (greedy at temperature 0; else
@@ -14,12 +14,12 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, List, Optional, Sequence
 
 import torch
 
-from pyspec import TokenTree
-from pyspec.kv_cache import BlockManager
+from pyspec import TokenTree, _C
+from pyspec.drafters.ngram import prompt_lookup_match
 from pyspec.runner import ModelRunner, SeqStep
 from pyspec.sampling import accept, apply_sampling_filters
 
@@ -52,22 +52,9 @@ class DecodeResult:
         return len(self.tokens) / t if t > 0 else float("inf")
 
 
-def prompt_lookup_match(context: List[int], max_ngram: int = 3) -> Tuple[int, int]:
-    """(n, where): the longest n <= max_ngram whose last-n-token suffix occurred earlier in
-    ``context`` with a token after it, and the index right after that latest occurrence (the
-    copied continuation starts there); (0, -1) when none did."""
-    n_ctx = len(context)
-    for n in range(min(max_ngram, n_ctx - 1), 0, -1):
-        tail = context[n_ctx - n:]
-        for start in range(n_ctx - n - 1, -1, -1):
-            if context[start:start + n] == tail:
-                return n, start + n
-    return 0, -1
-
-
 def prompt_lookup_drafter(max_ngram: int = 3) -> ChainDrafter:
-    """Prompt lookup: the tokens that followed the latest earlier occurrence of the context's last
-    n tokens (n = max_ngram..1)."""
+    """Prompt lookup as a chain drafter for :func:`decode_one`: the tokens that followed the latest
+    earlier occurrence of the context's last n tokens (n = max_ngram..1)."""
 
     def draft(context: List[int], gamma: int) -> List[int]:
         n, where = prompt_lookup_match(context, max_ngram)
@@ -110,7 +97,7 @@ def decode_one(runner: ModelRunner, prompt: Sequence[int], max_new_tokens: int, 
     if needed > runner.kv.num_blocks:
         raise ValueError(f"prompt + max_new_tokens need {needed} KV blocks; the pool has "
                          f"{runner.kv.num_blocks}")
-    bm = BlockManager(runner.kv.num_blocks, bs, enable_prefix_cache=False)
+    bm = _C.BlockManager(runner.kv.num_blocks, bs, enable_prefix_cache=False)
     rid = 0
     t0 = time.perf_counter()
     if bm.add_request(rid, prompt) < 0:

@@ -1,0 +1,517 @@
+"""The engine: one :meth:`Engine.step` is one scheduler step (DESIGN sections 2-3).
+
+1. ``Scheduler.step()`` picks the batch: prefill chunks, plain decode roots and speculative roots
+   with a per-request draft budget (batch-aware, per request from the Leviathan cost model, none
+   in a calibration step).
+2. DRAFT (:mod:`pyspec.engine.drafting`): each speculative request's drafter (chosen per request
+   by the :class:`~pyspec.engine.routing.Router`) proposes a token tree within the budget.
+3. VERIFY: the scheduler's pending copy-on-write block copies are applied (to the target's KV pool
+   and every drafter pool), then one ``runner.step`` runs the whole batch: prefill chunks, plain
+   roots and every draft tree, with tree attention.
+4. ACCEPT/COMMIT (:mod:`pyspec.engine.accept`): one batched acceptance verifies every tree; the
+   accepted paths and prefill chunks are materialized into the pages, drafters see what was
+   committed, and ``Scheduler.update`` applies the results (stop tokens, ``max_tokens``, adaptive
+   draft length, fallback to plain decoding and re-probing, freeing finished requests).
+
+Adaptive speculation lives in the C++ scheduler (``cpp/include/pyspec/adaptive.h``): the engine
+reports what it measured (each decode-only step's forward time, each drafter's time per draft
+level) and the scheduler fits the step cost, picks draft lengths, runs calibration steps, falls
+back and re-probes, and says when a request should switch drafter (:mod:`pyspec.engine.routing`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
+
+import torch
+
+from pyspec import _C
+from pyspec.drafters.base import Draft, PrefillChunk, Verified
+from pyspec.engine.accept import accept_step
+from pyspec.engine.drafting import DraftStage
+from pyspec.engine.routing import RouteFeatures, Router, switch_drafters
+from pyspec.engine.stats import (EngineStats, GenerationResult, RequestOutput, RequestStats,
+                                 StepError, StepTrace, count_speculative_step)
+from pyspec.params import SamplingParams, as_params, is_int, is_real, validate_params
+from pyspec.runner import ModelRunner, SeqStep
+
+__all__ = ["Engine"]
+
+_log = logging.getLogger("pyspec.engine")
+
+
+@dataclass
+class _Req:
+    params: SamplingParams
+    seed: int
+    context: List[int]  # prompt + generated tokens (the drafter's input)
+    num_prompt: int
+    drafter: Optional[str]
+    stats: RequestStats = field(default_factory=RequestStats)
+    finished: bool = False
+    finish_reason: Optional[str] = None
+    failed: bool = False  # its drafter failed: plain decoding from now on
+    tried: List[str] = field(default_factory=list)
+
+    @property
+    def generated(self) -> List[int]:
+        return self.context[self.num_prompt:]
+
+
+class Engine:
+    """Continuous-batching speculative decoding over a :class:`ModelRunner`.
+
+    Args:
+        runner: the target's runner; the engine's scheduler manages its whole KV pool.
+        tokenizer: optional, kept for callers (``engine.tokenizer``); the engine works on ids.
+        max_num_seqs, max_num_batched_tokens: scheduler batch limits.
+        drafter: the default drafter: ``"ngram"``, ``"none"`` (plain decoding), ``"layer-skip:L"``,
+            a drafter folder (EAGLE/Medusa heads), a draft-model folder, or a
+            :class:`~pyspec.drafters.Drafter` (see :func:`pyspec.drafters.make_drafter`).
+        drafters: further named drafters for the router (name -> spec or Drafter).
+        router: a :class:`Router`; default: every request uses ``drafter``.
+        gamma: most draft tokens (tree nodes) per request per step; default: the drafter's.
+        adaptive: draft length from the Leviathan cost model with measured costs, fallback to
+            plain decoding when even an optimistic acceptance estimate predicts no gain (and below
+            ``min_acceptance_rate``, a hard floor, default 0 = none) with re-probing after
+            ``probe_interval`` plain steps (twice as long after each probe that goes no better, up
+            to 8 times), drafter switching below ``switch_below`` (or when a request starts plain
+            because its drafter has been losing on this engine).
+        enable_prefix_cache: share full prompt blocks between requests.
+        **scheduler_kwargs: further :class:`pyspec._C.Scheduler` options (``max_prefill_chunk``,
+            ``max_draft_tokens``, ``initial_draft_tokens``, ``spec_token_budget``,
+            ``spec_disable_batch_size``, ``ewma_alpha``, ``min_acceptance_rate``,
+            ``warmup_steps``, ``probe_interval``, ``record_transitions``); ``ewma_alpha`` also
+            weighs the deployment-wide ``stats.acceptance_ewma`` (default there: 2 / 65).
+
+    Attributes for measurements (per engine): ``serial_host_steps`` (default True: a small
+    step's host work runs torch on one thread, see ``LlamaForCausalLM.step_threads``),
+    ``greedy_from_logits`` (default True: greedy batches walk the logits, see
+    :mod:`pyspec.engine.accept`).
+    """
+
+    def __init__(self, runner: ModelRunner, tokenizer=None, *, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048,
+                 drafter: Union[None, str, "Drafter"] = "ngram",  # noqa: F821
+                 drafters: Optional[Mapping[str, Union[str, "Drafter"]]] = None,  # noqa: F821
+                 router: Optional[Router] = None, gamma: Optional[int] = None,
+                 adaptive: bool = True, switch_below: float = 0.0,
+                 enable_prefix_cache: bool = True, **scheduler_kwargs):
+        if gamma is not None and (not is_int(gamma) or not 0 <= gamma <= 255):
+            raise ValueError(f"gamma must be an int in [0, 255]; got {gamma!r}")
+        if not is_real(switch_below) or not 0.0 <= switch_below <= 1.0:
+            raise ValueError(f"switch_below must be in [0, 1]; got {switch_below!r}")
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.vocab_size = int(runner.model.cfg.vocab_size)
+        self.drafting = DraftStage(runner, drafter, drafters, self._fail)
+        self.drafters = self.drafting.drafters
+        self.default_drafter = self.drafting.default
+        self.router = router
+        if router is not None:
+            for name in router.names():
+                if name is not None and name not in self.drafters:
+                    raise ValueError(f"the router names drafter {name!r}; the engine has "
+                                     f"{sorted(self.drafters)}")
+        # The scheduler's draft length counts tree *levels* (the KV it reserves is for the accepted
+        # path, at most depth + 1 tokens); each drafter turns a depth into its node budget.
+        self.gamma = int(gamma) if gamma is not None else self.drafting.max_depth()
+        self._speculate = bool(self.drafters) and self.gamma > 0
+        self.switch_below = float(switch_below)
+        self.adaptive = bool(adaptive)
+        kw = dict(scheduler_kwargs)
+        if self._speculate:
+            kw.setdefault("max_draft_tokens", self.gamma)
+            kw.setdefault("initial_draft_tokens", min(4, kw["max_draft_tokens"]))
+            if self.adaptive:
+                kw.setdefault("cost_model", True)
+            # Measured costs, calibration steps (scheduler's adaptive.h; measure_costs=False keeps
+            # the costs set_cost_model gives).
+            kw.setdefault("measure_costs", self.adaptive)
+        if "ewma_alpha" in kw:
+            kw.setdefault("deployment_ewma_alpha", kw["ewma_alpha"])
+        try:
+            self.scheduler = _C.Scheduler(runner.kv.num_blocks, runner.block_size,
+                                          enable_prefix_cache=enable_prefix_cache,
+                                          max_num_batched_tokens=max_num_batched_tokens,
+                                          max_num_seqs=max_num_seqs,
+                                          **kw)
+        except TypeError as e:  # an unknown keyword
+            raise ValueError(str(e)) from None
+        self._reqs: Dict[int, _Req] = {}
+        self._step_open = False  # between the scheduler's step() and update()
+        self._next_id = 0
+        self._stats = EngineStats()
+        self.serial_host_steps = True
+        self.greedy_from_logits = True
+        self.debug_skip_residual = False  # tests only: a deliberately broken acceptance rule
+        # Called with a StepTrace after every step that ran a forward (None: no tracing cost).
+        self.trace_hook: Optional[Callable[[StepTrace], None]] = None
+        # Requests whose served distributions are kept (quality gate): id -> list of logits rows,
+        # row j = the target logits the request's emitted token j was drawn from.
+        self._record: Dict[int, List[torch.Tensor]] = {}
+
+    @property
+    def stats(self) -> EngineStats:
+        """Deployment-wide counters, with the scheduler's adaptive speculation measurements."""
+        es = self._stats
+        c = self.scheduler.cost_model_stats
+        es.draft_cost, es.verify_cost = c["draft_cost"], c["verify_cost"]
+        es.spec_free_tokens = c["spec_free_tokens"]
+        es.budget_probes, es.calibration_steps = c["budget_probes"], c["calibration_steps"]
+        es.acceptance_ewma = self.scheduler.deployment_acceptance_ewma
+        return es
+
+    # ---- requests ----
+
+    def add_request(self, prompt_ids: Sequence[int],
+                    params: Union[None, SamplingParams, Mapping] = None) -> int:
+        """Queue a request; returns its id. ValueError for bad input."""
+        p = as_params(params)
+        try:
+            prompt = [int(t) for t in prompt_ids]
+        except (TypeError, ValueError):
+            raise ValueError("the prompt must be a sequence of token ids") from None
+        if not prompt:
+            raise ValueError("the prompt must hold at least one token")
+        v = self.vocab_size
+        bad = [t for t in prompt if not 0 <= t < v]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {v}); got {bad[:5]}")
+        validate_params(p, v)
+        if p.top_k >= v:  # keeps every token: the same as off (and fits the filters' int32)
+            p = replace(p, top_k=0)
+        limit = self.runner.model.cfg.context_limit
+        if len(prompt) + int(p.max_tokens) > limit:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({p.max_tokens}) exceeds "
+                             f"the model's context of {limit} tokens")
+        cap = self.runner.kv.num_blocks * self.runner.block_size
+        if len(prompt) + int(p.max_tokens) + 1 > cap:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({p.max_tokens}) does not "
+                             f"fit in the KV pool ({cap} token slots)")
+        stop = [int(t) for t in p.stop_token_ids]
+        name = None
+        if self._speculate and p.speculative:
+            name = self.default_drafter
+            if self.router is not None:
+                name = self.router.route(RouteFeatures(
+                    len(prompt), self.scheduler.num_running + self.scheduler.num_waiting))
+        rid = self._next_id
+        self.scheduler.add_request(rid, prompt, max_tokens=int(p.max_tokens), stop_token_ids=stop,
+                                   speculative=name is not None,
+                                   evidence_group=self.drafting.evidence_group.get(name, 0))
+        self._next_id += 1
+        seed = int(p.seed) if p.seed is not None else random.getrandbits(63)
+        r = _Req(p, seed, prompt, len(prompt), name)
+        r.stats.drafter = name
+        if name is not None:
+            r.tried.append(name)
+            r.stats.drafters_used.append(name)
+        self._reqs[rid] = r
+        return rid
+
+    def record_logits(self, request_id: int) -> None:
+        """Keep the target logits each emitted token of this request was drawn from (the
+        speculative verification's rows), for :meth:`recorded_logits`."""
+        if request_id not in self._reqs:
+            raise ValueError(f"unknown request id {request_id}")
+        self._record.setdefault(request_id, [])
+
+    def recorded_logits(self, request_id: int) -> Optional[torch.Tensor]:
+        """float32 ``[generated, vocab]`` recorded for the request (and forgotten), or None."""
+        rows = self._record.pop(request_id, None)
+        if rows is None:
+            return None
+        r = self._reqs.get(request_id)
+        t = torch.cat(rows) if rows else torch.empty(0, self.vocab_size)
+        return t[:len(r.generated)] if r is not None else t
+
+    def abort(self, request_id: int) -> bool:
+        """Finish a request with 'abort', freeing its KV now. False if it had already finished."""
+        r = self._reqs.get(request_id)
+        if r is None:
+            raise ValueError(f"unknown request id {request_id}")
+        if r.finished:
+            return False
+        self.scheduler.abort(request_id)
+        self._finish(request_id, r, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def result(self, request_id: int, *, pop: bool = False) -> GenerationResult:
+        """The request's tokens so far, finish reason and stats (``pop``: forget it, finished
+        requests only)."""
+        r = self._reqs.get(request_id)
+        if r is None:
+            raise ValueError(f"unknown request id {request_id}")
+        if pop:
+            if not r.finished:
+                raise ValueError(f"request {request_id} has not finished")
+            del self._reqs[request_id]
+            self._record.pop(request_id, None)
+        return GenerationResult(request_id, list(r.generated), r.finish_reason, r.stats.copy())
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: Union[None, SamplingParams, Mapping,
+                               Sequence[Union[SamplingParams, Mapping]]] = None,
+                 *, max_steps: Optional[int] = None,
+                 on_step: Optional[Callable[[List[RequestOutput]], None]] = None
+                 ) -> List[GenerationResult]:
+        """Run the prompts to completion (one params for all, or one per prompt); results in
+        prompt order. ``on_step`` receives each step's outputs (streaming)."""
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} params for {len(prompts)} prompts")
+            plist = [as_params(p) for p in params]
+        else:
+            plist = [as_params(params)] * len(prompts)
+        ids = []
+        try:
+            for prompt, p in zip(prompts, plist):
+                ids.append(self.add_request(prompt, p))
+        except ValueError:
+            for rid in ids:
+                self.abort(rid)
+                self._reqs.pop(rid, None)
+            raise
+        steps = 0
+        while any(not self._reqs[rid].finished for rid in ids):
+            if max_steps is not None and steps >= max_steps:
+                raise RuntimeError(f"generation did not finish within {max_steps} steps")
+            outs = self.step()
+            if on_step is not None:
+                on_step(outs)
+            steps += 1
+        return [self.result(rid, pop=True) for rid in ids]
+
+    def _finish(self, rid: int, r: _Req, reason: Optional[str]) -> None:
+        if reason in ("abort", "error"):
+            self._record.pop(rid, None)
+        r.finished = True
+        r.finish_reason = reason
+        if reason not in ("abort", "error"):
+            self.drafting.learn(rid, r.context)
+        self.drafting.release(rid)
+        if self.scheduler.has_request(rid):
+            snap = self.scheduler.request(rid)
+            st = r.stats
+            for key, n in (("low_acceptance", snap.num_fallbacks),
+                           ("cost_model", snap.num_cost_fallbacks)):
+                if n:
+                    st.fallbacks[key] = int(n)
+            st.probes = int(snap.num_probes)
+            st.token_acceptance = snap.token_acceptance
+            st.cached_tokens = int(snap.num_cached_tokens)
+            st.preemptions = int(snap.num_preemptions)
+            self.scheduler.release(rid)
+
+    def _fail(self, rid: int, detail: str = "", reason: str = "drafter_error") -> None:
+        """Request ``rid``'s drafter failed: it decodes plainly from here."""
+        r = self._reqs.get(rid)
+        if r is None or r.failed:
+            return
+        r.failed = True
+        _log.warning("request %d: drafter %r failed (%s); the request decodes plainly from here",
+                     rid, r.drafter, detail or reason)
+        r.stats.fallbacks[reason] = r.stats.fallbacks.get(reason, 0) + 1
+        self._stats.fallbacks[reason] = self._stats.fallbacks.get(reason, 0) + 1
+        if self.scheduler.has_request(rid):
+            self.scheduler.disable_speculation(rid)
+        self.drafting.release(rid)
+
+    # ---- the loop ----
+
+    def step(self) -> List[RequestOutput]:
+        """Run one scheduler step over the whole batch; returns the requests that progressed.
+
+        Raises :class:`StepError` when the step fails after it was scheduled (a bug, or input
+        that slipped past validation): the requests of that step finish with reason "error"
+        (their KV freed) and the engine stays usable for every other request."""
+        trace = StepTrace(time.perf_counter()) if self.trace_hook is not None else None
+        if self.drafting.sourced:
+            self.drafting.set_draft_sources(self.scheduler, self._reqs)
+        so = self.scheduler.step()
+        self._step_open = True
+        try:
+            return self._run_step(so, trace)
+        except BaseException as e:
+            failed = self._fail_step(so)
+            if not isinstance(e, Exception):  # KeyboardInterrupt: the engine stays usable
+                raise
+            _log.exception("engine step failed; requests %s finish with 'error'", failed)
+            raise StepError(failed, e) from e
+
+    def _fail_step(self, so) -> List[int]:
+        """After a failed step: finish its requests with 'error' and close the scheduler's step."""
+        failed = []
+        for rid in list(so.ids):
+            r = self._reqs.get(rid)
+            if r is None or r.finished:
+                continue
+            try:
+                self.scheduler.abort(rid)
+            except Exception:  # noqa: BLE001 - already gone from the scheduler
+                pass
+            self._finish(rid, r, "error")
+            failed.append(rid)
+        if self._step_open:
+            self._step_open = False
+            self.scheduler.update(_C.StepResult())
+        return failed
+
+    def _update(self, result) -> List[RequestOutput]:
+        self._step_open = False
+        outs: List[RequestOutput] = []
+        for rid, new, finished, reason in self.scheduler.update(result):
+            r = self._reqs.get(rid)
+            if r is None:
+                continue
+            r.context.extend(new)
+            if finished:
+                self._finish(rid, r, reason)
+            outs.append(RequestOutput(rid, list(new), bool(finished), reason))
+        return outs
+
+    def _run_step(self, so, trace) -> List[RequestOutput]:
+        runner = self.runner
+        for rid in so.preempted_ids:
+            self.drafting.release(rid)  # its KV is gone: drafters start over at its prefill
+        if len(so) == 0:
+            return self._update(_C.StepResult())
+        if so.pending_copies:
+            runner.kv.copy_blocks(so.pending_copies)
+            for pool in self.drafting.pools:
+                pool.copy_blocks(so.pending_copies)
+        groups, tables, rows = self.drafting.requests(so, self._reqs, self.gamma)
+        # The whole step (drafting, forward, acceptance, commit, the drafters' updates) under the
+        # target's thread setting for a step of its rows: a small step's torch ops run on one
+        # thread, so that none leaves torch's OpenMP workers spinning on the cores the next
+        # forward's kernels use (see LlamaForCausalLM.step_threads). Drafting under the most rows
+        # the drafts may add, the rest under the rows they did add.
+        step_threads = getattr(runner.model, "step_threads", None) if self.serial_host_steps \
+            else None
+        if step_threads is None:
+            def step_threads(rows):
+                return contextlib.nullcontext()
+        with step_threads(rows):
+            drafts = self.drafting.draft(groups, trace, self.scheduler, self._stats)
+        seqs, dec_idx, dec_drafts, dec_depths = self._step_seqs(so, tables, drafts)
+        with step_threads(sum(len(s.token_ids) for s in seqs)):
+            outs = self._verify_commit(so, trace, tables, seqs, dec_idx, dec_drafts, dec_depths)
+        if trace is not None:
+            trace.end = time.perf_counter()
+            self.trace_hook(trace)
+        return outs
+
+    def _step_seqs(self, so, tables, drafts):
+        """The step's forward inputs: prefill chunks, and each decoding request's draft tree (its
+        root alone where nothing was drafted)."""
+        kinds, starts = so.kinds, so.start_pos
+        tok_ptr, all_tokens = so.token_indptr, so.tokens
+        seqs: List[SeqStep] = []
+        dec_idx: List[int] = []
+        dec_drafts: List[Draft] = []
+        dec_depths: List[int] = []
+        for i, rid in enumerate(so.ids):
+            toks = all_tokens[tok_ptr[i]:tok_ptr[i + 1]]
+            if kinds[i] == "prefill":
+                seqs.append(SeqStep(toks, starts[i], tables[i], None, "none"))
+                continue
+            dr, tree = drafts.get(rid) or (Draft([int(toks[0])], [-1]), self.drafting.chain(0))
+            seqs.append(SeqStep(dr.tokens, starts[i], tables[i], tree, "all"))
+            dec_idx.append(i)
+            dec_drafts.append(dr)
+            dec_depths.append(tree.max_depth)
+        return seqs, dec_idx, dec_drafts, dec_depths
+
+    def _verify_commit(self, so, trace, tables, seqs: List[SeqStep], dec_idx: List[int],
+                       dec_drafts: List[Draft], dec_depths: List[int]) -> List[RequestOutput]:
+        """VERIFY (one forward for the whole batch), ACCEPT, COMMIT."""
+        runner, drafting = self.runner, self.drafting
+        kinds, starts = so.kinds, so.start_pos
+        tok_ptr, slot_ptr = so.token_indptr, so.slot_indptr
+        all_tokens, all_slots = so.tokens, so.slots
+        result = _C.StepResult()
+        t0 = time.perf_counter()
+        out = runner.step(seqs, return_hidden=drafting.need_hidden)
+        t_fwd = time.perf_counter() - t0
+        if trace is not None:
+            trace.verify = (t0, t0 + t_fwd)
+        self._stats.verify_seconds += t_fwd
+        if len(dec_idx) == len(seqs):  # decode/verify-only steps: prefill runs at another rate
+            self.scheduler.observe_step_time(len(dec_idx), sum(len(s.token_ids) for s in seqs),
+                                             t_fwd)
+
+        # ACCEPT + COMMIT.
+        if dec_idx:
+            emitted, paths, n_acc = accept_step(
+                [self._reqs[so.ids[i]] for i in dec_idx], dec_drafts, out.logits,
+                self.vocab_size, greedy_from_logits=self.greedy_from_logits,
+                debug_skip_residual=self.debug_skip_residual)
+        src_rows: List[int] = []
+        dst_slots: List[int] = []
+        row_ptr = out.row_indptr
+        chunks: Dict[str, List[PrefillChunk]] = {}
+        verified: Dict[str, List[Verified]] = {}
+        hidden = out.hidden
+        dec_pos = 0
+        for i, rid in enumerate(so.ids):
+            r = self._reqs[rid]
+            base = row_ptr[i]
+            if kinds[i] == "prefill":
+                n = tok_ptr[i + 1] - tok_ptr[i]
+                src_rows.extend(range(base, base + n))
+                dst_slots.extend(all_slots[slot_ptr[i]:slot_ptr[i] + n])
+                result.add_prefill(rid, n)
+                if trace is not None:
+                    trace.prefill[rid] = n
+                if r.drafter is not None and not r.failed:
+                    chunks.setdefault(r.drafter, []).append(PrefillChunk(
+                        rid, all_tokens[tok_ptr[i]:tok_ptr[i + 1]], starts[i], tables[i],
+                        r.context, drafting.hidden_for(r.drafter, hidden, slice(base, base + n))))
+                continue
+            j = dec_pos
+            dec_pos += 1
+            a = n_acc[j]
+            dr = dec_drafts[j]
+            path = paths[j][:a + 1]
+            src_rows.extend(base + node for node in path)
+            dst_slots.extend(all_slots[slot_ptr[i]:slot_ptr[i] + a + 1])
+            nd = len(dr.tokens) - 1
+            depth = dec_depths[j]
+            # The scheduler counts levels: its acceptance rate is accepted / drafted depth; the
+            # tree's nodes feed the cost model's nodes per level.
+            result.add_decode(rid, emitted[j][:a + 1], depth, a, nd)
+            if trace is not None:
+                trace.decisions[rid] = (nd, depth, a, a + 1)
+            r.stats.steps += 1
+            if nd:
+                count_speculative_step(r.stats, nd, a)
+                count_speculative_step(self._stats, nd, a)
+            rec = self._record.get(rid)
+            if rec is not None:
+                rec.append(out.logits[[out.logits_indptr[i] + n for n in path]].clone())
+            if r.drafter is not None and not r.failed:
+                verified.setdefault(r.drafter, []).append(Verified(
+                    rid, starts[i], [dr.tokens[n] for n in path], emitted[j][:a + 1], tables[i],
+                    drafting.hidden_for(r.drafter, hidden, [base + n for n in path])))
+        if src_rows:
+            # row_indptr[0] == 0, so request 0's "local" rows are the global scratch rows: one
+            # materialization for the whole batch instead of one per request.
+            runner.commit_kv(out, 0, src_rows, dst_slots)
+        for name, cs in chunks.items():
+            drafting.notify(name, "prefill", cs)
+        for name, vs in verified.items():
+            drafting.notify(name, "observe", vs)
+        self._stats.steps += 1
+        outs = self._update(result)
+        if self.switch_below > 0:
+            switch_drafters(self, [so.ids[i] for i in dec_idx])
+        return outs
