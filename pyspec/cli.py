@@ -19,9 +19,11 @@ def _cmd_info(args: argparse.Namespace) -> int:
     reason = _C.cuda_unavailable_reason()
     print(f"CUDA devices: {_C.cuda_device_count()}" + (f" ({reason})" if reason else ""))
     print(f"CPU op threads: {_C.num_threads()}")
-    print("dense layer kernels: " + ", ".join(
-        f"{dt} {_C._linear_kernel(dt)}" for dt in ("float32", "bfloat16", "float16")))
-    rows = _C._packed_max_rows()
+    k = _C.LinearKernels()
+    print(f"dense layer kernels (a model's default, isa {k.isa}): " + ", ".join(
+        f"{dt} {k.kernel(dt)} up to {k.max_fast_rows(dt)} rows"
+        for dt in ("float32", "bfloat16", "float16")) + ", torch's GEMM beyond")
+    rows = k.packed_max_rows
     print("packed exact weights: " + (f"read as codes up to {rows} rows" if rows else
                                       "unavailable (needs the AVX2 or AVX-512 float32 kernel)"))
     return 0

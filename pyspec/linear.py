@@ -6,11 +6,14 @@ weight matrix, so it is bound by how fast the weights stream from memory. ``torc
 (``pyspec._C.linear``, see ``cpp/include/pyspec/linear.h``) reads each weight row once per call
 with all input rows in registers and splits the output over the core's thread pool.
 
-``linear`` uses the core kernel for CPU tensors of one dtype (float32, bfloat16 or float16) with
-at most ``max_fast_rows(dtype)`` input rows and no autograd, and ``torch.nn.functional.linear``
-otherwise.
-It is called several times per layer per token, so it checks only what decides the route; the core
-validates shapes and contiguity and raises ``ValueError`` naming the argument.
+Which kernel runs is a property of a model, never of the process: a :class:`Linear` is bound to
+one :class:`pyspec._C.LinearKernels` (the builds that run and their routing table, in C++), and a
+model holds its own (``LlamaForCausalLM(kernels=...)``). A ``Linear`` uses the core kernel for CPU
+tensors of one dtype (float32, bfloat16 or float16) with at most ``max_fast_rows(dtype)`` input
+rows and no autograd, and ``torch.nn.functional.linear`` otherwise. :func:`linear` is the
+``Linear`` of this CPU's best kernels. It is called several times per layer per token, so it
+checks only what decides the route; the core validates shapes and contiguity and raises
+``ValueError`` naming the argument.
 
 A float32 matrix whose values are exactly those of a 4-bit or 8-bit block format (groups of 32
 along K: ``w = d * q + m`` with q in 0..15, or ``w = d * q`` with q in -128..127, d a float16
@@ -22,7 +25,6 @@ accumulating as the float32 kernel does, returns the float32 kernel's results bi
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Optional
 
@@ -31,41 +33,12 @@ import torch.nn.functional as F
 
 from pyspec import _C
 
-__all__ = ["linear", "max_fast_rows", "MAX_FAST_ROWS", "PackedWeight", "pack_exact"]
+__all__ = ["Linear", "linear", "max_fast_rows", "MAX_FAST_ROWS", "PackedWeight", "pack_exact"]
 
-# Rows up to which the core kernel beats torch's GEMM (which blocks over M), by the build that runs
-# the dtype here (``_C._linear_kernel``). Measured on the SmolLM2-135M shapes (bench/bench_linear.py
-# --rows, 2 threads, AMD EPYC with AVX-512): float32 stays ahead of torch at every M up to 64 in
-# both the AVX2 and the AVX-512 builds (e.g. 37.6 vs 70.7 ms per model pass at 16 rows); bfloat16
-# through vdpbf16ps clearly up to 16 (23.8 vs 34.3 ms), level with torch at 32-64 (40.4 vs 43.6,
-# 58.4 vs 49.7 in two runs at 32), but widened to fp32 (AVX2) only up to 8; float16 (widened)
-# ahead from 8 rows on. bfloat16 on AMX tiles (Intel Xeon with AMX, 2 threads; torch's GEMM also
-# uses AMX there): 11.0 / 12.7 / 25.2 ms at 1 / 16 / 64 rows against torch's 21.4 / 23.2 / 30.1,
-# behind it from 96 rows (38.7 vs 36.3). Up to the limit every row is computed alike, so a draft
-# tree of that many nodes is scored exactly as plain decoding scores its rows.
-_ROW_LIMITS = {("float32", "avx512"): 64, ("float32", "avx2"): 64, ("float32", "generic"): 16,
-               ("bfloat16", "amx-bf16"): 64, ("bfloat16", "avx512-bf16"): 32,
-               ("bfloat16", "avx2"): 8, ("bfloat16", "generic"): 8,
-               ("float16", "avx512"): 64, ("float16", "avx2"): 64, ("float16", "generic"): 8}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def max_fast_rows(dtype) -> int:
-    """Input rows up to which ``linear`` runs the core kernel for ``dtype`` on this machine."""
-    name = _DTYPE_NAMES[dtype]
-    return _ROW_LIMITS[name, _C._linear_kernel(name)]
-
-
-_MAX_ROWS = {dt: max_fast_rows(dt) for dt in _DTYPE_NAMES}  # for this process's CPU
-MAX_FAST_ROWS = max(_MAX_ROWS.values())
-
-
-def fast_rows(dtype) -> int:
-    """``max_fast_rows(dtype)`` for this process's CPU, 0 for a dtype the core kernel lacks."""
-    return _MAX_ROWS.get(dtype, 0)
-
-_FAST_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
+_FAST_DTYPES = frozenset(_DTYPE_NAMES)
 _core_linear = _C.linear
+_core_packed = _C.linear_packed
 _is_grad_enabled = torch.is_grad_enabled
 _empty = torch.empty
 
@@ -74,31 +47,19 @@ class PackedWeight:
     """A float32 weight matrix ``dense`` [N, K] and the same values as block codes (see
     :func:`pack_exact`): ``q`` (4-bit: uint8 [N, K / 2], element j of a group of 32 in the low
     nibble of byte j, element j + 16 in its high nibble; 8-bit: int8 [N, K]), ``d`` and, for
-    4-bit, ``m`` (float32 [N, K / 32]). :func:`linear` reads the codes for the few rows of decoding
-    where the float32 kernel in use is the AVX2 or AVX-512 build and ``dense`` otherwise; both
-    give the same bits.
+    4-bit, ``m`` (float32 [N, K / 32]). A :class:`Linear` reads the codes where its kernels'
+    packed route says (the few rows of decoding with the AVX2 or AVX-512 float32 build) and
+    ``dense`` otherwise; both give the same bits.
 
     ``dense`` is None when only the codes are held (``drop_dense()``; a model loaded with
-    ``packed_weights="codes"``): :func:`linear` then reads the codes wherever the core kernel
-    runs and rebuilds the float32 matrix (:meth:`unpack`) for the rows beyond, the same bits as
-    with ``dense`` at every M."""
+    ``packed_weights="codes"``): the codes are then read wherever the core kernel runs and the
+    float32 matrix is rebuilt (:meth:`unpack`) for the rows beyond, the same bits as with
+    ``dense`` at every M."""
 
-    __slots__ = ("dense", "q", "d", "m", "bits", "_fixed")
+    __slots__ = ("dense", "q", "d", "m", "bits")
 
     def __init__(self, dense, q, d, m, bits):
         self.dense, self.q, self.d, self.m, self.bits = dense, q, d, m, bits
-        self._fixed = None
-
-    def fixed_codes(self):
-        """``(tq, td, tm)``: the codes in :func:`pyspec._C.linear_fixed`'s tile layout (made on
-        first use, then kept: as many bytes again as the codes), for the ``"fixed"`` packed
-        numerics (:func:`set_packed_numerics`)."""
-        if self._fixed is None:
-            tq, td = torch.empty_like(self.q), torch.empty_like(self.d)
-            tm = None if self.m is None else torch.empty_like(self.m)
-            _C.repack_fixed(self.q, self.d, self.m, tq, td, tm)
-            self._fixed = (tq, td, tm)
-        return self._fixed
 
     @property
     def shape(self):
@@ -184,41 +145,6 @@ def pack_exact(w, bits=(4, 8)) -> Optional["PackedWeight"]:
     return None
 
 
-_packed_rows = _C._packed_max_rows
-_core_packed = _C.linear_packed
-_core_fixed = _C.linear_fixed
-_FIXED = False  # the packed numerics (set_packed_numerics)
-
-
-def set_packed_numerics(mode: str) -> str:
-    """How :func:`linear` multiplies packed weights, process-wide: ``"exact"`` (the default:
-    the float32 matrix's results bit for bit) or ``"fixed"`` (experimental: AMX int8 tiles with
-    each float32 input row as a 32-bit fixed-point integer, :func:`pyspec._C.linear_fixed`, at
-    every row count; a row's outputs never depend on the other rows of a call, so speculative
-    decoding stays lossless against plain decoding in the same mode; about float32's accuracy,
-    not its bits; matrices whose N is not a multiple of 16, and calls that need gradients, stay
-    exact; the tile layout of a matrix's codes is kept beside them). Needs a CPU with AMX-INT8
-    (ValueError elsewhere). ``PYSPEC_PACKED_NUMERICS`` sets it at import. Set it before loading a
-    model or between requests, not while one is decoding. Returns the mode in use."""
-    global _FIXED
-    if mode not in ("exact", "fixed"):
-        raise ValueError(f"packed numerics must be 'exact' or 'fixed'; got {mode!r}")
-    if mode == "fixed" and not _C._fixed_available():
-        raise ValueError("packed numerics 'fixed' needs a CPU with AMX-INT8 tiles (and the OS "
-                         "granting their state); this one has none: use 'exact'")
-    _FIXED = mode == "fixed"
-    return mode
-
-
-def packed_numerics() -> str:
-    """The packed numerics in use: ``"exact"`` or ``"fixed"`` (:func:`set_packed_numerics`)."""
-    return "fixed" if _FIXED else "exact"
-
-
-if os.environ.get("PYSPEC_PACKED_NUMERICS"):
-    set_packed_numerics(os.environ["PYSPEC_PACKED_NUMERICS"])
-
-
 _tls = threading.local()
 
 
@@ -237,102 +163,115 @@ def _scratch(numel: int) -> torch.Tensor:
     return buf[:numel]
 
 
-def _linear_packed(x, w: PackedWeight, bias, out):
-    dense = w.dense
-    if (x.dtype is not torch.float32 or not x.is_cpu
-            or (_is_grad_enabled() and (x.requires_grad
-                                        or (dense is not None and dense.requires_grad)
-                                        or (bias is not None and bias.requires_grad)))):
-        return linear(x, w.unpack(), bias, out)  # autograd keeps it: a tensor of its own
-    shape = x.shape
-    rows = x.numel() // shape[-1] if len(shape) and shape[-1] else 0
-    # Up to the rows where the codes beat the float32 matrix with the kernel in use (32 on
-    # AVX-512, 4 on AVX2, 0 where the packed kernel cannot run: other ISAs), and never past the
-    # rows the dense route gives the core kernel (beyond them it takes torch's GEMM). With the
-    # codes alone, up to the core kernel's rows (the packed kernel has its bits at every M).
-    n, k = w.shape
-    if _FIXED and n % 16 == 0:
-        # Fixed numerics: the tiles at every M (a row's outputs never depend on its call).
-        if shape[-1] != k or (bias is not None and bias.dtype is not torch.float32):
-            raise ValueError(f"linear: x must be [..., {k}] and bias float32 for this packed "
-                             f"weight; got x {tuple(shape)}, bias "
-                             f"{None if bias is None else bias.dtype}")
-        if rows == 0:
-            res = x.new_empty((*shape[:-1], n))
-            return res if out is None else out
-        x2 = x.contiguous().view(rows, k)
-        bias = None if bias is None else bias.contiguous()
+class Linear:
+    """``x @ w.T + bias`` (like ``torch.nn.functional.linear``) on the kernels of one
+    :class:`pyspec._C.LinearKernels`: a model's dense layers.
+
+    Args:
+        kernels: the builds that run and their routes (default: this CPU's best, ``"auto"``), or
+            an ISA name for :class:`pyspec._C.LinearKernels`.
+
+    Calling it with ``x`` ``[..., K]``, ``w`` ``[N, K]`` (or a :class:`PackedWeight`), ``bias``
+    ``[N]`` or None and an optional contiguous ``out`` ``[..., N]``: the core kernel runs when all
+    tensors are contiguous CPU tensors of one supported dtype, ``x`` has at most
+    ``max_fast_rows(dtype)`` rows (leading dims flattened) and no input needs a gradient; torch's
+    GEMM otherwise. It accumulates in fp32 and rounds each output once. A :class:`PackedWeight`
+    is read as its codes up to the kernels' ``packed_rows_limit`` rows (float32 inputs), as its
+    dense matrix (rebuilt from the codes when only they are held) beyond.
+    """
+
+    __slots__ = ("kernels", "_max_rows", "_packed_limit", "_f32_rows")
+
+    def __init__(self, kernels=None):
+        if kernels is None or isinstance(kernels, str):
+            kernels = _C.LinearKernels(kernels or "auto")
+        if not isinstance(kernels, _C.LinearKernels):
+            raise ValueError(f"kernels must be a pyspec._C.LinearKernels or an ISA name; got "
+                             f"{type(kernels).__name__}")
+        self.kernels = kernels
+        # The C++ routing table's numbers for this object (read once: the calls are hot).
+        self._max_rows = {dt: kernels.max_fast_rows(name) for dt, name in _DTYPE_NAMES.items()}
+        self._f32_rows = self._max_rows[torch.float32]
+        self._packed_limit = {True: kernels.packed_rows_limit(True),
+                              False: kernels.packed_rows_limit(False)}
+
+    def max_fast_rows(self, dtype) -> int:
+        """Input rows up to which the core kernel runs for ``dtype`` (0 for a dtype it lacks)."""
+        return self._max_rows.get(dtype, 0)
+
+    def __repr__(self) -> str:
+        return f"Linear(kernels={self.kernels!r})"
+
+    def __call__(self, x, w, bias=None, out=None):
+        if type(w) is PackedWeight:
+            return self._packed(x, w, bias, out)
+        dtype = x.dtype
+        if (
+            not x.is_cpu
+            or dtype not in _FAST_DTYPES
+            or (_is_grad_enabled() and (x.requires_grad or w.requires_grad
+                                        or (bias is not None and bias.requires_grad)))
+        ):
+            return _fallback(x, w, bias, out)
+        shape = x.shape
+        if len(shape) == 2:
+            rows = shape[0]
+            x2 = x
+        else:
+            rows = x.numel() // shape[-1] if shape and shape[-1] else 0
+            if len(shape) == 0 or rows == 0 or not x.is_contiguous():
+                return _fallback(x, w, bias, out)
+            x2 = x.view(rows, shape[-1])
+        if rows > self._max_rows[dtype] or not x2.is_contiguous() or not w.is_contiguous():
+            return _fallback(x, w, bias, out)
+        n = w.shape[0]
+        if out is None:
+            res = _empty((rows, n), dtype=dtype)
+            _core_linear(x2, w, bias, res, self.kernels)
+            return res if len(shape) == 2 else res.view(*shape[:-1], n)
+        _core_linear(x2, w, bias, out if out.dim() == 2 else out.view(rows, n), self.kernels)
+        return out
+
+    def _packed(self, x, w: PackedWeight, bias, out):
+        dense = w.dense
+        if (x.dtype is not torch.float32 or not x.is_cpu
+                or (_is_grad_enabled() and (x.requires_grad
+                                            or (dense is not None and dense.requires_grad)
+                                            or (bias is not None and bias.requires_grad)))):
+            return self(x, w.unpack(), bias, out)  # autograd keeps it: a tensor of its own
+        shape = x.shape
+        rows = x.numel() // shape[-1] if len(shape) and shape[-1] else 0
+        n, k = w.shape
+        if (rows == 0 or rows > self._packed_limit[dense is not None]
+                or shape[-1] != k or not x.is_contiguous()
+                or (bias is not None and (bias.dtype is not torch.float32
+                                          or not bias.is_contiguous()))):
+            return self(x, dense if dense is not None else w.unpack(_scratch(n * k).view(n, k)),
+                        bias, out)
+        x2 = x if len(shape) == 2 else x.view(rows, shape[-1])
         res = _empty((rows, n), dtype=torch.float32) if out is None else (
             out if out.dim() == 2 else out.view(rows, n))
-        tq, td, tm = w.fixed_codes()
-        _core_fixed(x2, tq, td, tm, bias, res)
+        _core_packed(x2, w.q, w.d, w.m, bias, res, self.kernels)
         if out is not None:
             return out
         return res if len(shape) == 2 else res.view(*shape[:-1], n)
-    limit = _packed_rows() if dense is not None else (_MAX_ROWS[torch.float32]
-                                                      if _packed_rows() else 0)
-    if (rows == 0 or rows > limit or rows > _MAX_ROWS[torch.float32]
-            or shape[-1] != k or not x.is_contiguous()
-            or (bias is not None and (bias.dtype is not torch.float32
-                                      or not bias.is_contiguous()))):
-        return linear(x, dense if dense is not None else w.unpack(_scratch(n * k).view(n, k)),
-                      bias, out)
-    x2 = x if len(shape) == 2 else x.view(rows, shape[-1])
-    res = _empty((rows, n), dtype=torch.float32) if out is None else (
-        out if out.dim() == 2 else out.view(rows, n))
-    _core_packed(x2, w.q, w.d, w.m, bias, res)
-    if out is not None:
-        return out
-    return res if len(shape) == 2 else res.view(*shape[:-1], n)
+
+
+_DEFAULT = Linear()
+MAX_FAST_ROWS = max(_DEFAULT._max_rows.values())
+
+
+def max_fast_rows(dtype) -> int:
+    """Input rows up to which :func:`linear` (this CPU's best kernels) runs the core kernel for
+    ``dtype``."""
+    return _DEFAULT.max_fast_rows(dtype)
 
 
 def linear(x, w, bias=None, out=None):
-    """Return ``x @ w.T + bias`` (like ``torch.nn.functional.linear``).
-
-    Args:
-        x: ``[..., K]`` input.
-        w: ``[N, K]`` weight.
-        bias: ``[N]`` or None.
-        out: optional ``[..., N]`` contiguous output tensor to write (fast path only; otherwise
-            the result is copied into it).
-
-    ``w`` may be a :class:`PackedWeight`: the codes are read for float32 inputs of at most
-    ``_C._packed_max_rows()`` rows (32 with the AVX-512 build of the float32 kernel, 4 with the
-    AVX2 one, 0 elsewhere), its dense matrix otherwise; without a dense matrix (codes only), the
-    codes up to ``max_fast_rows(torch.float32)`` rows and the matrix rebuilt for the call beyond.
-
-    The fast path applies when all tensors are contiguous CPU tensors of one supported dtype,
-    ``x`` has at most ``max_fast_rows(dtype)`` rows (leading dims flattened) and no input needs a
-    gradient. It accumulates in fp32 and rounds each output once.
-    """
-    if type(w) is PackedWeight:
-        return _linear_packed(x, w, bias, out)
-    dtype = x.dtype
-    if (
-        not x.is_cpu
-        or dtype not in _FAST_DTYPES
-        or (_is_grad_enabled() and (x.requires_grad or w.requires_grad
-                                    or (bias is not None and bias.requires_grad)))
-    ):
-        return _fallback(x, w, bias, out)
-    shape = x.shape
-    if len(shape) == 2:
-        rows = shape[0]
-        x2 = x
-    else:
-        rows = x.numel() // shape[-1] if shape and shape[-1] else 0
-        if len(shape) == 0 or rows == 0 or not x.is_contiguous():
-            return _fallback(x, w, bias, out)
-        x2 = x.view(rows, shape[-1])
-    if rows > _MAX_ROWS[dtype] or not x2.is_contiguous() or not w.is_contiguous():
-        return _fallback(x, w, bias, out)
-    n = w.shape[0]
-    if out is None:
-        res = _empty((rows, n), dtype=dtype)
-        _core_linear(x2, w, bias, res)
-        return res if len(shape) == 2 else res.view(*shape[:-1], n)
-    _core_linear(x2, w, bias, out if out.dim() == 2 else out.view(rows, n))
-    return out
+    """``x @ w.T + bias`` on this CPU's best kernels (see :class:`Linear`): ``x`` ``[..., K]``,
+    ``w`` ``[N, K]`` or a :class:`PackedWeight`, ``bias`` ``[N]`` or None, ``out`` an optional
+    contiguous ``[..., N]`` tensor to write (copied into when torch's GEMM runs)."""
+    return _DEFAULT(x, w, bias, out)
 
 
 def _fallback(x, w, bias, out):

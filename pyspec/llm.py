@@ -125,6 +125,9 @@ class LLM:
             float32 copies of those matrices are freed (``LlamaForCausalLM.drop_dense``; the same
             outputs, about 5x less memory for them; prefills past the core kernel's 64 rows rebuild
             each matrix for the step); "off": never.
+        kernels: the model's dense-layer kernels: None (this CPU's best), an ISA name
+            ("generic", "avx2", "avx512", "amx") or a :class:`pyspec._C.LinearKernels`; a property
+            of this model (:meth:`describe` shows them), never of the process.
     """
 
     def __init__(self, model: Optional[str] = None, draft="default",
@@ -132,7 +135,7 @@ class LLM:
                  dtype: str = "float32", kv_cache_tokens: int = 16384, block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_prefix_cache: bool = True, progress: bool = True,
-                 packed_weights: str = "auto"):
+                 packed_weights: str = "auto", kernels=None):
         from pyspec.models.llama import LlamaForCausalLM
         from pyspec.tokenizer import Tokenizer
 
@@ -163,7 +166,8 @@ class LLM:
         t0 = time.perf_counter()
         self.model_path = path
         self.model = LlamaForCausalLM.from_pretrained(path, dtype=dtype, device=device,
-                                                      packed_weights=packed_weights)
+                                                      packed_weights=packed_weights,
+                                                      kernels=kernels)
         self.tokenizer = Tokenizer.from_pretrained(path)
         try:
             self.runner = ModelRunner(self.model, -(-kv_cache_tokens // block_size), block_size)
@@ -194,6 +198,16 @@ class LLM:
     def drafter_name(self) -> str:
         d = self.engine.drafters.get(self.engine.default_drafter or "")
         return d.describe() if d is not None else "none (plain decoding)"
+
+    def describe(self) -> dict:
+        """What this LLM runs: the model (:meth:`LlamaForCausalLM.describe`: device, dtype,
+        kernels and their routes, packed matrices, the one-call decoder stack), the drafter and
+        the speculation settings."""
+        return {"model_path": self.model_path, **self.model.describe(),
+                "drafter": self.drafter_name,
+                "speculation": {"num_speculative_tokens": self.engine.gamma,
+                                "adaptive": self.engine.adaptive,
+                                "switch_below": self.engine.switch_below}}
 
     # ---- prompts ----
 

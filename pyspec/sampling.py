@@ -267,11 +267,7 @@ def accept(
         if draft_probs.dtype != torch.float32:
             raise ValueError(f"'draft_probs' must be float32; got {draft_probs.dtype}")
         draft_probs = draft_probs.contiguous()
-    tokens = _int_tensor(tokens, "tokens", torch.int32, 1)
-    parents = _int_tensor(parents, "parents", torch.int32, 1)
-    tree_indptr = _int_tensor(tree_indptr, "tree_indptr", torch.int64, 1)
-    if tree_indptr.numel() < 1:
-        raise ValueError("'tree_indptr' must have batch + 1 >= 1 entries")
+    tokens, parents, tree_indptr = _tree_tensors(tokens, parents, tree_indptr)
     b = tree_indptr.numel() - 1
     if sampled_children is None:
         sampled_children = draft_probs is not None
@@ -308,16 +304,22 @@ def accept_greedy(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Ten
     if logits.dtype != torch.float32 or logits.dim() != 2 or logits.device.type != "cpu":
         raise ValueError(f"'logits' must be a float32 [N, V] cpu tensor; got {logits.dtype} "
                          f"{list(logits.shape)} on {logits.device}")
-    tokens = _int_tensor(tokens, "tokens", torch.int32, 1)
-    parents = _int_tensor(parents, "parents", torch.int32, 1)
-    tree_indptr = _int_tensor(tree_indptr, "tree_indptr", torch.int64, 1)
-    if tree_indptr.numel() < 1:
-        raise ValueError("'tree_indptr' must have batch + 1 >= 1 entries")
+    tokens, parents, tree_indptr = _tree_tensors(tokens, parents, tree_indptr)
     b = tree_indptr.numel() - 1
     zeros = torch.zeros((b,), dtype=torch.int64)
     return _accept_trees(logits.contiguous(), None, tokens, parents, tree_indptr,
                          torch.ones((b,), dtype=torch.bool), torch.zeros((b,), dtype=torch.bool),
                          zeros, zeros, 1e-3, target_is_logits=True)
+
+
+def _tree_tensors(tokens, parents, tree_indptr):
+    """A flattened tree batch as the op reads it: int32 tokens and parents, int64 offsets."""
+    tokens = _int_tensor(tokens, "tokens", torch.int32, 1)
+    parents = _int_tensor(parents, "parents", torch.int32, 1)
+    tree_indptr = _int_tensor(tree_indptr, "tree_indptr", torch.int64, 1)
+    if tree_indptr.numel() < 1:
+        raise ValueError("'tree_indptr' must have batch + 1 >= 1 entries")
+    return tokens, parents, tree_indptr
 
 
 def _accept_trees(target, draft_probs, tokens, parents, tree_indptr, greedy, sampled, seeds,

@@ -29,7 +29,8 @@ namespace {
 class DecoderStack {
  public:
   DecoderStack(const py::list& layers, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-               int64_t intermediate, double eps) {
+               int64_t intermediate, double eps, const LinearKernels* kernels)
+      : kernels_(kernels != nullptr ? *kernels : LinearKernels::Default()) {
     cfg_.num_heads = num_heads;
     cfg_.num_kv_heads = num_kv_heads;
     cfg_.head_dim = head_dim;
@@ -69,7 +70,7 @@ class DecoderStack {
     CheckNoOverlap({{&xv, "x"}, {&kn, "k_new"}, {&vn, "v_new"}},
                    {{&cv, "cos"}, {&sv, "sin"}, {&kp, "k_pages"}, {&vp, "v_pages"}});
     py::gil_scoped_release release;
-    DecoderLayers(cfg_, layers_, xv, cv, sv, plan, kp, vp, kn, vn, begin, end);
+    DecoderLayers(cfg_, layers_, xv, cv, sv, plan, kp, vp, kn, vn, begin, end, nullptr, &kernels_);
   }
 
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
@@ -90,12 +91,9 @@ class DecoderStack {
     DecoderMatrix mat;
     if (py::isinstance<py::tuple>(t)) {
       const py::tuple tup = py::reinterpret_borrow<py::tuple>(t);
-      PYSPEC_CHECK(tup.size() == 4 || tup.size() == 5, "'", name,
-                   "' must be a tensor or a (dense, q, d, m[, fixed]) tuple");
+      PYSPEC_CHECK(tup.size() == 4, "'", name, "' must be a tensor or a (dense, q, d, m) tuple");
       if (!tup[0].is_none()) mat.w = Keep(tup[0], name);  // None: the codes alone
       mat.packed = true;
-      // (dense, q, d, m, True): q, d, m in RepackFixed's layout, read by LinearFixed.
-      mat.fixed = tup.size() == 5 && tup[4].cast<bool>();
       mat.q = Keep(tup[1], "q");
       mat.d = Keep(tup[2], "d");
       if (!tup[3].is_none()) mat.m = Keep(tup[3], "m");
@@ -105,15 +103,77 @@ class DecoderStack {
     return mat;
   }
 
+  LinearKernels kernels_;
   DecoderConfig cfg_;
   int64_t hidden_ = 0;
   std::vector<DecoderLayerWeights> layers_;
   std::vector<py::object> keep_;
 };
 
+DType DTypeArg(const std::string& dtype) {
+  for (DType dt : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    if (dtype == DTypeName(dt)) return dt;
+  }
+  throw ValueError("dtype must be 'float32', 'bfloat16' or 'float16'; got '" + dtype + "'");
+}
+
+const char* RouteName(LinearKernels::Route r) {
+  switch (r) {
+    case LinearKernels::Route::kLinear: return "linear";
+    case LinearKernels::Route::kPacked: return "packed";
+    case LinearKernels::Route::kGemm: return "gemm";
+  }
+  return "?";
+}
+
 }  // namespace
 
 void RegisterLinear(py::module_& m) {
+  py::class_<LinearKernels>(m, "LinearKernels", R"doc(
+Which builds of the CPU dense kernels a model runs and which route a call takes (a property of
+the model, never of the process). isa: 'auto' (this CPU's best), 'generic', 'avx2', 'avx512' (no
+AMX) or 'amx' (AVX-512 and AMX tiles for bfloat16); ValueError for one this CPU, OS or build
+lacks. Routes for a call of `rows` input rows: 'linear' (the core kernel on the dense matrix),
+'packed' (the core kernel on 4-bit / 8-bit codes), 'gemm' (a GEMM library on the dense matrix,
+rebuilt from the codes when only they are held); every route gives a row the same bits.)doc")
+      .def(py::init<const std::string&>(), py::arg("isa") = "auto")
+      .def_property_readonly("isa", &LinearKernels::isa,
+                             "The resolved ISA: 'generic', 'avx2', 'avx512' or 'amx'.")
+      .def(
+          "kernel", [](const LinearKernels& k, const std::string& dtype) {
+            return k.Kernel(DTypeArg(dtype));
+          },
+          py::arg("dtype"),
+          "The build that runs layers of `dtype` ('float32', 'bfloat16', 'float16'): 'generic', "
+          "'avx2', 'avx512', 'avx512-bf16' (bf16 pairs through vdpbf16ps) or 'amx-bf16'.")
+      .def(
+          "max_fast_rows", [](const LinearKernels& k, const std::string& dtype) {
+            return k.MaxFastRows(DTypeArg(dtype));
+          },
+          py::arg("dtype"), "Input rows up to which the core kernel beats a GEMM library.")
+      .def_property_readonly("packed_max_rows", &LinearKernels::PackedMaxRows,
+                             "Input rows up to which the codes beat the float32 matrix (32 "
+                             "AVX-512, 4 AVX2, 0 where linear_packed cannot run).")
+      .def_property_readonly("packed_available", &LinearKernels::PackedAvailable)
+      .def("packed_rows_limit", &LinearKernels::PackedRowsLimit, py::arg("has_dense"),
+           "Input rows up to which packed codes take the packed route (held beside their float32 "
+           "matrix, or alone); 0 where linear_packed cannot run.")
+      .def(
+          "dense_route", [](const LinearKernels& k, const std::string& dtype, int64_t rows) {
+            return std::string(RouteName(k.DenseRoute(DTypeArg(dtype), rows)));
+          },
+          py::arg("dtype"), py::arg("rows"), "'linear' or 'gemm' for a dense matrix.")
+      .def(
+          "packed_route", [](const LinearKernels& k, int64_t rows, bool has_dense) {
+            return std::string(RouteName(k.PackedRoute(rows, has_dense)));
+          },
+          py::arg("rows"), py::arg("has_dense"),
+          "'packed', 'linear' or 'gemm' for packed codes (held beside their float32 matrix, or "
+          "alone).")
+      .def("__repr__", [](const LinearKernels& k) {
+        return "LinearKernels(isa='" + k.isa() + "')";
+      });
+  RefuseUninitialized<LinearKernels>();
   m.def(
       "rms_norm",
       [](py::handle x, py::handle w, float eps, py::handle out) {
@@ -145,23 +205,25 @@ cos/sin [T, D] float32). Contiguous cpu tensors, q/k/v/qkv of one dtype; fp32 ar
 rounding. Raises ValueError naming the bad argument; RuntimeError for CUDA tensors.)doc");
   m.def(
       "linear",
-      [](py::handle x, py::handle w, py::handle bias, py::handle out) {
+      [](py::handle x, py::handle w, py::handle bias, py::handle out,
+         const LinearKernels* kernels) {
         const TensorView xv = ToView(x, "x"), wv = ToView(w, "w"), ov = ToView(out, "out");
         const std::optional<TensorView> bv = OptionalView(bias, "bias");
         // `out` may be `x` (the kernel reads x into registers first) but not the weights or
         // the bias, which are read while the output is written.
         CheckNoOverlap({{&ov, "out"}}, {{&wv, "w"}, {ViewPtr(bv), "bias"}});
         py::gil_scoped_release release;
-        Linear(xv, wv, ViewPtr(bv), ov);
+        Linear(xv, wv, ViewPtr(bv), ov, nullptr, kernels);
       },
       py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("out"),
+      py::arg("kernels") = static_cast<const LinearKernels*>(nullptr),
       R"doc(Dense layer ``out = x @ w.T + bias``, written into ``out`` in place.
 
 x [M, K], w [N, K], bias [N] or None, out [M, N]: contiguous cpu tensors of one dtype (float32,
 bfloat16 or float16; out may be x, not w or bias); fp32 accumulation, one rounding per output. Tuned for small M (decoding):
 each weight row is read from memory once per call, output rows are split over the thread pool.
 Correct for any M, but for M above a few dozen a GEMM library is faster (pyspec.linear routes
-those to torch). Raises ValueError naming the bad argument; RuntimeError for CUDA tensors (not implemented
+those to torch). ``kernels``: a LinearKernels (default: this CPU's best). Raises ValueError naming the bad argument; RuntimeError for CUDA tensors (not implemented
 on CUDA). Tensors that require grad are read as is (no autograd).)doc");
 
   m.def(
@@ -183,34 +245,38 @@ raises ValueError naming the bad argument.)doc");
   m.def(
       "linear_packed",
       [](py::handle x, py::handle q, py::handle d, py::handle mn, py::handle bias,
-         py::handle out) {
+         py::handle out, const LinearKernels* kernels) {
         const TensorView xv = ToView(x, "x"), qv = ToView(q, "q"), dv = ToView(d, "d");
         const TensorView ov = ToView(out, "out");
         const std::optional<TensorView> mv = OptionalView(mn, "m"), bv = OptionalView(bias, "bias");
         CheckNoOverlap({{&ov, "out"}}, {{&xv, "x"}, {&qv, "q"}, {&dv, "d"}, {ViewPtr(mv), "m"},
                                         {ViewPtr(bv), "bias"}});
         py::gil_scoped_release release;
-        LinearPacked(xv, qv, dv, ViewPtr(mv), ViewPtr(bv), ov);
+        LinearPacked(xv, qv, dv, ViewPtr(mv), ViewPtr(bv), ov, nullptr, kernels);
       },
       py::arg("x"), py::arg("q"), py::arg("d"), py::arg("m"), py::arg("bias"), py::arg("out"),
+      py::arg("kernels") = static_cast<const LinearKernels*>(nullptr),
       R"doc(Dense layer over packed weights, ``out = x @ w.T + bias`` with ``w`` rebuilt from codes
 in groups of 32 along K: 4-bit ``w = d * q + m`` (q [N, K/2] uint8, low nibble = element j of a
 group, high nibble = element j + 16; d, m [N, K/32] float32) or, with ``m`` None, 8-bit
 ``w = d * q`` (q [N, K] int8). x [M, K], out [M, N], bias [N] or None: contiguous float32 cpu
-tensors; K a multiple of 32. Accumulates as the float32 kernel of ``linear`` in use does (its AVX2
-or AVX-512 build), so where the rebuilt weights equal a float32 matrix the outputs equal
-``linear``'s on it bit for bit. Needs one of those builds (``_packed_linear_available()``); raises
-ValueError naming the bad argument.)doc");
+tensors; K a multiple of 32. Accumulates as the float32 kernel of ``linear`` with the same
+``kernels`` does (its AVX2 or AVX-512 build), so where the rebuilt weights equal a float32 matrix
+the outputs equal ``linear``'s on it bit for bit. Needs one of those builds
+(``LinearKernels.packed_available``); raises ValueError naming the bad argument.)doc");
   py::class_<DecoderStack>(m, "DecoderStack", R"doc(A Llama-style decoder stack's CPU weights
 for ``run``, which computes every layer in one call (RMSNorm, fused QKV, RoPE, tree attention
 over the paged KV, output projection, RMSNorm, gate/up, SiLU-times-up, down projection, residual
 adds) with the same kernels as the ops one by one, so with the same results bit for bit.)doc")
-      .def(py::init<const py::list&, int64_t, int64_t, int64_t, int64_t, double>(),
+      .def(py::init<const py::list&, int64_t, int64_t, int64_t, int64_t, double,
+                    const LinearKernels*>(),
            py::arg("layers"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
            py::arg("intermediate"), py::arg("eps"),
+           py::arg("kernels") = static_cast<const LinearKernels*>(nullptr),
            "layers: dicts with ln1, ln2, wqkv, bqkv (or None), wo, bo (or None), wgu (gate then "
            "up), wd; a matrix is a tensor or a (dense, q, d, m) tuple of packed codes. The "
-           "stack keeps references to them.")
+           "stack keeps references to them. kernels: the model's LinearKernels (default: this "
+           "CPU's best).")
       .def("run", &DecoderStack::Run, py::arg("x"), py::arg("cos"), py::arg("sin"),
            py::arg("plan"), py::arg("k_pages"), py::arg("v_pages"), py::arg("k_new"),
            py::arg("v_new"), py::arg("begin") = 0, py::arg("end") = -1,
@@ -235,64 +301,6 @@ bad argument.)doc");
   m.def("_packed_prefetch_blocks", &detail::SetPackedPrefetchBlocks, py::arg("blocks") = -1,
         "linear_packed's prefetch distance in blocks of 4 weight rows (0: none; negative: only "
         "read it). A benchmark knob; returns the distance in use.");
-  m.def("_packed_linear_available", &detail::PackedLinearAvailable,
-        "Whether linear_packed can run here (the float32 linear kernel in use is the AVX2 or "
-        "the AVX-512 build).");
-  m.def("_packed_max_rows", &detail::PackedLinearMaxRows,
-        "Input rows up to which linear_packed beats linear on the float32 matrix with the kernel "
-        "in use (32 AVX-512, 4 AVX2, 0 where it cannot run).");
-  m.def("_fixed_available", &detail::AmxInt8Available,
-        "Whether linear_fixed can run here (a CPU with AMX-INT8 and the OS granting the tile "
-        "state).");
-  m.def(
-      "repack_fixed",
-      [](py::handle q, py::handle d, py::handle mn, py::handle tq, py::handle td,
-         py::handle tm) {
-        const TensorView qv = ToView(q, "q"), dv = ToView(d, "d");
-        const TensorView tqv = ToView(tq, "tq"), tdv = ToView(td, "td");
-        const std::optional<TensorView> mv = OptionalView(mn, "m"), tmv = OptionalView(tm, "tm");
-        CheckNoOverlap({{&tqv, "tq"}, {&tdv, "td"}, {ViewPtr(tmv), "tm"}},
-                       {{&qv, "q"}, {&dv, "d"}, {ViewPtr(mv), "m"}});
-        py::gil_scoped_release release;
-        RepackFixed(qv, dv, ViewPtr(mv), tqv, tdv, ViewPtr(tmv));
-      },
-      py::arg("q"), py::arg("d"), py::arg("m"), py::arg("tq"), py::arg("td"), py::arg("tm"),
-      "Writes packed codes (linear_packed's q, d, m; m None for 8-bit) into tq, td, tm (the same "
-      "shapes and dtypes; tm None for 8-bit) in linear_fixed's tile layout. N a multiple of 16.");
-  m.def(
-      "linear_fixed",
-      [](py::handle x, py::handle tq, py::handle td, py::handle tm, py::handle bias,
-         py::handle out) {
-        const TensorView xv = ToView(x, "x"), qv = ToView(tq, "tq"), dv = ToView(td, "td");
-        const TensorView ov = ToView(out, "out");
-        const std::optional<TensorView> mv = OptionalView(tm, "tm"), bv = OptionalView(bias, "bias");
-        CheckNoOverlap({{&ov, "out"}}, {{&xv, "x"}, {&qv, "tq"}, {&dv, "td"}, {ViewPtr(mv), "tm"},
-                                        {ViewPtr(bv), "bias"}});
-        py::gil_scoped_release release;
-        LinearFixed(xv, qv, dv, ViewPtr(mv), ViewPtr(bv), ov);
-      },
-      py::arg("x"), py::arg("tq"), py::arg("td"), py::arg("tm"), py::arg("bias"), py::arg("out"),
-      "out [M, N] = x [M, K] @ W.T (+ bias) for codes in repack_fixed's layout, on AMX int8 "
-      "tiles with each float32 input row as a 32-bit fixed-point integer: a row's outputs do not "
-      "depend on the other rows; about float32's accuracy, not its bits; a row with a NaN or an "
-      "infinity gives NaN. ValueError without AMX-INT8 (_fixed_available()).");
-  m.def("_linear_isa", &detail::LinearIsa,
-        "Instruction set of the CPU linear kernel in use ('generic', 'avx2', 'avx512' or 'amx').");
-  m.def("_set_linear_isa", &detail::SetLinearIsa, py::arg("isa"),
-        "Force the CPU linear kernel: 'auto', 'generic', 'avx2', 'avx512' (no AMX) or 'amx' "
-        "(AMX tiles for bfloat16; ValueError where the CPU or OS has none). For tests and "
-        "benchmarks. Returns the ISA now in use.");
-  m.def(
-      "_linear_kernel",
-      [](const std::string& dtype) {
-        for (DType dt : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
-          if (dtype == DTypeName(dt)) return detail::LinearKernel(dt);
-        }
-        throw ValueError("dtype must be 'float32', 'bfloat16' or 'float16'; got '" + dtype + "'");
-      },
-      py::arg("dtype"),
-      "The CPU linear build that runs layers of `dtype` ('float32', 'bfloat16' or 'float16') "
-      "now: 'generic', 'avx2', 'avx512' or 'avx512-bf16' (bfloat16 pairs through vdpbf16ps).");
 }
 
 }  // namespace bindings

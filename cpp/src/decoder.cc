@@ -67,17 +67,19 @@ void CheckVector(const TensorView& t, const std::string& name, int64_t n, DType 
   CheckContiguous(t, name.c_str());
 }
 
+// Which matrices of a step read their codes (LinearKernels::PackedRoute at the step's rows).
+struct PackedRoutes {
+  bool with_dense;  // codes held beside the float32 matrix
+  bool alone;       // codes only
+};
+
 void RunLinear(const TensorView& x, const DecoderMatrix& w, const TensorView* bias,
-               const TensorView& out, int64_t packed_rows, ThreadPool* pool) {
-  if (w.fixed) {  // fixed-point numerics: every M (a row's outputs never depend on its call)
-    LinearFixed(x, w.q, w.d, Opt(w.m), bias, out, pool);
-    return;
-  }
-  // Codes alone (no dense matrix): the packed kernel at every M, with the float32 kernel's bits.
-  if (w.packed && (x.shape[0] <= packed_rows || w.w.data == nullptr)) {
-    LinearPacked(x, w.q, w.d, Opt(w.m), bias, out, pool);
+               const TensorView& out, const LinearKernels& kernels, PackedRoutes routes,
+               ThreadPool* pool) {
+  if (w.packed && (w.w.data != nullptr ? routes.with_dense : routes.alone)) {
+    LinearPacked(x, w.q, w.d, Opt(w.m), bias, out, pool, &kernels);
   } else {
-    Linear(x, w.w, bias, out, pool);
+    Linear(x, w.w, bias, out, pool, &kernels);
   }
 }
 
@@ -112,7 +114,7 @@ void DecoderLayers(const DecoderConfig& cfg, const std::vector<DecoderLayerWeigh
                    const TensorView& x, const TensorView& cos, const TensorView& sin,
                    const AttentionPlan& plan, const TensorView& k_pages,
                    const TensorView& v_pages, const TensorView& k_new, const TensorView& v_new,
-                   int64_t begin, int64_t end, ThreadPool* pool) {
+                   int64_t begin, int64_t end, ThreadPool* pool, const LinearKernels* kernels) {
   for (const TensorView* t : {&x, &cos, &sin, &k_pages, &v_pages, &k_new, &v_new}) {
     if (t->device.type == DeviceType::kCUDA) {
       throw RuntimeError("pyspec decoder_layers: got CUDA tensors; it runs on the CPU only");
@@ -195,21 +197,31 @@ void DecoderLayers(const DecoderConfig& cfg, const std::vector<DecoderLayerWeigh
   const float scale = cfg.attn_scale != 0.f
                           ? cfg.attn_scale
                           : static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-  const int64_t packed_rows = detail::PackedLinearMaxRows();
+  const LinearKernels& lk = kernels != nullptr ? *kernels : LinearKernels::Default();
+  const PackedRoutes routes{lk.PackedRoute(T, true) == LinearKernels::Route::kPacked,
+                            lk.PackedRoute(T, false) == LinearKernels::Route::kPacked};
+  // Codes without their dense matrix need the packed kernel (the stack has no GEMM to rebuild
+  // them for): refused before x changes.
+  for (size_t l = 0; !routes.alone && l < layers.size(); ++l) {
+    for (const DecoderMatrix* m : {&layers[l].wqkv, &layers[l].wo, &layers[l].wgu, &layers[l].wd}) {
+      PYSPEC_CHECK(m->w.data != nullptr, "layer ", l, " holds packed codes without their float32 "
+                   "matrix, which the ", lk.isa(), " kernels cannot read at ", T, " rows");
+    }
+  }
   for (int64_t l = begin; l < end; ++l) {
     const DecoderLayerWeights& w = layers[l];
     const TensorView kp = Slice0(k_pages, l), vp = Slice0(v_pages, l);
     const TensorView kn = Slice0(k_new, l), vn = Slice0(v_new, l);
     RmsNorm(x, w.ln1, cfg.eps, h, pool);
-    RunLinear(h, w.wqkv, Opt(w.bqkv), qkv, packed_rows, pool);
+    RunLinear(h, w.wqkv, Opt(w.bqkv), qkv, lk, routes, pool);
     RotaryQKV(qkv, cos, sin, q, kn, vn, pool);
     RunAttention(plan, q, kp, vp, kn, vn, a3, nullptr, scale, pool);
-    RunLinear(a2, w.wo, Opt(w.bo), o, packed_rows, pool);
+    RunLinear(a2, w.wo, Opt(w.bo), o, lk, routes, pool);
     AddInPlace(x, o, pool);
     RmsNorm(x, w.ln2, cfg.eps, h, pool);
-    RunLinear(h, w.wgu, nullptr, gu, packed_rows, pool);
+    RunLinear(h, w.wgu, nullptr, gu, lk, routes, pool);
     SiluMul(gu, act, pool);
-    RunLinear(act, w.wd, nullptr, o, packed_rows, pool);
+    RunLinear(act, w.wd, nullptr, o, lk, routes, pool);
     AddInPlace(x, o, pool);
   }
 }

@@ -1,4 +1,4 @@
-// bfloat16 dense layer on Intel AMX tiles (internal to linear.cc; see pyspec/linear.h).
+// bfloat16 dense layer on Intel AMX tiles (internal to pyspec_core; see pyspec/linear.h).
 //
 // out[m, n] = sum_k x[m, k] * w[n, k] + bias[n] with the weights read in place: a tile of 16 weight
 // rows x 32 k (row-major w, no repacking) is the A operand of TDPBF16PS, and the inputs, repacked
@@ -41,7 +41,7 @@ struct alignas(64) AmxTileConfig {
 #endif
 
 // True when the CPU has AMX-TILE, the AMX feature in bit `feature_bit` of CPUID.(7, 0).EDX (22:
-// AMX-BF16, 25: AMX-INT8), AVX-512F and AVX-512BW, the build can emit them, and the OS granted this
+// AMX-BF16), AVX-512F and AVX-512BW, the build can emit them, and the OS granted this
 // process the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, asked once for all threads).
 bool AmxFeatureAvailable(int feature_bit);
 
@@ -70,25 +70,6 @@ void AmxLinearBlocks(const uint16_t* packed, const uint16_t* w, const float* bia
 
 // A RuntimeError naming `op` when any of the (non-null) tensors is on a CUDA device.
 void RefuseCuda(std::initializer_list<const TensorView*> ts, const char* op);
-
-// ---- Packed codes on AMX int8 tiles, fixed-point inputs (LinearFixed, pyspec/linear.h) ----
-
-// True when the CPU has AMX-TILE and AMX-INT8 and the OS granted the tile data state.
-bool AmxInt8Available();
-
-// Input rows per pass over a block of weights (48 fixed-point byte rows: three tiles).
-constexpr int64_t kFixedBlockRows = 12;
-
-// x [M, K] -> A tiles [ceil(M / 12)][K / 32][48][32] (zero past M), the per-row scales, each
-// row's sum of X per group [M, K / 32] and per-row non-finite flags.
-void FixedPackInputs(const float* x, int64_t M, int64_t K, int8_t* a, float* scale, float* xsum,
-                     uint8_t* bad);
-
-// Output blocks [b0, b1) of 16 weight rows each: out [M, N] fp32; tq, td, tm in RepackFixed's
-// layout (tm null: 8-bit codes); bias [N] or null.
-void FixedLinearBlocks(const int8_t* a, const float* scale, const float* xsum, const uint8_t* bad,
-                       const uint8_t* tq, const float* td, const float* tm, const float* bias,
-                       float* out, int64_t M, int64_t N, int64_t K, int64_t b0, int64_t b1);
 
 }  // namespace detail
 }  // namespace pyspec

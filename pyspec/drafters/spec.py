@@ -132,9 +132,11 @@ def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Dra
                                      "tree width, 1 = a chain)")
                 width = _int_arg(val, "tree", 1, "=")
             tm = target_runner.model
-            # As the target was loaded: packed codes where exact, unless the target said "off".
+            # As the target was loaded: its kernels, packed codes where exact unless the target
+            # said "off".
             model = LlamaForCausalLM.from_pretrained(
-                path, dtype=tm.dtype, packed_weights=getattr(tm, "packed_weights", "auto"))
+                path, dtype=tm.dtype, packed_weights=getattr(tm, "packed_weights", "auto"),
+                kernels=getattr(tm, "kernels", None))
             return ModelDrafter(model, target_runner, width=width, max_depth=5)
         raise ValueError(f"{path!r} holds neither drafter.json (EAGLE/Medusa heads) nor "
                          "config.json (a draft model)")

@@ -20,15 +20,11 @@ import torch.nn.functional as F
 
 from pyspec import _C, ops
 from pyspec.attention import tree_attention
-from pyspec.linear import linear as core_linear
-from pyspec.linear import fast_rows
+from pyspec.linear import Linear
 from pyspec.models.config import ModelConfig
 from pyspec.models.loader import load_weights, resolve_dtype
+from pyspec.models.weights import LlamaWeights, resolve_device  # noqa: F401 (re-exported)
 
-# PYSPEC_FUSED_LAYERS=0: run the CPU decoder layers op by op even where the core's one-call stack
-# applies (the same results; for comparing their speed).
-_FUSED_ON = os.environ.get("PYSPEC_FUSED_LAYERS", "1") != "0"
-_packed_available = _C._packed_linear_available  # the ISA can be switched at run time
 
 # from_pretrained's packed_weights settings (the CLI's --packed-weights choices).
 PACKED_WEIGHTS_CHOICES = ("auto", "codes", "off")
@@ -89,91 +85,47 @@ def feature_layers(spec, num_layers: int) -> Tuple[int, ...]:
     return taps
 
 
-def resolve_device(device) -> torch.device:
-    """The torch device a model may run on: ``"cpu"``, or ``"cuda"`` / ``"cuda:N"`` where pyspec
-    was built with CUDA and that GPU is usable. Anything else is a ValueError saying why.
-
-    On a CUDA device the model's forward (dense layers, norms and rotary through torch, tree
-    attention and KV materialization through pyspec's kernels) and its KV pool live on the GPU;
-    the step's logits and hidden states come back to the host, where acceptance, sampling and the
-    drafters run.
-    """
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N'; got {device!r}") from None
-    if dev.type == "cpu":
-        return dev
-    if dev.type != "cuda":
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N'; got {device!r} (no "
-                         f"{dev.type} kernels)")
-    if not getattr(_C, "built_with_cuda", False):
-        raise ValueError(f"device {device!r}: this pyspec build has no CUDA kernels (rebuild with "
-                         "PYSPEC_ENABLE_CUDA=ON on a machine with nvcc)")
-    reason = _C.cuda_unavailable_reason()
-    if reason:
-        raise ValueError(f"device {device!r}: no usable CUDA device ({reason})")
-    count = _C.cuda_device_count()
-    index = 0 if dev.index is None else dev.index
-    if not 0 <= index < count:
-        raise ValueError(f"device {device!r}: there are {count} CUDA device(s)")
-    if not torch.cuda.is_available():
-        raise ValueError(f"device {device!r}: this torch build ({torch.__version__}) has no CUDA "
-                         "support")
-    return torch.device("cuda", index)
-
-
-class LlamaForCausalLM:
-    """Inference-only Llama/Mistral/Qwen2 with fused QKV and gate/up projections."""
+class LlamaForCausalLM(LlamaWeights):
+    """Inference-only Llama/Mistral/Qwen2 with fused QKV and gate/up projections: the forward
+    over its weights (:class:`~pyspec.models.weights.LlamaWeights`: loading, packing, huge pages,
+    devices), with this model's own dense-layer kernels and the step's thread policy."""
 
     def __init__(self, cfg: ModelConfig, weights: Dict[str, torch.Tensor], dtype: torch.dtype,
                  device: str = "cpu",
-                 core_linear_dtypes=(torch.float32, torch.bfloat16, torch.float16)):
+                 core_linear_dtypes=(torch.float32, torch.bfloat16, torch.float16),
+                 kernels=None):
         self.cfg = cfg
-        # Dense layers use the core's bandwidth-bound kernel for few rows (decode, draft trees) in
-        # these dtypes and torch otherwise; see bench/bench_linear.py and bench/bench_decode.py.
-        self.linear = core_linear if dtype in core_linear_dtypes else F.linear
-        # Steps of up to this many rows run torch's own ops (the glue between the core calls)
-        # on one thread: the dense layers then run in the core's thread pool, and torch's OpenMP
-        # workers, which spin for a while after each parallel op, would compete with it for the
-        # cores (on 2 cores a 32-node float32 verify step took 97 ms with them, 71 ms without;
-        # bench/bench_verify_cost.py). Larger steps (prefill) keep torch's threads for its GEMMs.
-        self._serial_rows = fast_rows(dtype) if self.linear is core_linear else 0
+        # The dense layers' kernels, this model's own (pyspec._C.LinearKernels: which builds run,
+        # which route a call takes; an ISA name or None for this CPU's best): the core's
+        # bandwidth-bound kernel for few rows (decode, draft trees) in these dtypes, torch
+        # otherwise (docs/kernels.md).
+        self._core_dtypes = tuple(core_linear_dtypes)
         self.dtype = dtype
-        self.device = resolve_device(device)  # "cuda" -> "cuda:0": the device the KV pool gets
-        self.embed = weights.pop("model.embed_tokens.weight")
-        lm = weights.pop("lm_head.weight", None)
-        self.lm_head = self.embed if cfg.tie_word_embeddings else lm
-        self.norm = weights.pop("model.norm.weight")
-        self.layers = []
-        for i in range(cfg.num_hidden_layers):
-            p = f"model.layers.{i}."
-            g = lambda n: weights.pop(p + n)  # noqa: E731
-            wqkv = torch.cat([g("self_attn.q_proj.weight"), g("self_attn.k_proj.weight"),
-                              g("self_attn.v_proj.weight")], 0)
-            bqkv = None
-            if cfg.attention_bias:
-                bqkv = torch.cat([g("self_attn.q_proj.bias"), g("self_attn.k_proj.bias"),
-                                  g("self_attn.v_proj.bias")], 0)
-            self.layers.append(dict(
-                ln1=g("input_layernorm.weight"), ln2=g("post_attention_layernorm.weight"),
-                wqkv=wqkv, bqkv=bqkv, wo=g("self_attn.o_proj.weight"),
-                bo=weights.pop(p + "self_attn.o_proj.bias", None),
-                wgu=torch.cat([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")], 0),
-                wd=g("mlp.down_proj.weight")))
-        if weights:
-            raise ValueError(f"unused weights: {sorted(weights)[:5]}")
+        self.set_kernels(kernels)
+        # The one-call decoder stack for steps it applies to (False: op by op, the same results;
+        # for measurements).
+        self.fused_layers = True
+        super().__init__(cfg, weights, dtype, device)
         self._inv_freq = rope_inv_freq(cfg, 0).to(self.device)
-        self.source_path: Optional[str] = None  # the checkpoint folder, when loaded from one
-        # Per layer, the dense matrices as pyspec.linear.PackedWeight where they are exactly a
-        # 4-bit or 8-bit block format (pack_weights), and the same for lm_head; None: not packed.
-        self._packed: Optional[list] = None
-        self._packed_lm_head = None
-        self.packed_weights = "auto"  # from_pretrained's setting (draft models loaded for it follow)
         # (layers list, packed list, _C.DecoderStack, the tensors it holds) for steps that run
         # every layer in one core call (_fused_stack); rebuilt when any of them is replaced.
         self._fused = None
-        self._codes_only = False  # some layer matrix is held as codes only (drop_dense)
+
+    def set_kernels(self, kernels=None) -> None:
+        """Choose the dense layers' kernels (a :class:`pyspec._C.LinearKernels`, an ISA name, or
+        None for this CPU's best): which builds run and which route each call takes (another
+        vector build may round differently; within one, every route gives a row the same bits).
+        Packed matrices stay packed: where these kernels have no packed route they are read as
+        their float32 matrices (rebuilt per step when only the codes are held)."""
+        lin = Linear(kernels)
+        self.kernels = lin.kernels
+        self.linear = lin if self.dtype in self._core_dtypes else F.linear
+        # Steps of up to this many rows run torch's own ops (the glue between the core calls)
+        # on one thread: the dense layers then run in the core's thread pool, and torch's OpenMP
+        # workers, which spin for a while after each parallel op, would compete with it for the
+        # cores (bench/bench_verify_cost.py). Larger steps (prefill) keep torch's threads.
+        self._serial_rows = lin.max_fast_rows(self.dtype) if self.linear is lin else 0
+        self._fused = None
 
     def __getstate__(self):
         # The decoder stack (views into this model's tensors) is rebuilt on the next step of a
@@ -184,13 +136,14 @@ class LlamaForCausalLM:
 
     @classmethod
     def from_pretrained(cls, path: str, dtype="float32", device: str = "cpu",
-                        packed_weights: str = "auto") -> "LlamaForCausalLM":
+                        packed_weights: str = "auto", kernels=None) -> "LlamaForCausalLM":
         """``packed_weights``: ``"auto"`` (default) holds every float32 CPU matrix that is exactly
         a 4-bit or 8-bit block format also as its codes (:meth:`pack_weights`; the same outputs
         bit for bit, fewer bytes per decoding step), ``"codes"`` as ``"auto"`` but then holds the
         decoder layers' packed matrices as codes only (:meth:`drop_dense`: the same outputs bit for
         bit, about 5x less memory for them), ``"off"`` never; ``PYSPEC_PACKED_WEIGHTS=0`` in the
-        environment turns ``"auto"`` and ``"codes"`` off."""
+        environment turns ``"auto"`` and ``"codes"`` off. ``kernels``: the dense layers' kernels
+        (a :class:`pyspec._C.LinearKernels` or an ISA name; default this CPU's best)."""
         if packed_weights not in PACKED_WEIGHTS_CHOICES:
             raise ValueError(f"packed_weights must be one of {', '.join(PACKED_WEIGHTS_CHOICES)}; "
                              f"got {packed_weights!r}")
@@ -199,7 +152,7 @@ class LlamaForCausalLM:
         device = str(resolve_device(device))
         cfg = ModelConfig.from_file(path)
         dt = resolve_dtype(dtype)
-        m = cls(cfg, load_weights(path, cfg, dt, device), dt, device)
+        m = cls(cfg, load_weights(path, cfg, dt, device), dt, device, kernels=kernels)
         m.source_path = path
         m.packed_weights = packed_weights
         m.place_on_huge_pages()
@@ -209,93 +162,34 @@ class LlamaForCausalLM:
                 m.drop_dense()
         return m
 
-    def drop_dense(self) -> int:
-        """Hold each packed decoder-layer matrix as its codes only (:meth:`pack_weights` first):
-        the layer's entry becomes the :class:`~pyspec.linear.PackedWeight` and the float32 matrix
-        is freed. Outputs stay the same bit for bit: the core kernel reads the codes at every row
-        count it runs, and steps beyond it (long prefills) rebuild each matrix from its codes
-        for the call (:meth:`PackedWeight.unpack`). ``lm_head`` keeps its float32 matrix (for
-        the default model it is the embedding table). Returns how many matrices were dropped.
-        Readers of ``layers[i][k]`` get a PackedWeight there: :meth:`layer_weight` gives the
-        float32 matrix in either case."""
-        from pyspec.linear import PackedWeight
+    def _reads_codes(self) -> bool:
+        return isinstance(self.linear, Linear) and self.kernels.packed_available
 
-        if self._packed is None:
-            return 0
-        count = 0
-        for layer, lp in zip(self.layers, self._packed):
-            for k, p in lp.items():
-                if type(p) is PackedWeight and p.dense is not None:
-                    p.drop_dense()
-                    layer[k] = p
-                    count += 1
-        if count:
-            self._codes_only = True
-            # The float32 matrices may share one huge-page mapping with the rest: copying the rest
-            # into a new one (or, where none can be made, onto ordinary pages) lets it go.
-            arena = self._huge_page_arena()
-            self._rehome(arena.copy if arena is not None else torch.clone)
-        return count
+    def _weights_changed(self) -> None:
+        self._fused = None  # the stack's views would keep the old weights alive
 
-    def layer_weight(self, index: int, name: str) -> torch.Tensor:
-        """Layer ``index``'s matrix ``name`` ("wqkv", "wo", "wgu", "wd") as a float32 tensor,
-        rebuilt from its codes when the model holds only those (:meth:`drop_dense`)."""
-        w = self.layers[index][name]
-        return w if isinstance(w, torch.Tensor) else w.unpack()
-
-    def pack_weights(self) -> int:
-        """Also hold each dense matrix (and lm_head) whose float32 values are exactly a 4-bit or
-        8-bit block format (:func:`pyspec.linear.pack_exact`) as those codes, which the forward
-        then reads for the few rows of decoding and verification: about 5x fewer bytes per step (4-bit 5.3x, 8-bit 3.6x), the
-        same results bit for bit (the codes rebuild each weight exactly and the kernel accumulates
-        as the float32 one does). The float32 matrices stay (prefill, other devices, drafters
-        that read them) unless :meth:`drop_dense` frees the layers' ones. Only float32 models on
-        the CPU whose float32 linear kernel is the AVX2 or AVX-512 build; returns how many
-        matrices were packed (0 otherwise)."""
-        from pyspec.linear import pack_exact
-
-        if (self.dtype != torch.float32 or self.device.type != "cpu"
-                or self.linear is not core_linear or not _C._packed_linear_available()):
-            return 0
-        packed, count = [], 0
-        for layer in self.layers:
-            lp = {}
-            for k in ("wqkv", "wo", "wgu", "wd"):
-                p = pack_exact(layer[k])
-                lp[k] = layer[k] if p is None else p
-                count += p is not None
-            packed.append(lp)
-        lm = pack_exact(self.lm_head)
-        count += lm is not None
-        if count == 0:
-            return 0
-        from pyspec.hugepages import Arena
-
-        self._packed = packed
-        self._packed_lm_head = lm
-        self._fused = None
+    def describe(self) -> dict:
+        """How this model runs: device and dtype, its dense layers' kernels and routes (this
+        model's :class:`pyspec._C.LinearKernels`), its packed matrices, and whether decoding steps
+        run the one-call decoder stack."""
+        name = str(self.dtype).replace("torch.", "")
+        core = isinstance(self.linear, Linear) and self.device.type == "cpu"
+        k = self.kernels
+        out = {"device": str(self.device), "dtype": name,
+               "dense_layers": ({"isa": k.isa, "kernel": k.kernel(name),
+                                 "core_kernel_up_to_rows": self._serial_rows}
+                                if core else {"kernel": "torch"}),
+               "packed": None, "fused_layers": core and self.fused_layers}
         ps = self._packed_weights()
-        arena = Arena.for_tensors([t for p in ps for t in (p.q, p.d, p.m) if t is not None])
-        if arena is not None:  # the codes stream every step: on huge pages like the weights
-            for p in ps:
-                p.q = arena.copy(p.q)
-                p.d = arena.copy(p.d)
-                p.m = None if p.m is None else arena.copy(p.m)
-        return count
-
-    def _packed_weights(self) -> list:
-        """The PackedWeight objects the forward reads (layers, then lm_head)."""
-        ps = [p for lp in (self._packed or []) for p in lp.values()
-              if not isinstance(p, torch.Tensor)]
-        return ps + ([self._packed_lm_head] if self._packed_lm_head is not None else [])
-
-    @property
-    def packed_bytes(self) -> int:
-        """Bytes a decoding step reads for the packed matrices' codes (0 when none are packed)."""
-        return sum(p.nbytes for p in self._packed_weights())
+        if ps:
+            out["packed"] = {"matrices": len(ps), "bits": sorted({p.bits for p in ps}),
+                             "codes_only": self._codes_only, "bytes": self.packed_bytes,
+                             "codes_up_to_rows": k.packed_rows_limit(not self._codes_only)}
+        return out
 
     @classmethod
-    def random(cls, cfg: ModelConfig, seed: int = 0, dtype=torch.float32) -> "LlamaForCausalLM":
+    def random(cls, cfg: ModelConfig, seed: int = 0, dtype=torch.float32,
+               kernels=None) -> "LlamaForCausalLM":
         """Random weights (tests, smoke runs): N(0, 1/fan_in) matrices, unit norms."""
         from pyspec.models.loader import expected_shapes
 
@@ -311,89 +205,13 @@ class LlamaForCausalLM:
             else:
                 w[name] = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
         w = {k: v.to(dtype) for k, v in w.items()}
-        return cls(cfg, w, dtype).place_on_huge_pages()
-
-    def place_on_huge_pages(self) -> "LlamaForCausalLM":
-        """Move a CPU model's weights into one mapping on transparent huge pages (see
-        :mod:`pyspec.hugepages`; the same values, fewer TLB misses while a step streams them), in
-        place; returns self. Does nothing on a GPU, where huge pages are unavailable, or with
-        ``PYSPEC_HUGEPAGES=0``. The weights then share one storage: clone one before saving it
-        (``torch.save`` would write the whole mapping; safetensors refuses shared storage)."""
-        if self.device.type != "cpu":
-            return self
-        arena = self._huge_page_arena()
-        if arena is not None:
-            self._rehome(arena.copy)
-        return self
-
-    def _huge_page_arena(self):
-        """A huge-page mapping sized for every weight tensor the model holds (codes-only matrices
-        have their own), or None where none can be made (see Arena.for_tensors)."""
-        from pyspec.hugepages import Arena
-
-        tied = self.lm_head is self.embed
-        layer_ts = [t for layer in self.layers for t in layer.values()
-                    if isinstance(t, torch.Tensor)]
-        return Arena.for_tensors([self.embed, self.norm] + ([] if tied else [self.lm_head])
-                                 + layer_ts)
-
-    def _rehome(self, copy) -> None:
-        """Replace every CPU weight tensor by ``copy(tensor)``, one at a time, so each source can
-        go as soon as its copy exists: no decoder stack, packed matrix (its ``dense``) or
-        unpacked entry of the packed layers may keep holding the old one."""
-        self._fused = None
-        tied = self.lm_head is self.embed
-        # id(tensor) -> its other holders: PackedWeights (dense) and packed-layer dicts holding a
-        # matrix that did not pack (the forward reads those dicts).
-        owners: Dict[int, list] = {}
-        for p in self._packed_weights():
-            if p.dense is not None:
-                owners.setdefault(id(p.dense), []).append((p, None))
-        for lp in self._packed or []:
-            for k, v in lp.items():
-                if isinstance(v, torch.Tensor):
-                    owners.setdefault(id(v), []).append((lp, k))
-
-        def move(t):
-            new = copy(t)
-            for holder, k in owners.pop(id(t), ()):
-                if k is None:
-                    holder.dense = new
-                else:
-                    holder[k] = new
-            return new
-
-        self.embed = move(self.embed)
-        self.lm_head = self.embed if tied else move(self.lm_head)
-        self.norm = move(self.norm)
-        for layer in self.layers:
-            for k, t in layer.items():
-                if isinstance(t, torch.Tensor):
-                    layer[k] = move(t)
+        return cls(cfg, w, dtype, kernels=kernels).place_on_huge_pages()
 
     def to(self, device) -> "LlamaForCausalLM":
         """Move the weights to ``device`` (see :func:`resolve_device`), in place; returns self.
         KV pools and runners made before the move stay where they were: make them after."""
-        dev = resolve_device(device)
-        self._fused = None  # its references would keep the old weights alive
-        mv = lambda t: None if t is None else t.to(dev)  # noqa: E731
-
-        def mv_layer(t):  # codes-only matrices stay codes on the CPU, else are rebuilt
-            if t is None or isinstance(t, torch.Tensor):
-                return mv(t)
-            return t if dev.type == "cpu" else t.unpack().to(dev)
-
-        tied = self.lm_head is self.embed
-        self.embed = mv(self.embed)
-        self.lm_head = self.embed if tied else mv(self.lm_head)
-        self.norm = mv(self.norm)
-        self.layers = [{k: mv_layer(v) for k, v in layer.items()} for layer in self.layers]
-        self._inv_freq = self._inv_freq.to(dev)
-        self.device = dev
-        if dev.type != "cpu":  # packed codes are a CPU kernel's
-            self._packed = None
-            self._packed_lm_head = None
-            self._codes_only = False  # every layer matrix was rebuilt for the device
+        super().to(device)
+        self._inv_freq = self._inv_freq.to(self.device)
         return self
 
     # ---- forward ----------------------------------------------------------------------------------
@@ -516,23 +334,19 @@ class LlamaForCausalLM:
     def _fused_stack(self, t: int, x: torch.Tensor, k_pages: torch.Tensor):
         """The core's decoder stack for a step of ``t`` rows when it applies (CPU, the core's
         linear kernel, at most its fast rows, the model's dtype, no autograd; not with
-        ``PYSPEC_FUSED_LAYERS=0``), else None. The stack computes exactly what
+        ``fused_layers=False``), else None. The stack computes exactly what
         :meth:`_layers_one_by_one` does, in one call instead of about a dozen per layer."""
         if (t > self._serial_rows or self.device.type != "cpu" or x.dtype != self.dtype
                 or k_pages.dtype != self.dtype or not k_pages.is_contiguous()
-                or (torch.is_grad_enabled() and x.requires_grad) or not _FUSED_ON
-                or self.linear is not core_linear
-                # Codes alone need the packed kernel (gone if the kernels' ISA was switched after
-                # loading): op by op, linear() rebuilds the matrices instead.
-                or (self._codes_only and not _packed_available())):
+                or (torch.is_grad_enabled() and x.requires_grad) or not self.fused_layers
+                or not isinstance(self.linear, Linear)
+                # Codes alone need the packed kernel: op by op, the model's Linear rebuilds the
+                # matrices instead.
+                or (self._codes_only and not self.kernels.packed_available)):
             return None
         # The stack holds the tensors it was built from: any replaced one (a layer dict's entry,
         # a packed matrix) makes a new stack. About 20 us for a 30-layer model.
-        from pyspec import linear as linear_mod
-
-        # (the packed numerics are part of the signature: True / False are singletons)
-        fixed = linear_mod._FIXED
-        sig = [v for layer in self.layers for v in layer.values()] + [fixed]
+        sig = [v for layer in self.layers for v in layer.values()]
         if self._packed is not None:
             sig += [w for lp in self._packed for w in lp.values()]
         f = self._fused
@@ -548,12 +362,7 @@ class LlamaForCausalLM:
             d = {k: layer[k] for k in ("ln1", "ln2", "bqkv", "bo")}
             for k in ("wqkv", "wo", "wgu", "wd"):
                 w = mats[k]
-                if type(w) is not PackedWeight:
-                    d[k] = w
-                elif fixed and w.shape[0] % 16 == 0:
-                    d[k] = (w.dense, *w.fixed_codes(), True)
-                else:
-                    d[k] = (w.dense, w.q, w.d, w.m)
+                d[k] = w if type(w) is not PackedWeight else (w.dense, w.q, w.d, w.m)
             layers.append(d)
         stack = None
         if not any(getattr(v, "requires_grad", False) for layer in self.layers
@@ -562,7 +371,8 @@ class LlamaForCausalLM:
                 # The core checks every weight (dtype, shape, layout): weights it cannot take
                 # (e.g. a strided view) run op by op instead.
                 stack = _C.DecoderStack(layers, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                        cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
+                                        cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
+                                        self.kernels)
             except ValueError:
                 stack = None
         self._fused = (self.layers, self._packed, stack, sig)

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <memory>
 #include <vector>
 
 #include "pyspec/check.h"
@@ -187,23 +188,29 @@ TEST(SchedulerAdaptive, RefitsEveryIntervalFromReportedTimes) {
   EXPECT_GT(s.config().verify_cost, 0.0);
 }
 
-TEST(SchedulerAdaptive, SwitchReasons) {
-  SchedulerConfig c;
-  c.max_draft_tokens = 4;
-  c.initial_draft_tokens = 4;
-  Scheduler s(c, 64, 16);
+// A scheduler (config `c`, max_draft_tokens = initial_draft_tokens = `draft`) holding request 1
+// with its prompt computed: it decodes from the next step.
+std::unique_ptr<Scheduler> OneRunning(SchedulerConfig c, int64_t draft, int64_t max_tokens) {
+  c.max_draft_tokens = c.initial_draft_tokens = draft;
+  auto s = std::make_unique<Scheduler>(c, 64, 16);
   SamplingParams p;
-  p.max_tokens = 100;
-  s.AddRequest(1, {1, 2, 3}, p);
-  for (int i = 0; i < 1 + kSwitchMinSteps; ++i) {
+  p.max_tokens = max_tokens;
+  s->AddRequest(1, {1, 2, 3}, p);
+  s->Step();
+  StepResult prefill;
+  prefill.AddPrefill(1, 2);
+  s->Update(prefill);
+  return s;
+}
+
+TEST(SchedulerAdaptive, SwitchReasons) {
+  std::unique_ptr<Scheduler> sp = OneRunning(SchedulerConfig(), 4, 100);
+  Scheduler& s = *sp;
+  for (int i = 0; i < kSwitchMinSteps; ++i) {
     ScheduleOutput out = s.Step();
+    EXPECT_EQ(s.GetSwitchReason(1, 0.5), SwitchReason::kNone);  // too few steps yet
     StepResult res;
-    if (out.kinds[0] == StepKind::kPrefill) {
-      res.AddPrefill(1, 2);
-    } else {
-      EXPECT_EQ(s.GetSwitchReason(1, 0.5), SwitchReason::kNone);  // too few steps yet
-      res.AddDecode(1, {7}, out.draft_budget[0], 0);           // nothing accepted
-    }
+    res.AddDecode(1, {7}, out.draft_budget[0], 0);  // nothing accepted
     s.Update(res);
   }
   EXPECT_EQ(s.GetRequest(1).switch_steps, kSwitchMinSteps);
@@ -218,22 +225,12 @@ TEST(SchedulerAdaptive, SwitchReasons) {
 
 TEST(SchedulerAdaptive, DeploymentAcceptanceAverage) {
   SchedulerConfig c;
-  c.max_draft_tokens = 2;
-  c.initial_draft_tokens = 2;
   c.deployment_ewma_alpha = 0.5;
-  Scheduler s(c, 64, 16);
-  SamplingParams p;
-  p.max_tokens = 100;
-  s.AddRequest(1, {1, 2, 3}, p);
+  std::unique_ptr<Scheduler> sp = OneRunning(c, 2, 100);
+  Scheduler& s = *sp;
   EXPECT_LT(s.deployment_acceptance_ewma(), 0.0);
   std::vector<int64_t> accepted = {2, 1, 2};  // (1 of 2 keeps the draft length)
   std::vector<double> want = {1.0, 0.75, 0.875};
-  s.Update([&] {
-    ScheduleOutput out = s.Step();
-    StepResult r;
-    r.AddPrefill(1, 2);
-    return r;
-  }());
   for (size_t i = 0; i < accepted.size(); ++i) {
     ScheduleOutput out = s.Step();
     ASSERT_EQ(out.draft_budget[0], 2);
@@ -246,18 +243,10 @@ TEST(SchedulerAdaptive, DeploymentAcceptanceAverage) {
 
 TEST(SchedulerAdaptive, DisableSpeculationDecodesPlainlyForGood) {
   SchedulerConfig c;
-  c.max_draft_tokens = 3;
-  c.initial_draft_tokens = 3;
   c.probe_interval = 2;
-  Scheduler s(c, 64, 16);
-  SamplingParams p;
-  p.max_tokens = 50;
-  s.AddRequest(1, {1, 2, 3}, p);
-  ScheduleOutput out = s.Step();  // prefill
-  StepResult pre;
-  pre.AddPrefill(1, 2);
-  s.Update(pre);
-  out = s.Step();
+  std::unique_ptr<Scheduler> sp = OneRunning(c, 3, 50);
+  Scheduler& s = *sp;
+  ScheduleOutput out = s.Step();
   ASSERT_EQ(out.draft_budget[0], 3);
   EXPECT_TRUE(s.DisableSpeculation(1));  // mid-step: its drafter failed while drafting
   StepResult res;

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -63,7 +64,7 @@ struct Case {
 
 // Runs Linear and compares against a double-precision loop. The reference rounds once to the
 // output dtype, so fp32 agrees to accumulation-order error; bf16/fp16 to one output rounding.
-void Check(const Case& cs, ThreadPool* pool = nullptr) {
+void Check(const Case& cs, const LinearKernels* kernels, ThreadPool* pool = nullptr) {
   SCOPED_TRACE(::testing::Message() << "M=" << cs.M << " N=" << cs.N << " K=" << cs.K
                                     << " bias=" << cs.bias << " " << DTypeName(cs.dtype));
   std::mt19937 rng(static_cast<uint32_t>(cs.M * 7919 + cs.N * 31 + cs.K));
@@ -71,7 +72,7 @@ void Check(const Case& cs, ThreadPool* pool = nullptr) {
   Buf b(cs.dtype, cs.N, &rng, 1.0f), out(cs.dtype, cs.M * cs.N, &rng, 1.0f);
   TensorView bv = b.View({cs.N});
   Linear(x.View({cs.M, cs.K}), w.View({cs.N, cs.K}), cs.bias ? &bv : nullptr,
-         out.View({cs.M, cs.N}), pool);
+         out.View({cs.M, cs.N}), pool, kernels);
   const double rel =
       cs.dtype == DType::kFloat32 ? 1e-5 : (cs.dtype == DType::kBFloat16 ? 8e-3 : 1e-3);
   for (int64_t m = 0; m < cs.M; ++m) {
@@ -88,16 +89,21 @@ void Check(const Case& cs, ThreadPool* pool = nullptr) {
   }
 }
 
+// Every build of the kernel this CPU runs, each through its own LinearKernels (nothing
+// process-wide): an ISA the CPU lacks is a visible skip.
 class LinearIsaTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     try {
-      detail::SetLinearIsa(GetParam());
+      kernels_.emplace(GetParam());
     } catch (const ValueError& e) {
       GTEST_SKIP() << "no " << GetParam() << " kernel on this CPU: " << e.what();
     }
   }
-  void TearDown() override { detail::SetLinearIsa("auto"); }
+  const LinearKernels* k() const { return &*kernels_; }
+  void Check(const Case& cs, ThreadPool* pool = nullptr) const { ::pyspec::Check(cs, k(), pool); }
+
+  std::optional<LinearKernels> kernels_;
 };
 
 TEST_P(LinearIsaTest, MatchesNaiveLoop) {
@@ -143,11 +149,11 @@ TEST_P(LinearIsaTest, RowsAreIndependentOfM) {
       Buf single(dt, N, &rng, 1.0f);
       for (int64_t M : {2, 5, 6, 7, 13, 20, 33, 70}) {
         Buf out(dt, M * N, &rng, 1.0f);
-        Linear(x.View({M, K}), w.View({N, K}), nullptr, out.View({M, N}));
+        Linear(x.View({M, K}), w.View({N, K}), nullptr, out.View({M, N}), nullptr, k());
         for (int64_t m = 0; m < M; ++m) {
           const void* row = static_cast<const char*>(x.data()) + m * K * DTypeSize(dt);
           Linear(TensorView::Contiguous(const_cast<void*>(row), dt, {1, K}), w.View({N, K}),
-                 nullptr, single.View({1, N}));
+                 nullptr, single.View({1, N}), nullptr, k());
           for (int64_t n = 0; n < N; ++n) {
             ASSERT_EQ(single.at(n), out.at(m * N + n))
                 << DTypeName(dt) << " N=" << N << " M=" << M << " m=" << m << " n=" << n;
@@ -183,7 +189,7 @@ TEST_P(LinearIsaTest, Bf16Specials) {
   std::vector<uint16_t> out(N, 0x1234u);
   Linear(TensorView::Contiguous(x.data(), DType::kBFloat16, {1, K}),
          TensorView::Contiguous(w.data(), DType::kBFloat16, {N, K}), nullptr,
-         TensorView::Contiguous(out.data(), DType::kBFloat16, {1, N}));
+         TensorView::Contiguous(out.data(), DType::kBFloat16, {1, N}), nullptr, k());
   EXPECT_TRUE(std::isnan(half::BF16ToFloat(out[0])));
   EXPECT_EQ(half::BF16ToFloat(out[1]), INFINITY);
   EXPECT_EQ(out[2], 0u);
@@ -194,6 +200,45 @@ TEST_P(LinearIsaTest, Bf16Specials) {
 INSTANTIATE_TEST_SUITE_P(Isa, LinearIsaTest,
                          ::testing::Values("generic", "avx2", "avx512", "amx"),
                          [](const auto& info) { return info.param; });
+
+// Routing is a property of a LinearKernels object: names, row limits and routes per ISA, and two
+// objects with different builds side by side in one process.
+TEST(LinearKernels, RoutesAndNames) {
+  using R = LinearKernels::Route;
+  const LinearKernels g("generic");
+  EXPECT_EQ(g.isa(), "generic");
+  EXPECT_EQ(g.Kernel(DType::kFloat32), "generic");
+  EXPECT_EQ(g.MaxFastRows(DType::kFloat32), 16);
+  EXPECT_EQ(g.MaxFastRows(DType::kBFloat16), 8);
+  EXPECT_EQ(g.PackedMaxRows(), 0);
+  EXPECT_FALSE(g.PackedAvailable());
+  EXPECT_EQ(g.DenseRoute(DType::kFloat32, 16), R::kLinear);
+  EXPECT_EQ(g.DenseRoute(DType::kFloat32, 17), R::kGemm);
+  EXPECT_EQ(g.PackedRoute(1, true), R::kLinear);  // no packed kernel: the dense matrix
+  EXPECT_EQ(g.PackedRoute(1, false), R::kLinear);
+  EXPECT_EQ(g.PackedRoute(40, true), R::kGemm);
+  EXPECT_EQ(LinearKernels::Default().isa(), LinearKernels("auto").isa());
+  EXPECT_THROW(LinearKernels(""), ValueError);
+  std::optional<LinearKernels> w;
+  try {
+    w.emplace("avx512");
+  } catch (const ValueError&) {
+    GTEST_SKIP() << "no AVX-512 kernel on this CPU (the generic routes were checked)";
+  }
+  EXPECT_EQ(w->Kernel(DType::kFloat32), "avx512");
+  EXPECT_EQ(w->MaxFastRows(DType::kFloat32), 64);
+  EXPECT_EQ(w->PackedMaxRows(), 32);
+  EXPECT_EQ(w->PackedRoute(0, true), R::kLinear);
+  EXPECT_EQ(w->PackedRoute(32, true), R::kPacked);
+  EXPECT_EQ(w->PackedRoute(33, true), R::kLinear);  // the float32 matrix beats the codes
+  EXPECT_EQ(w->PackedRoute(33, false), R::kPacked);  // the codes alone: wherever the core runs
+  EXPECT_EQ(w->PackedRoute(64, false), R::kPacked);
+  EXPECT_EQ(w->PackedRoute(65, false), R::kGemm);
+  // Side by side: each object's call runs its own build, both correct.
+  Check({5, 61, 100, true, DType::kFloat32}, &g);
+  Check({5, 61, 100, true, DType::kFloat32}, &*w);
+  EXPECT_EQ(g.Kernel(DType::kFloat32), "generic");
+}
 
 TEST(Linear, ZeroSizesAndZeroK) {
   std::vector<float> x(6, 1.0f), w(3, 0.0f), b = {1.0f, 2.0f, 3.0f}, out(6, -1.0f);
@@ -245,7 +290,7 @@ TEST(Linear, RejectsBadArguments) {
   TensorView cuda = F({3, 4});
   cuda.device = Device{DeviceType::kCUDA, 0};
   EXPECT_THROW(Linear(F({2, 4}), cuda, nullptr, F({2, 3})), RuntimeError);
-  EXPECT_THROW(detail::SetLinearIsa("avx9"), ValueError);
+  EXPECT_THROW(LinearKernels("avx9"), ValueError);
 }
 
 // A float32 matrix [N, K] on a 4-bit (d * q + m) or 8-bit (d * q) grid with float16-valued d (and
@@ -290,13 +335,14 @@ PackedGrid MakePackedGrid(int bits, int64_t N, int64_t K, std::mt19937& rng) {
 TEST(LinearPacked, EqualsFloat32KernelBitForBit) {
   int isas_run = 0;
   for (const char* isa : {"avx2", "avx512"}) {
+    std::optional<LinearKernels> lk;
     try {
-      detail::SetLinearIsa(isa);
+      lk.emplace(isa);
     } catch (const ValueError&) {
       continue;  // this CPU lacks it
     }
     SCOPED_TRACE(isa);
-    ASSERT_TRUE(detail::PackedLinearAvailable());
+    ASSERT_TRUE(lk->PackedAvailable());
     ++isas_run;
     std::mt19937 rng(11);
     std::uniform_real_distribution<float> um(-0.2f, 0.0f);
@@ -321,9 +367,10 @@ TEST(LinearPacked, EqualsFloat32KernelBitForBit) {
           const TensorView xv = TensorView::Contiguous(x.data(), DType::kFloat32, {M, K});
           for (const TensorView* b : {static_cast<const TensorView*>(nullptr), &bv}) {
             Linear(xv, TensorView::Contiguous(w.data(), DType::kFloat32, {N, K}), b,
-                   TensorView::Contiguous(want.data(), DType::kFloat32, {M, N}));
+                   TensorView::Contiguous(want.data(), DType::kFloat32, {M, N}), nullptr, &*lk);
             LinearPacked(xv, qv, dv, bits == 4 ? &mv : nullptr, b,
-                         TensorView::Contiguous(got.data(), DType::kFloat32, {M, N}));
+                         TensorView::Contiguous(got.data(), DType::kFloat32, {M, N}), nullptr,
+                         &*lk);
             for (int64_t i = 0; i < M * N; ++i) {
               ASSERT_EQ(ToBits(got[i], DType::kFloat32), ToBits(want[i], DType::kFloat32))
                   << "output " << i << ": " << got[i] << " vs " << want[i];
@@ -333,7 +380,6 @@ TEST(LinearPacked, EqualsFloat32KernelBitForBit) {
       }
     }
   }
-  detail::SetLinearIsa("auto");
   if (isas_run == 0) GTEST_SKIP() << "no AVX2 or AVX-512 float32 kernel on this CPU";
 }
 

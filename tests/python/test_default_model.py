@@ -77,7 +77,7 @@ def test_default_model_runs_on_packed_weights_with_identical_output(loaded, monk
     import pyspec
     from pyspec import _C
 
-    if not _C._packed_linear_available():
+    if not _C.LinearKernels().packed_available:
         assert loaded.model._packed is None
         return
     model = loaded.model

@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import pyspec.models.llama as llama_mod
 from pyspec import TokenTree, _C, ops
 from pyspec.linear import max_fast_rows
 from pyspec.models.llama import LlamaForCausalLM
@@ -28,7 +27,7 @@ def _model(dtype, bias=False, layers=2):
 
 
 def _steps(model, fused, monkeypatch, return_hidden=False):
-    monkeypatch.setattr(llama_mod, "_FUSED_ON", fused)
+    model.fused_layers = fused
     runner = ModelRunner(model, num_blocks=32, block_size=16)
     g = torch.Generator().manual_seed(0)
     v = model.cfg.vocab_size
@@ -81,24 +80,24 @@ def test_fused_keeps_inputs_embeds_and_follows_weight_changes(monkeypatch):
     runner = ModelRunner(m, num_blocks=8, block_size=16)
     emb = torch.randn(5, m.cfg.hidden_size)
     keep = emb.clone()
-    monkeypatch.setattr(llama_mod, "_FUSED_ON", True)
+    m.fused_layers = True
     a = runner.step([SeqStep([1, 2, 3, 4, 5], 0, [0], None, "all")], inputs_embeds=emb).logits
     assert torch.equal(emb, keep)  # the stack runs in place, but on a copy
-    monkeypatch.setattr(llama_mod, "_FUSED_ON", False)
+    m.fused_layers = False
     b = runner.step([SeqStep([1, 2, 3, 4, 5], 0, [0], None, "all")], inputs_embeds=emb).logits
     assert _same(a, b)
     # A replaced weight tensor (or packed matrix) gives a stack over the new tensors.
-    monkeypatch.setattr(llama_mod, "_FUSED_ON", True)
+    m.fused_layers = True
     first = m._fused[2]
     m.layers[1]["wd"] = m.layers[1]["wd"] * 1.5
     c = runner.step([SeqStep([1, 2, 3, 4, 5], 0, [0], None, "all")], inputs_embeds=emb).logits
     assert m._fused[2] is not first and not torch.equal(a, c)
-    monkeypatch.setattr(llama_mod, "_FUSED_ON", False)
+    m.fused_layers = False
     d = runner.step([SeqStep([1, 2, 3, 4, 5], 0, [0], None, "all")], inputs_embeds=emb).logits
     assert _same(c, d)
     m.place_on_huge_pages()  # copies every weight: the old stack goes with the old tensors
     assert m._fused is None or m._fused[2] is not first
-    monkeypatch.setattr(llama_mod, "_FUSED_ON", True)
+    m.fused_layers = True
     view = m.truncated(1)
     ModelRunner(view, num_blocks=8, block_size=16).step([SeqStep([1, 2], 0, [0], None, "last")])
     assert len(view._fused[2]) == 1
@@ -109,7 +108,7 @@ def test_fused_path_only_where_it_applies(monkeypatch):
     """Larger steps than the core kernel's rows, inputs that need a gradient and inputs of
     another dtype run op by op."""
     m = _model(torch.float32)
-    monkeypatch.setattr(llama_mod, "_FUSED_ON", True)
+    m.fused_layers = True
     calls = []
     real = _C.DecoderStack
 
@@ -137,14 +136,14 @@ def test_fused_path_only_where_it_applies(monkeypatch):
     with torch.no_grad():
         assert m._fused_stack(3, emb, runner.kv.k) is not None
     assert m._fused_stack(3, emb.detach().double(), runner.kv.k) is None
-    # A weight the core cannot take (a strided view) runs op by op: what PYSPEC_FUSED_LAYERS=0
+    # A weight the core cannot take (a strided view) runs op by op: what fused_layers=False
     # gives (torch's matmul for that layer), no error.
     monkeypatch.setattr(_C, "DecoderStack", real)
     m.layers[0]["wo"] = m.layers[0]["wo"].t().contiguous().t()
     assert m._fused_stack(3, emb.detach(), runner.kv.k) is None
     step = SeqStep([1, 2, 3], 0, [0], None, "last")
     a = runner.step([step]).logits
-    monkeypatch.setattr(llama_mod, "_FUSED_ON", False)
+    m.fused_layers = False
     assert _same(a, runner.step([step]).logits)
 
 

@@ -34,9 +34,11 @@ def test_cli_info_runs():
                          check=True, cwd="/")
     assert f"pyspec {pyspec.__version__}" in out.stdout
     assert "built with CUDA" in out.stdout
-    kernels = {dt: pyspec._C._linear_kernel(dt) for dt in ("float32", "bfloat16", "float16")}
-    assert "dense layer kernels: " + ", ".join(f"{d} {k}" for d, k in kernels.items()) in out.stdout
-    rows = pyspec._C._packed_max_rows()
+    k = pyspec._C.LinearKernels()
+    assert f"dense layer kernels (a model's default, isa {k.isa}): " + ", ".join(
+        f"{d} {k.kernel(d)} up to {k.max_fast_rows(d)} rows"
+        for d in ("float32", "bfloat16", "float16")) in out.stdout
+    rows = k.packed_max_rows
     assert (f"packed exact weights: read as codes up to {rows} rows" if rows else
             "packed exact weights: unavailable") in out.stdout
 

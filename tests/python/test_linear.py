@@ -3,29 +3,22 @@ import torch
 import torch.nn.functional as F
 
 from pyspec import _C
-from pyspec.linear import MAX_FAST_ROWS, linear, max_fast_rows
+from pyspec.linear import MAX_FAST_ROWS, Linear, linear, max_fast_rows
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1e-2), torch.float16: (1e-2, 1e-2)}
 
 
-def _isas():
-    isas = ["generic"]
-    prev = _C._linear_isa()
-    for isa in ("avx2", "avx512", "amx"):
-        try:
-            _C._set_linear_isa(isa)
-            isas.append(isa)
-        except ValueError:  # this CPU lacks it
-            pass
-    _C._set_linear_isa(prev)
-    return isas
+_ISAS = ("generic", "avx2", "avx512", "amx")
 
 
-@pytest.fixture(params=_isas())
-def isa(request):
-    _C._set_linear_isa(request.param)
-    yield request.param
-    _C._set_linear_isa("auto")
+@pytest.fixture(params=_ISAS)
+def kernels(request):
+    """Each build of the kernel through its own LinearKernels; one this CPU lacks is a visible
+    skip, not a silently shorter list."""
+    try:
+        return _C.LinearKernels(request.param)
+    except ValueError as e:
+        pytest.skip(f"no {request.param} kernel on this CPU: {e}")
 
 
 def _ref(x, w, b):
@@ -39,17 +32,17 @@ def _ref(x, w, b):
 # (48, 96) and (320, 576): shapes the AMX kernel takes in bfloat16 (N % 16 == 0, K % 32 == 0).
 @pytest.mark.parametrize("nk", [(7, 5), (111, 99), (1001, 577), (48, 96), (320, 576)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_torch(isa, dtype, m, nk, with_bias):
+def test_matches_torch(kernels, dtype, m, nk, with_bias):
     n, k = nk
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=g).to(dtype)
     w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if with_bias else None
     out = torch.full((m, n), float("nan"), dtype=dtype)
-    _C.linear(x, w, b, out)  # the core op itself, whatever the wrapper would route
+    _C.linear(x, w, b, out, kernels)  # the core op itself, whatever the wrapper would route
     rtol, atol = TOL[dtype]
     torch.testing.assert_close(out, _ref(x, w, b), rtol=rtol, atol=atol)
-    torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), rtol=rtol, atol=atol)
+    torch.testing.assert_close(Linear(kernels)(x, w, b), F.linear(x, w, b), rtol=rtol, atol=atol)
 
 
 def test_large_m_core_is_correct_and_wrapper_falls_back():
@@ -62,13 +55,34 @@ def test_large_m_core_is_correct_and_wrapper_falls_back():
     torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b))
 
 
-def test_row_limits_name_the_kernel_in_use():
+def test_row_limits_name_the_kernel_in_use(kernels):
+    lin = Linear(kernels)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        kernel = _C._linear_kernel(str(dtype).removeprefix("torch."))
+        name = str(dtype).removeprefix("torch.")
+        kernel = kernels.kernel(name)
         assert kernel in ("generic", "avx2", "avx512", "avx512-bf16", "amx-bf16")
-        assert 8 <= max_fast_rows(dtype) <= MAX_FAST_ROWS
+        assert 8 <= lin.max_fast_rows(dtype) == kernels.max_fast_rows(name) <= 64
+        assert kernels.dense_route(name, lin.max_fast_rows(dtype)) == "linear"
+        assert kernels.dense_route(name, lin.max_fast_rows(dtype) + 1) == "gemm"
+    assert lin.max_fast_rows(torch.float64) == 0
+    assert max_fast_rows(torch.float32) <= MAX_FAST_ROWS
     with pytest.raises(ValueError, match="dtype must be"):
-        _C._linear_kernel("float64")
+        kernels.kernel("float64")
+
+
+def test_two_models_kernels_side_by_side():
+    """Kernels are per object, not per process: a generic and this CPU's best Linear run in one
+    process, each its own build, both right (the old process-wide switch is gone)."""
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(5, 100, generator=g), torch.randn(61, 100, generator=g)
+    slow, best = Linear("generic"), Linear()
+    assert slow.kernels.isa == "generic" and slow.kernels.kernel("float32") == "generic"
+    for lin in (slow, best, slow):
+        torch.testing.assert_close(lin(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert slow.max_fast_rows(torch.float32) == 16
+    assert not hasattr(_C, "_set_linear_isa")
+    with pytest.raises(ValueError, match="kernels must be"):
+        Linear(42)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -160,8 +174,8 @@ def test_bad_inputs_raise_value_error():
         _C.linear([1.0], w, None, out)
     with pytest.raises(ValueError):
         linear(x, torch.randn(3, 7))  # via the wrapper: the core names the argument
-    with pytest.raises(ValueError):
-        _C._set_linear_isa("avx9")
+    with pytest.raises(ValueError, match="unknown linear kernel ISA 'avx9'"):
+        _C.LinearKernels("avx9")
 
 
 @pytest.mark.cuda
@@ -175,31 +189,28 @@ def test_cuda_not_implemented():
 
 def test_amx_kernel_where_the_cpu_has_it():
     """bfloat16 on AMX tiles (Intel CPUs with AMX-BF16): where it can be selected, it is what
-    "auto" picks for bfloat16, it agrees with the AVX-512 kernel to one rounding, and forcing it on
-    a CPU without it is a clear error."""
+    "auto" picks for bfloat16, it agrees with the AVX-512 kernel to one rounding, and asking for
+    it on a CPU without it is a clear error."""
     try:
-        assert _C._set_linear_isa("amx") == "amx"
+        amx_k = _C.LinearKernels("amx")
     except ValueError as e:
         assert "no AMX-BF16" in str(e)
-        assert _C._linear_kernel("bfloat16") != "amx-bf16"
+        assert _C.LinearKernels().kernel("bfloat16") != "amx-bf16"
         pytest.skip(f"this CPU has no AMX-BF16: {e}")
-    try:
-        assert _C._linear_kernel("bfloat16") == "amx-bf16"
-        assert _C._linear_kernel("float32") == "avx512"  # AMX is for bfloat16 only
-        g = torch.Generator().manual_seed(7)
-        x = torch.randn(37, 576, generator=g).bfloat16()
-        w = (torch.randn(960, 576, generator=g) / 24).bfloat16()
-        b = torch.randn(960, generator=g).bfloat16()
-        amx = torch.empty(37, 960, dtype=torch.bfloat16)
-        _C.linear(x, w, b, amx)
-        _C._set_linear_isa("avx512")
-        assert _C._linear_kernel("bfloat16") == "avx512-bf16"
-        vec = torch.empty_like(amx)
-        _C.linear(x, w, b, vec)
-        ulp = (vec.float().abs() * 2.0 ** -7).clamp_min(1e-30)
-        assert ((amx.float() - vec.float()).abs() <= ulp).all()
-        torch.testing.assert_close(amx, _ref(x, w, b), rtol=1e-2, atol=1e-2)
-        _C._set_linear_isa("auto")
-        assert _C._linear_isa() == "amx" and _C._linear_kernel("bfloat16") == "amx-bf16"
-    finally:
-        _C._set_linear_isa("auto")
+    assert amx_k.isa == "amx" and amx_k.kernel("bfloat16") == "amx-bf16"
+    assert amx_k.kernel("float32") == "avx512"  # AMX is for bfloat16 only
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(37, 576, generator=g).bfloat16()
+    w = (torch.randn(960, 576, generator=g) / 24).bfloat16()
+    b = torch.randn(960, generator=g).bfloat16()
+    amx = torch.empty(37, 960, dtype=torch.bfloat16)
+    _C.linear(x, w, b, amx, amx_k)
+    vec_k = _C.LinearKernels("avx512")
+    assert vec_k.kernel("bfloat16") == "avx512-bf16"
+    vec = torch.empty_like(amx)
+    _C.linear(x, w, b, vec, vec_k)
+    ulp = (vec.float().abs() * 2.0 ** -7).clamp_min(1e-30)
+    assert ((amx.float() - vec.float()).abs() <= ulp).all()
+    torch.testing.assert_close(amx, _ref(x, w, b), rtol=1e-2, atol=1e-2)
+    auto = _C.LinearKernels()
+    assert auto.isa == "amx" and auto.kernel("bfloat16") == "amx-bf16"

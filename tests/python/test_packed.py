@@ -11,13 +11,13 @@ import torch.nn.functional as F
 
 import pyspec
 from pyspec import TokenTree, _C
-from pyspec.linear import PackedWeight, linear, max_fast_rows, pack_exact
+from pyspec.linear import Linear, PackedWeight, linear, max_fast_rows, pack_exact
 from pyspec.models.llama import LlamaForCausalLM
 from pyspec.runner import ModelRunner, SeqStep
 
 from test_llm import write_tiny_model
 
-needs_kernel = pytest.mark.skipif(not _C._packed_linear_available(),
+needs_kernel = pytest.mark.skipif(not _C.LinearKernels().packed_available,
                                   reason="the packed kernel needs the AVX2 or AVX-512 float32 "
                                          "build")
 
@@ -111,44 +111,37 @@ def test_big_matrix_of_another_format_fails_fast_and_still_packs_right():
     assert pack_exact(w2, bits=(4,)) is None
 
 
-def _packed_isas():
-    isas = []
-    for isa in ("avx2", "avx512"):
-        try:
-            _C._set_linear_isa(isa)
-        except ValueError:  # this CPU lacks it
-            continue
-        if _C._packed_linear_available():
-            isas.append(isa)
-    _C._set_linear_isa("auto")
-    return isas
-
-
-@pytest.fixture(params=_packed_isas() or [pytest.param("none", marks=pytest.mark.skip(
-    reason="the packed kernel needs the AVX2 or AVX-512 float32 build"))])
-def packed_isa(request):
-    _C._set_linear_isa(request.param)
-    yield request.param
-    _C._set_linear_isa("auto")
-
-
-def test_packed_rows_follow_the_kernel():
+@pytest.fixture(params=["avx2", "avx512"])
+def packed_kernels(request):
+    """The builds with a packed kernel, each through its own LinearKernels; one this CPU lacks is
+    a visible skip."""
     try:
-        for isa, rows in (("generic", 0), ("avx2", 4), ("avx512", 32)):
-            try:
-                _C._set_linear_isa(isa)
-            except ValueError:
-                continue
-            assert _C._packed_max_rows() == rows
-            assert _C._packed_linear_available() == (rows > 0)
-    finally:
-        _C._set_linear_isa("auto")
+        return _C.LinearKernels(request.param)
+    except ValueError as e:
+        pytest.skip(f"no {request.param} kernel on this CPU: {e}")
+
+
+@pytest.mark.parametrize("isa, rows", [("generic", 0), ("avx2", 4), ("avx512", 32)])
+def test_packed_rows_follow_the_kernel(isa, rows):
+    try:
+        k = _C.LinearKernels(isa)
+    except ValueError as e:
+        pytest.skip(f"no {isa} kernel on this CPU: {e}")
+    assert k.packed_max_rows == rows and k.packed_available == (rows > 0)
+    fast = k.max_fast_rows("float32")
+    assert k.packed_rows_limit(True) == min(rows, fast) and k.packed_rows_limit(False) == (
+        fast if rows else 0)
+    if rows:
+        assert k.packed_route(rows, True) == "packed" and k.packed_route(rows + 1, True) == "linear"
+        assert k.packed_route(fast, False) == "packed" and k.packed_route(fast + 1, False) == "gemm"
+    assert k.packed_route(0, True) == "linear"
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("nk", [(7, 64), (13, 96), (960, 576), (576, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_packed_linear_equals_float32_kernel_bit_for_bit(packed_isa, bits, nk, with_bias):
+def test_packed_linear_equals_float32_kernel_bit_for_bit(packed_kernels, bits, nk, with_bias):
+    linear = Linear(packed_kernels)
     n, k = nk
     w = q4_grid(n, k, seed=n) if bits == 4 else q8_grid(n, k, seed=n)
     p = pack_exact(w)
@@ -160,8 +153,8 @@ def test_packed_linear_equals_float32_kernel_bit_for_bit(packed_isa, bits, nk, w
         got, want = linear(x, p, b), linear(x, w, b)
         assert bits_equal(got, want), (bits, n, k, m, (got - want).abs().max().item())
         out = torch.full((m, n), float("nan"))
-        _C.linear_packed(x, p.q, p.d, p.m, b, out)  # the op itself, whatever the route
-        assert bits_equal(out, want), (packed_isa, m)
+        _C.linear_packed(x, p.q, p.d, p.m, b, out, packed_kernels)  # the op, whatever the route
+        assert bits_equal(out, want), (packed_kernels.isa, m)
     # Past the core kernel's rows both go to torch's GEMM on the float32 matrix (whose results
     # may vary with its threading from call to call: compared to rounding).
     x = torch.randn(80, k, generator=g)
@@ -213,22 +206,20 @@ def test_packed_linear_shapes_out_and_autograd(monkeypatch):
 
 
 def test_packed_linear_follows_the_kernel_in_use(monkeypatch):
-    # With the baseline build forced, the packed kernel is unavailable and linear reads the dense
-    # matrix, so results still match the dense path's.
+    # With the baseline build, the packed kernel is unavailable and a Linear on it reads the
+    # dense matrix, so results still match the dense path's.
     count = CountPacked(monkeypatch)
     w = q4_grid(32, 64)
     p = pack_exact(w)
     x = torch.randn(3, 64)
-    try:
-        _C._set_linear_isa("generic")
-        assert not _C._packed_linear_available()
-        assert bits_equal(linear(x, p), linear(x, w))
-        assert count.calls == 0
-        out = torch.empty(3, 32)
-        with pytest.raises(ValueError, match="AVX2 or AVX-512"):
-            _C.linear_packed(x, p.q, p.d, p.m, None, out)
-    finally:
-        _C._set_linear_isa("auto")
+    generic = _C.LinearKernels("generic")
+    assert not generic.packed_available
+    lin = Linear(generic)
+    assert bits_equal(lin(x, p), lin(x, w))
+    assert count.calls == 0
+    out = torch.empty(3, 32)
+    with pytest.raises(ValueError, match="AVX2 or AVX-512"):
+        _C.linear_packed(x, p.q, p.d, p.m, None, out, generic)
 
 
 @needs_kernel
@@ -291,7 +282,7 @@ def grid_dir(tmp_path_factory):
 
 def test_from_pretrained_packs_exact_matrices_only(grid_dir, tmp_path, monkeypatch):
     m = LlamaForCausalLM.from_pretrained(grid_dir)
-    if _C._packed_linear_available():
+    if _C.LinearKernels().packed_available:
         assert sum(not isinstance(v, torch.Tensor) for lp in m._packed for v in lp.values()) == 8
         assert m._packed_lm_head is not None and m._packed_lm_head.bits == 8
         assert {lp["wqkv"].bits for lp in m._packed} == {4}
@@ -347,14 +338,13 @@ def assert_steps_bit_equal(a, b, seed, n_ctx=90):
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "op-by-op"])
-def test_packed_model_steps_equal_the_float32_model_bit_for_bit(grid_dir, packed_isa, fused,
+def test_packed_model_steps_equal_the_float32_model_bit_for_bit(grid_dir, packed_kernels, fused,
                                                                 monkeypatch):
-    import pyspec.models.llama as llama_mod
-
-    monkeypatch.setattr(llama_mod, "_FUSED_ON", fused)
     count = CountPacked(monkeypatch)
-    packed = LlamaForCausalLM.from_pretrained(grid_dir)
-    dense = LlamaForCausalLM.from_pretrained(grid_dir, packed_weights="off")
+    packed = LlamaForCausalLM.from_pretrained(grid_dir, kernels=packed_kernels)
+    dense = LlamaForCausalLM.from_pretrained(grid_dir, packed_weights="off",
+                                             kernels=packed_kernels)
+    packed.fused_layers = dense.fused_layers = fused
     assert packed._packed is not None and dense._packed is None
     assert_steps_bit_equal(packed, dense, seed=0)
     # The packed model's steps within the kernel's rows read the codes: every matrix of the
@@ -362,7 +352,7 @@ def test_packed_model_steps_equal_the_float32_model_bit_for_bit(grid_dir, packed
     # the 6-node chain (5 to 8 rows: the kernel's one-pass path). Op by op they are counted
     # here; the fused stack reads the layers' codes in the core, so only lm_head's calls pass
     # through Python (test_fused_stack_reads_the_codes checks it).
-    steps = 4 if packed_isa == "avx512" else 1
+    steps = 4 if packed_kernels.isa == "avx512" else 1
     assert count.calls == steps * ((4 * 2 if not fused else 0) + 1)
     assert (packed._fused is not None and packed._fused[2] is not None) == fused
     # The truncated view (layer skipping) keeps the packed layers it runs.
@@ -375,9 +365,7 @@ def test_fused_stack_reads_the_codes(grid_dir, monkeypatch):
     """The fused stack reads a packed matrix's codes for steps within the packed rows and its
     float32 values beyond them: with the float32 copies scaled after packing (in place, so the
     stack's views see it), a decode step is unchanged and a 40-row step is not."""
-    import pyspec.models.llama as llama_mod
-
-    if _C._packed_max_rows() < 1:
+    if _C.LinearKernels().packed_max_rows < 1:
         pytest.skip("no packed kernel")
     m = LlamaForCausalLM.from_pretrained(grid_dir)
     runner = ModelRunner(m, num_blocks=16, block_size=16)
@@ -389,7 +377,7 @@ def test_fused_stack_reads_the_codes(grid_dir, monkeypatch):
         b = runner.step([SeqStep(ctx, 0, list(range(16)), None, "last")]).logits
         return a, b
 
-    monkeypatch.setattr(llama_mod, "_FUSED_ON", True)
+    assert m.fused_layers
     before = steps()
     assert m._fused is not None and m._fused[2] is not None
     for lp in m._packed:
@@ -398,7 +386,7 @@ def test_fused_stack_reads_the_codes(grid_dir, monkeypatch):
                 p.dense.mul_(2)
     after = steps()
     assert bits_equal(before[0], after[0])
-    if _C._packed_max_rows() < 40:
+    if _C.LinearKernels().packed_max_rows < 40:
         assert not torch.allclose(before[1], after[1])
 
 
@@ -428,7 +416,7 @@ def test_cli_packed_weights_option(grid_dir, capsys):
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "outputs identical: True" in out
-    assert ("MB of exact block codes" in out) == _C._packed_linear_available(), out
+    assert ("MB of exact block codes" in out) == _C.LinearKernels().packed_available, out
     assert cli.main(args + ["--packed-weights", "off"]) == 0
     assert "block codes" not in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:

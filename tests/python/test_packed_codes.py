@@ -7,12 +7,13 @@ import torch
 
 import pyspec
 from pyspec import _C
-from pyspec.linear import PackedWeight, linear, pack_exact
+from pyspec.linear import Linear, PackedWeight, linear, pack_exact
 from pyspec.models.llama import LlamaForCausalLM
 from pyspec.runner import ModelRunner, SeqStep
 
 from test_packed import (assert_steps_bit_equal, bits_equal, needs_kernel,  # noqa: F401
-                         packed_isa, q4_grid, q8_grid, snap_model_dir)
+                         packed_kernels, q4_grid, q8_grid,
+                         snap_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,8 @@ def test_unpack_packed_names_bad_arguments():
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 5, 33, 64, 65, 100])
-def test_codes_only_linear_equals_the_float32_matrix(packed_isa, bits, rows):
+def test_codes_only_linear_equals_the_float32_matrix(packed_kernels, bits, rows):
+    linear = Linear(packed_kernels)
     w = (q4_grid if bits == 4 else q8_grid)(96, 128, seed=rows)
     bias = torch.randn(96)
     p = pack_exact(w)
@@ -79,11 +81,9 @@ def test_codes_only_linear_equals_the_float32_matrix(packed_isa, bits, rows):
 @needs_kernel
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "op-by-op"])
 def test_codes_model_steps_equal_the_float32_model_bit_for_bit(grid_dir, fused, monkeypatch):
-    import pyspec.models.llama as llama_mod
-
-    monkeypatch.setattr(llama_mod, "_FUSED_ON", fused)
     codes = LlamaForCausalLM.from_pretrained(grid_dir, packed_weights="codes")
     dense = LlamaForCausalLM.from_pretrained(grid_dir, packed_weights="off")
+    codes.fused_layers = dense.fused_layers = fused
     # Every layer matrix is held as codes alone; lm_head keeps its float32 matrix.
     for i, layer in enumerate(codes.layers):
         for k in ("wqkv", "wo", "wgu", "wd"):
@@ -203,16 +203,17 @@ def test_drop_dense_lets_every_old_tensor_go(mixed_dir):
 
 
 @needs_kernel
-def test_codes_model_runs_when_the_kernel_isa_changes(grid_dir):
-    """The fused stack needs the packed kernel for codes alone: with the generic kernels selected
-    after loading, steps run op by op and rebuild the matrices, with the float32 model's bits."""
+def test_codes_model_runs_when_its_kernels_change(grid_dir):
+    """The fused stack needs the packed kernel for codes alone: with the model's kernels set to
+    the generic build after loading, steps run op by op and rebuild the matrices, with the bits
+    of the float32 model on the same kernels."""
     codes = LlamaForCausalLM.from_pretrained(grid_dir, packed_weights="codes")
-    dense = LlamaForCausalLM.from_pretrained(grid_dir, packed_weights="off")
-    _C._set_linear_isa("generic")
-    try:
-        assert_steps_bit_equal(codes, dense, seed=5)
-    finally:
-        _C._set_linear_isa("auto")
+    dense = LlamaForCausalLM.from_pretrained(grid_dir, packed_weights="off", kernels="generic")
+    codes.set_kernels("generic")
+    assert codes.kernels.isa == "generic" and not codes.kernels.packed_available
+    assert codes.describe()["packed"]["codes_up_to_rows"] == 0
+    assert_steps_bit_equal(codes, dense, seed=5)
+    assert codes._fused is None  # never built: op by op
 
 
 @needs_kernel

@@ -16,18 +16,17 @@
 
 namespace pyspec {
 
+class LinearKernels;
 class ThreadPool;
 
 // One weight matrix [N, K]: the dense values and, optionally, the same values as packed codes
-// (see LinearPacked; `m.data == nullptr` for 8-bit codes), read for steps of at most
-// detail::PackedLinearMaxRows() rows. Packed codes may come without the dense values
-// (`w.data == nullptr`): then they are read at every M (the same bits; see LinearPacked).
+// (see LinearPacked; `m.data == nullptr` for 8-bit codes), read where the model's
+// LinearKernels::PackedRoute says (the same bits either way). Packed codes may come without the
+// dense values (`w.data == nullptr`).
 struct DecoderMatrix {
   TensorView w;
   bool packed = false;
   TensorView q, d, m;
-  // q, d, m in RepackFixed's layout: LinearFixed at every M instead (pyspec/linear.h).
-  bool fixed = false;
 };
 
 struct DecoderLayerWeights {
@@ -56,12 +55,13 @@ void CheckDecoderLayers(const DecoderConfig& cfg, const std::vector<DecoderLayer
 // always uses k_pages[l] and k_new[l]. Every argument is checked (CheckDecoderLayers included)
 // before x changes. Linear and LinearPacked are correct for any T, but a GEMM library is faster
 // for prefill-sized steps, and the per-thread scratch (about T x (2 hidden + 5 head rows + 3
-// intermediate) values) is kept for the thread's next call. Throws ValueError naming a bad
-// argument.
+// intermediate) values) is kept for the thread's next call. `kernels`: the model's dense-layer
+// kernels (LinearKernels::Default() when null). Throws ValueError naming a bad argument.
 void DecoderLayers(const DecoderConfig& cfg, const std::vector<DecoderLayerWeights>& layers,
                    const TensorView& x, const TensorView& cos, const TensorView& sin,
                    const AttentionPlan& plan, const TensorView& k_pages,
                    const TensorView& v_pages, const TensorView& k_new, const TensorView& v_new,
-                   int64_t begin = 0, int64_t end = -1, ThreadPool* pool = nullptr);
+                   int64_t begin = 0, int64_t end = -1, ThreadPool* pool = nullptr,
+                   const LinearKernels* kernels = nullptr);
 
 }  // namespace pyspec

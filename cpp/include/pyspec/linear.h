@@ -27,6 +27,7 @@
 namespace pyspec {
 
 class ThreadPool;
+class LinearKernels;
 
 // out[m, n] = sum_k x[m, k] * w[n, k] + bias[n], for
 //   x     [M, K]
@@ -34,10 +35,12 @@ class ThreadPool;
 //   bias  [N], or nullptr
 //   out   [M, N] (written; may alias x, which is read before any output is written)
 // All tensors contiguous, on the CPU, and of one dtype: float32, bfloat16 or float16. Products are
-// accumulated in fp32 and each output is rounded once. `pool` defaults to ThreadPool::Default().
+// accumulated in fp32 and each output is rounded once. `pool` defaults to ThreadPool::Default(),
+// `kernels` (the builds that run) to LinearKernels::Default().
 // Throws ValueError naming the bad argument; RuntimeError for CUDA tensors (not implemented).
 void Linear(const TensorView& x, const TensorView& w, const TensorView* bias,
-            const TensorView& out, ThreadPool* pool = nullptr);
+            const TensorView& out, ThreadPool* pool = nullptr,
+            const LinearKernels* kernels = nullptr);
 
 // Packed weights: out[m, n] = sum_k x[m, k] * w[n, k] + bias[n] with w rebuilt from codes in
 // groups of 32 along K: 4-bit, w = d * q + m with q in 0..15 (q [N, K / 2] uint8, byte j of a
@@ -47,11 +50,11 @@ void Linear(const TensorView& x, const TensorView& w, const TensorView* bias,
 // float32 kernel in use does over the rebuilt weights, so where those equal a float32 matrix bit
 // for bit (d * q exact, as with d a float16 value) the result equals Linear on that matrix bit for
 // bit, for any M. Needs the AVX2 or AVX-512 build of the float32 kernel
-// (detail::PackedLinearAvailable()), and matches that build; ValueError otherwise and for bad
+// (LinearKernels::PackedAvailable()), and matches that build; ValueError otherwise and for bad
 // arguments.
 void LinearPacked(const TensorView& x, const TensorView& q, const TensorView& d,
                   const TensorView* m, const TensorView* bias, const TensorView& out,
-                  ThreadPool* pool = nullptr);
+                  ThreadPool* pool = nullptr, const LinearKernels* kernels = nullptr);
 
 // The float32 matrix [N, K] that packed codes stand for (as LinearPacked rebuilds it: 4-bit
 // w = d * q + m, 8-bit w = d * q, each one rounding of an exact product plus m), written into
@@ -61,44 +64,66 @@ void LinearPacked(const TensorView& x, const TensorView& q, const TensorView& d,
 void UnpackPacked(const TensorView& q, const TensorView& d, const TensorView* m,
                   const TensorView& out, ThreadPool* pool = nullptr);
 
-// Packed codes on AMX int8 tiles with fixed-point inputs (an opt-in numerics, beside the exact
-// LinearPacked). Each float32 input row becomes integers X = round(x * 2^(30 - e)) (|x| < 2^e for
-// the row's largest |x|: an exact power-of-two scaling, one rounding), held as 4 signed bytes
-// (balanced base 256); AMX int8 tiles multiply them by the codes exactly in int32 per group of
-// 32 weights; each group's sums are scaled by its d (plus, 4-bit, m times the group's sum of X) in
-// float32, groups in ascending order, and the row's scale is applied once. A row's outputs depend
-// only on that row, never on M or the other rows; they are about as accurate as float32 (not its
-// bits). A row holding a NaN or an infinity gives NaN outputs. N must be a multiple of 16.
+// Which builds of the dense kernels run, and which route a call takes: a property of a model's
+// weights and of the CPU, chosen once per model (pyspec.linear.Linear, LlamaForCausalLM's
+// `kernels`), never per process, so two models in one process may use different ones.
 //
-// RepackFixed: codes in LinearPacked's layout (q [N, K / 2] uint8 with m, or [N, K] int8; d, m
-// [N, K / 32]) -> the same shapes in the tiles' layout (per 16 rows and group: the VNNI tile).
-void RepackFixed(const TensorView& q, const TensorView& d, const TensorView* m,
-                 const TensorView& tq, const TensorView& td, const TensorView* tm);
-// out [M, N] = x [M, K] . W^T (+ bias) with W the repacked codes. ValueError without AMX-INT8.
-void LinearFixed(const TensorView& x, const TensorView& tq, const TensorView& td,
-                 const TensorView* tm, const TensorView* bias, const TensorView& out,
-                 ThreadPool* pool = nullptr);
+// Routes, for a call of `rows` input rows:
+//   dense matrix of dtype d: Linear (this kernel) up to MaxFastRows(d) rows, a GEMM library
+//     beyond (the caller's: torch's GEMM, which blocks over M);
+//   packed codes (LinearPacked) with the float32 matrix beside them: the codes up to
+//     PackedMaxRows() rows (where reading 4-bit / 8-bit codes beats the float32 matrix with this
+//     build), the float32 matrix beyond; with the codes alone, the codes up to MaxFastRows(float32)
+//     rows and the matrix rebuilt for the call (UnpackPacked) beyond. Every route gives a row the
+//     same bits.
+class LinearKernels {
+ public:
+  enum class Route : uint8_t {
+    kLinear = 0,  // Linear on the dense matrix
+    kPacked,      // LinearPacked on the codes
+    kGemm,        // a GEMM library on the dense matrix (rebuilt from the codes when absent)
+  };
+
+  // `isa`: "auto" (the best this CPU has), "generic" (SSE2), "avx2" (AVX2+FMA), "avx512" (no
+  // AMX) or "amx" (AVX-512, and AMX tiles for bfloat16 layers whose shape they take). ValueError
+  // for an unknown name or an ISA this CPU, OS or build lacks.
+  explicit LinearKernels(const std::string& isa = "auto");
+  // The "auto" kernels (this CPU's best), shared.
+  static const LinearKernels& Default();
+
+  // The resolved ISA: "generic", "avx2", "avx512" or "amx".
+  std::string isa() const;
+  // The build that runs layers of `dtype`: "generic", "avx2", "avx512", "avx512-bf16" (bf16
+  // through vdpbf16ps) or "amx-bf16" (bf16 on AMX tiles, for the shapes it takes).
+  std::string Kernel(DType dtype) const;
+  // Input rows up to which Linear beats a GEMM library for `dtype` with this build (measured on
+  // the default model's shapes; any M is correct).
+  int64_t MaxFastRows(DType dtype) const;
+  // Input rows up to which LinearPacked beats Linear on the float32 matrix (32 for AVX-512, 4 for
+  // AVX2; 0 where LinearPacked cannot run: it needs the AVX2 or AVX-512 float32 build).
+  int64_t PackedMaxRows() const;
+  bool PackedAvailable() const { return PackedMaxRows() > 0; }
+  // Input rows up to which packed codes take the packed route: with the float32 matrix beside
+  // them, min(PackedMaxRows(), MaxFastRows(float32)); alone, MaxFastRows(float32); 0 where
+  // LinearPacked cannot run.
+  int64_t PackedRowsLimit(bool has_dense) const;
+  Route DenseRoute(DType dtype, int64_t rows) const;
+  Route PackedRoute(int64_t rows, bool has_dense) const;
+
+  // Internal: the vector build level (0 generic, 1 AVX2, 2 AVX-512) and bf16 on AMX tiles.
+  int level() const { return level_; }
+  bool amx_bf16() const { return amx_; }
+
+ private:
+  int level_ = 0;
+  bool amx_ = false;
+  int64_t fast_rows_[3] = {0, 0, 0};  // MaxFastRows of float32, bfloat16, float16
+};
 
 namespace detail {
-// Whether LinearFixed can run here (AMX-INT8 and the OS's tile state).
-bool AmxInt8Available();
-// Whether LinearPacked can run: the float32 kernel in use is the AVX2 or the AVX-512 build.
-bool PackedLinearAvailable();
-// Input rows up to which LinearPacked beats Linear on the float32 matrix with the kernel in use
-// (32 for AVX-512, 4 for AVX2; 0 where it cannot run). Any M is correct.
-int64_t PackedLinearMaxRows();
 // LinearPacked's prefetch distance in blocks of 4 weight rows (0: none); a negative value only
-// reads it. Returns the distance now in use. A benchmark knob.
+// reads it. Returns the distance now in use. A benchmark knob (it never changes a result).
 int64_t SetPackedPrefetchBlocks(int64_t blocks);
-// Which instruction set the kernel uses: "auto" (best the CPU supports), "generic" (SSE2), "avx2"
-// (AVX2+FMA), "avx512" (no AMX) or "amx" (AVX-512, and AMX tiles for bfloat16). Process-wide, for
-// tests and benchmarks. Returns the ISA now in use. Throws ValueError for unknown names or an ISA
-// this CPU lacks.
-std::string SetLinearIsa(const std::string& isa);
-std::string LinearIsa();
-// The build that runs layers of `dtype` now: "generic", "avx2", "avx512", "avx512-bf16" (bf16
-// through vdpbf16ps) or "amx-bf16" (bf16 on AMX tiles, for the shapes it takes).
-std::string LinearKernel(DType dtype);
 }  // namespace detail
 
 }  // namespace pyspec

@@ -1,0 +1,271 @@
+"""A Llama-family model's weights as the forward reads them: loaded from a Hugging Face weight
+dict (fused QKV and gate/up matrices), packed as exact 4-bit / 8-bit block codes where their values
+allow, held on transparent huge pages, moved between devices. The forward is
+:class:`pyspec.models.llama.LlamaForCausalLM`, which extends this storage.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+from pyspec import _C
+from pyspec.models.config import ModelConfig
+
+__all__ = ["LlamaWeights", "resolve_device"]
+
+
+def resolve_device(device) -> torch.device:
+    """The torch device a model may run on: ``"cpu"``, or ``"cuda"`` / ``"cuda:N"`` where pyspec
+    was built with CUDA and that GPU is usable. Anything else is a ValueError saying why.
+
+    On a CUDA device the model's forward (dense layers, norms and rotary through torch, tree
+    attention and KV materialization through pyspec's kernels) and its KV pool live on the GPU;
+    the step's logits and hidden states come back to the host, where acceptance, sampling and the
+    drafters run.
+    """
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N'; got {device!r}") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N'; got {device!r} (no "
+                         f"{dev.type} kernels)")
+    if not getattr(_C, "built_with_cuda", False):
+        raise ValueError(f"device {device!r}: this pyspec build has no CUDA kernels (rebuild with "
+                         "PYSPEC_ENABLE_CUDA=ON on a machine with nvcc)")
+    reason = _C.cuda_unavailable_reason()
+    if reason:
+        raise ValueError(f"device {device!r}: no usable CUDA device ({reason})")
+    count = _C.cuda_device_count()
+    index = 0 if dev.index is None else dev.index
+    if not 0 <= index < count:
+        raise ValueError(f"device {device!r}: there are {count} CUDA device(s)")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: this torch build ({torch.__version__}) has no CUDA "
+                         "support")
+    return torch.device("cuda", index)
+
+
+class LlamaWeights:
+    """The weights of a Llama/Mistral/Qwen2 decoder: ``embed``, ``lm_head`` (tied to ``embed``
+    where the config says so), ``norm`` and per layer a dict of ``ln1``, ``ln2``, ``wqkv`` (q, k,
+    v fused), ``bqkv``, ``wo``, ``bo``, ``wgu`` (gate then up), ``wd``; packed codes beside them
+    (``_packed``, ``_packed_lm_head``).
+
+    Subclasses (the forward) say whether their dense-layer kernels read codes
+    (:meth:`_reads_codes`) and drop whatever they built over the weights when
+    :meth:`_weights_changed` is called (a weight was replaced, packed or moved).
+    """
+
+    def __init__(self, cfg: ModelConfig, weights: Dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: str = "cpu"):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = resolve_device(device)  # "cuda" -> "cuda:0": the device the KV pool gets
+        self.embed = weights.pop("model.embed_tokens.weight")
+        lm = weights.pop("lm_head.weight", None)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else lm
+        self.norm = weights.pop("model.norm.weight")
+        self.layers = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            g = lambda n: weights.pop(p + n)  # noqa: E731
+            wqkv = torch.cat([g("self_attn.q_proj.weight"), g("self_attn.k_proj.weight"),
+                              g("self_attn.v_proj.weight")], 0)
+            bqkv = None
+            if cfg.attention_bias:
+                bqkv = torch.cat([g("self_attn.q_proj.bias"), g("self_attn.k_proj.bias"),
+                                  g("self_attn.v_proj.bias")], 0)
+            self.layers.append(dict(
+                ln1=g("input_layernorm.weight"), ln2=g("post_attention_layernorm.weight"),
+                wqkv=wqkv, bqkv=bqkv, wo=g("self_attn.o_proj.weight"),
+                bo=weights.pop(p + "self_attn.o_proj.bias", None),
+                wgu=torch.cat([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")], 0),
+                wd=g("mlp.down_proj.weight")))
+        if weights:
+            raise ValueError(f"unused weights: {sorted(weights)[:5]}")
+        self.source_path: Optional[str] = None  # the checkpoint folder, when loaded from one
+        # Per layer, the dense matrices as pyspec.linear.PackedWeight where they are exactly a
+        # 4-bit or 8-bit block format (pack_weights), and the same for lm_head; None: not packed.
+        self._packed: Optional[list] = None
+        self._packed_lm_head = None
+        self.packed_weights = "auto"  # from_pretrained's setting (draft models loaded for it follow)
+        self._codes_only = False  # some layer matrix is held as codes only (drop_dense)
+
+    def _reads_codes(self) -> bool:
+        """Whether the forward's dense layers can read packed codes (subclasses decide)."""
+        return False
+
+    def _weights_changed(self) -> None:
+        """A weight tensor was replaced, packed or moved (subclasses drop their views of them)."""
+
+    def drop_dense(self) -> int:
+        """Hold each packed decoder-layer matrix as its codes only (:meth:`pack_weights` first):
+        the layer's entry becomes the :class:`~pyspec.linear.PackedWeight` and the float32 matrix
+        is freed. Outputs stay the same bit for bit: the core kernel reads the codes at every row
+        count it runs, and steps beyond it (long prefills) rebuild each matrix from its codes
+        for the call (:meth:`PackedWeight.unpack`). ``lm_head`` keeps its float32 matrix (for
+        the default model it is the embedding table). Returns how many matrices were dropped.
+        Readers of ``layers[i][k]`` get a PackedWeight there: :meth:`layer_weight` gives the
+        float32 matrix in either case."""
+        from pyspec.linear import PackedWeight
+
+        if self._packed is None:
+            return 0
+        count = 0
+        for layer, lp in zip(self.layers, self._packed):
+            for k, p in lp.items():
+                if type(p) is PackedWeight and p.dense is not None:
+                    p.drop_dense()
+                    layer[k] = p
+                    count += 1
+        if count:
+            self._codes_only = True
+            # The float32 matrices may share one huge-page mapping with the rest: copying the rest
+            # into a new one (or, where none can be made, onto ordinary pages) lets it go.
+            arena = self._huge_page_arena()
+            self._rehome(arena.copy if arena is not None else torch.clone)
+        return count
+
+    def layer_weight(self, index: int, name: str) -> torch.Tensor:
+        """Layer ``index``'s matrix ``name`` ("wqkv", "wo", "wgu", "wd") as a float32 tensor,
+        rebuilt from its codes when the model holds only those (:meth:`drop_dense`)."""
+        w = self.layers[index][name]
+        return w if isinstance(w, torch.Tensor) else w.unpack()
+
+    def pack_weights(self) -> int:
+        """Also hold each dense matrix (and lm_head) whose float32 values are exactly a 4-bit or
+        8-bit block format (:func:`pyspec.linear.pack_exact`) as those codes, which the forward
+        then reads for the few rows of decoding and verification: about 5x fewer bytes per step (4-bit 5.3x, 8-bit 3.6x), the
+        same results bit for bit (the codes rebuild each weight exactly and the kernel accumulates
+        as the float32 one does). The float32 matrices stay (prefill, other devices, drafters
+        that read them) unless :meth:`drop_dense` frees the layers' ones. Only float32 models on
+        the CPU whose dense-layer kernels read codes (``_reads_codes``: the AVX2 or AVX-512
+        float32 build); returns how many matrices were packed (0 otherwise)."""
+        from pyspec.linear import pack_exact
+
+        if (self.dtype != torch.float32 or self.device.type != "cpu"
+                or not self._reads_codes()):
+            return 0
+        packed, count = [], 0
+        for layer in self.layers:
+            lp = {}
+            for k in ("wqkv", "wo", "wgu", "wd"):
+                p = pack_exact(layer[k])
+                lp[k] = layer[k] if p is None else p
+                count += p is not None
+            packed.append(lp)
+        lm = pack_exact(self.lm_head)
+        count += lm is not None
+        if count == 0:
+            return 0
+        from pyspec.hugepages import Arena
+
+        self._packed = packed
+        self._packed_lm_head = lm
+        self._weights_changed()
+        ps = self._packed_weights()
+        arena = Arena.for_tensors([t for p in ps for t in (p.q, p.d, p.m) if t is not None])
+        if arena is not None:  # the codes stream every step: on huge pages like the weights
+            for p in ps:
+                p.q = arena.copy(p.q)
+                p.d = arena.copy(p.d)
+                p.m = None if p.m is None else arena.copy(p.m)
+        return count
+
+    def _packed_weights(self) -> list:
+        """The PackedWeight objects the forward reads (layers, then lm_head)."""
+        ps = [p for lp in (self._packed or []) for p in lp.values()
+              if not isinstance(p, torch.Tensor)]
+        return ps + ([self._packed_lm_head] if self._packed_lm_head is not None else [])
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes a decoding step reads for the packed matrices' codes (0 when none are packed)."""
+        return sum(p.nbytes for p in self._packed_weights())
+
+    def place_on_huge_pages(self) -> "LlamaWeights":
+        """Move a CPU model's weights into one mapping on transparent huge pages (see
+        :mod:`pyspec.hugepages`; the same values, fewer TLB misses while a step streams them), in
+        place; returns self. Does nothing on a GPU, where huge pages are unavailable, or with
+        ``PYSPEC_HUGEPAGES=0``. The weights then share one storage: clone one before saving it
+        (``torch.save`` would write the whole mapping; safetensors refuses shared storage)."""
+        if self.device.type != "cpu":
+            return self
+        arena = self._huge_page_arena()
+        if arena is not None:
+            self._rehome(arena.copy)
+        return self
+
+    def _huge_page_arena(self):
+        """A huge-page mapping sized for every weight tensor the model holds (codes-only matrices
+        have their own), or None where none can be made (see Arena.for_tensors)."""
+        from pyspec.hugepages import Arena
+
+        tied = self.lm_head is self.embed
+        layer_ts = [t for layer in self.layers for t in layer.values()
+                    if isinstance(t, torch.Tensor)]
+        return Arena.for_tensors([self.embed, self.norm] + ([] if tied else [self.lm_head])
+                                 + layer_ts)
+
+    def _rehome(self, copy) -> None:
+        """Replace every CPU weight tensor by ``copy(tensor)``, one at a time, so each source can
+        go as soon as its copy exists: no decoder stack, packed matrix (its ``dense``) or
+        unpacked entry of the packed layers may keep holding the old one."""
+        self._weights_changed()
+        tied = self.lm_head is self.embed
+        # id(tensor) -> its other holders: PackedWeights (dense) and packed-layer dicts holding a
+        # matrix that did not pack (the forward reads those dicts).
+        owners: Dict[int, list] = {}
+        for p in self._packed_weights():
+            if p.dense is not None:
+                owners.setdefault(id(p.dense), []).append((p, None))
+        for lp in self._packed or []:
+            for k, v in lp.items():
+                if isinstance(v, torch.Tensor):
+                    owners.setdefault(id(v), []).append((lp, k))
+
+        def move(t):
+            new = copy(t)
+            for holder, k in owners.pop(id(t), ()):
+                if k is None:
+                    holder.dense = new
+                else:
+                    holder[k] = new
+            return new
+
+        self.embed = move(self.embed)
+        self.lm_head = self.embed if tied else move(self.lm_head)
+        self.norm = move(self.norm)
+        for layer in self.layers:
+            for k, t in layer.items():
+                if isinstance(t, torch.Tensor):
+                    layer[k] = move(t)
+
+    def to(self, device) -> "LlamaWeights":
+        """Move the weights to ``device`` (see :func:`resolve_device`), in place; returns self.
+        KV pools and runners made before the move stay where they were: make them after."""
+        dev = resolve_device(device)
+        self._weights_changed()  # views of the old weights would keep them alive
+        mv = lambda t: None if t is None else t.to(dev)  # noqa: E731
+
+        def mv_layer(t):  # codes-only matrices stay codes on the CPU, else are rebuilt
+            if t is None or isinstance(t, torch.Tensor):
+                return mv(t)
+            return t if dev.type == "cpu" else t.unpack().to(dev)
+
+        tied = self.lm_head is self.embed
+        self.embed = mv(self.embed)
+        self.lm_head = self.embed if tied else mv(self.lm_head)
+        self.norm = mv(self.norm)
+        self.layers = [{k: mv_layer(v) for k, v in layer.items()} for layer in self.layers]
+        self.device = dev
+        if dev.type != "cpu":  # packed codes are a CPU kernel's
+            self._packed = None
+            self._packed_lm_head = None
+            self._codes_only = False  # every layer matrix was rebuilt for the device
+        return self
