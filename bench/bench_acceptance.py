@@ -15,8 +15,10 @@ tree of depth 4), float32 probabilities on the CPU.
   temperature 0.7, with and without top-p 0.9) in each build of the filters' row passes
   (generic, AVX2, AVX-512; ``_C._set_sampling_isa``), checked equal bit for bit.
 * engine_greedy (script only): one greedy request's acceptance at batch 1 from the logits of a
-  1-, 4- or 16-node chain: the engine's walk (argmax, no probability rows) against the
-  temperature-0 rows plus the acceptance op.
+  1-, 4- or 16-node chain: the core's walk over the logits (``sampling.accept_greedy``, no
+  probability rows; what an engine runs with ``greedy_from_logits``) against the temperature-0
+  rows plus the acceptance op (``greedy_from_logits = False``). Both build the chain's tensors
+  from its lists in the timed call.
 
 Run as pytest-benchmark: ``pytest bench/bench_acceptance.py --benchmark-only``; or as a script,
 ``python bench/bench_acceptance.py [--repeats N]``, which prints a JSON object of median times (ms)
@@ -288,10 +290,9 @@ def main(argv=None):
     finally:
         if set_isa is not None:
             set_isa("auto")
-    # The engine's greedy step at batch 1: its walk straight from the logits against the
-    # temperature-0 rows plus the acceptance op (what it ran before), for one request's chain.
+    # The engine's greedy step at batch 1: the core's walk straight from the logits against the
+    # temperature-0 rows plus the acceptance op, for one request's chain.
     from pyspec.drafters.base import Draft
-    from pyspec.engine import _greedy_walk
 
     g = torch.Generator().manual_seed(1)
     for n in (1, 4, 16):
@@ -305,8 +306,14 @@ def main(argv=None):
                                 torch.tensor([0, n]), greedy=True, seeds=0)
             return r.emitted_lists()
 
-        assert op() == _greedy_walk(logits, [chain], [0, n])[0]
-        walk = _median_ms(lambda: _greedy_walk(logits, [chain], [0, n]), args.repeats)
+        def from_logits():
+            r = sampling.accept_greedy(logits, torch.tensor(chain.tokens, dtype=torch.int32),
+                                       torch.tensor(chain.parents, dtype=torch.int32),
+                                       torch.tensor([0, n]))
+            return r.emitted_lists()
+
+        assert op() == from_logits()
+        walk = _median_ms(from_logits, args.repeats)
         ref = _median_ms(op, args.repeats)
         results["ms"][f"engine_greedy/{n}_nodes/walk"] = round(walk, 4)
         results["ms"][f"engine_greedy/{n}_nodes/filters+accept"] = round(ref, 4)

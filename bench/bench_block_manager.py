@@ -1,14 +1,15 @@
 """Microbenchmarks of the block manager's hot calls (pytest-benchmark).
 
 Run: ``pytest bench/bench_block_manager.py --benchmark-only``. The numbers include the Python call
-overhead of the binding, which is what the Python scheduler pays per request per step.
+overhead of the binding (``pyspec._C.BlockManager``), which a caller driving the block manager from
+Python pays per request per step.
 """
 
 import pytest
 
 pytest.importorskip("pytest_benchmark")
 
-from pyspec.kv_cache import BlockManager  # noqa: E402
+from pyspec._C import BlockManager  # noqa: E402
 
 BLOCK = 16
 PROMPT = list(range(1000))  # 62 full blocks + a partial one

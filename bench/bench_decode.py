@@ -3,6 +3,11 @@
 MT-bench first turns (../shared/data/mt_bench_questions.jsonl or --prompts-file), chat template,
 batch 1, exactly --max-tokens new tokens per prompt (EOS ignored on both sides so the token counts
 match), for each dtype. Also runs pyspec with prompt-lookup speculation on the same prompts.
+pyspec decodes each prompt alone through an engine (``pyspec.engine.Engine``, no prefix cache):
+``drafter="none"`` for plain decoding, ``drafter="ngram"`` with ``adaptive=False`` (draft chains
+of up to --gamma tokens, starting at --gamma; without the cost model the scheduler lengthens a
+chain by one after a step that accepted all of it and shortens it by one after one that accepted
+less than half). ``acceptance_length`` is tokens per target step.
 Reports end-to-end tokens/s (prefill included) per engine and the ratios, checks that pyspec's greedy
 tokens equal transformers' (fp32), and writes JSON (+ a PNG when matplotlib is installed).
 
@@ -32,6 +37,20 @@ def load_prompts(path, n):
     return [(r.get("category", "?"), r["turns"][0]) for r in rows]
 
 
+class Run:
+    """One pyspec decode: its tokens, seconds (prefill included), tokens per target step and the
+    target logits row each token was chosen from."""
+
+    def __init__(self, tokens, seconds, acceptance_length, logits):
+        self.tokens, self.seconds, self.acceptance_length = tokens, seconds, acceptance_length
+        self.logits = logits
+
+    def top2_gap(self, j):
+        """The target's top-1 minus top-2 logit where token ``j`` was chosen."""
+        top2 = self.logits[j].topk(2).values
+        return float(top2[0] - top2[1])
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=10, help="number of MT-bench prompts (80 = all)")
@@ -44,33 +63,55 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from pyspec import generation
+    import pyspec
+    from pyspec.engine import Engine
+    from pyspec.runner import ModelRunner
 
     prompts = load_prompts(args.prompts_file, args.prompts)
     results = dict(config=vars(args), torch_threads=torch.get_num_threads(), runs={})
     for dtype in args.dtypes.split(","):
-        loaded = generation.load(None, dtype=dtype, progress=False)
-        tok = loaded.tokenizer
-        enc = [generation.encode_prompt(tok, p) for _, p in prompts]
+        # The LLM's own engine stays unused (a small pool); each engine below has its own.
+        llm = pyspec.LLM(None, draft="none", dtype=dtype, progress=False, kv_cache_tokens=256)
+        enc = [llm.chat_prompt([{"role": "user", "content": p}]) for _, p in prompts]
+        bs = 16
+        num_blocks = (max(len(ids) for ids in enc) + args.max_tokens + args.gamma + bs) // bs + 2
+
+        def engine(**kw):
+            return Engine(ModelRunner(llm.model, num_blocks, bs), adaptive=False,
+                          enable_prefix_cache=False, max_num_seqs=1, **kw)
+
+        engines = {False: engine(drafter="none"),
+                   True: engine(drafter="ngram", gamma=args.gamma,
+                                initial_draft_tokens=args.gamma)}
         hf = None
         if not args.no_hf:
             import transformers
 
             hf = transformers.AutoModelForCausalLM.from_pretrained(
-                loaded.path, dtype=getattr(torch, dtype)).eval()
+                llm.model_path, dtype=getattr(torch, dtype)).eval()
             # Neither side stops at EOS (pyspec gets no eos ids): both generate exactly
             # --max-tokens, and the outputs stay comparable token for token.
             hf.generation_config.eos_token_id = None
         row = dict(pyspec_plain=[], pyspec_ngram=[], hf=[], acceptance_length=[], match_hf=0)
 
         def ours(ids, draft):
-            r = generation.decode_one(loaded.runner, ids, args.max_tokens,
-                                      drafter=generation.prompt_lookup_drafter() if draft else None,
-                                      gamma=args.gamma if draft else 0, record_gaps=True)
-            return r
+            """One prompt alone through the plain or the n-gram engine: exactly --max-tokens
+            tokens (no stop tokens), with the target logits each token was chosen from."""
+            eng = engines[draft]
+            t0 = time.perf_counter()
+            rid = eng.add_request(ids, {"max_tokens": args.max_tokens, "stop_token_ids": []})
+            eng.record_logits(rid)
+            while eng.has_unfinished():
+                eng.step()
+            seconds = time.perf_counter() - t0
+            logits = eng.recorded_logits(rid)
+            res = eng.result(rid, pop=True)
+            return Run(res.token_ids, seconds, len(res.token_ids) / max(res.stats.steps, 1),
+                       logits)
 
-        # Warm-up outside the timings (the plain path; speculative steps use the same kernels).
+        # Warm-up outside the timings, each engine once.
         ours(enc[0][:16], False)
+        ours(enc[0][:16], True)
         if hf is not None:
             with torch.no_grad():
                 hf.generate(torch.tensor([enc[0][:16]]), max_new_tokens=4, do_sample=False)
@@ -86,8 +127,8 @@ def main(argv=None):
                 # Lossless means a divergence may only happen at a near-tie of the top two logits;
                 # record how near it was (plain run's gap at the first differing token).
                 row.setdefault("spec_mismatch", []).append(
-                    dict(category=cat, position=j, plain_top2_gap=r.logit_gaps[j],
-                         spec_top2_gap=s.logit_gaps[j]))
+                    dict(category=cat, position=j, plain_top2_gap=r.top2_gap(j),
+                         spec_top2_gap=s.top2_gap(j)))
             if hf is not None:
                 t0 = time.perf_counter()
                 with torch.no_grad():

@@ -7,13 +7,17 @@
 
 Loads the default model once per drafter and decodes MT-bench first turns (chat template,
 greedy, batch 1, exactly ``--max-tokens`` new tokens, EOS ignored) with each drafter twice per
-prompt (the engines' order rotating from prompt to prompt): with the decoder stack in one call (``_C.DecoderStack``, what LlamaForCausalLM runs for
-steps within the core kernel's rows) and op by op (what ``PYSPEC_FUSED_LAYERS=0`` runs), the
-engines interleaved per prompt so they share the machine's state. Reports tokens/s (prefill
-included), tokens per target step, each engine against op-by-op plain decoding and against plain
-decoding in the same mode, and whether each output equals op-by-op plain decoding token for
-token (or, with ``--modes fused``, plain decoding on the one-call path). Prints one JSON document
-(and writes it with ``--out``).
+prompt (the engines' order rotating from prompt to prompt): with the decoder stack in one call
+(``_C.DecoderStack``, what LlamaForCausalLM runs for steps within the core kernel's rows) and op
+by op (the model's ``fused_layers = False``), the engines interleaved per prompt so they share
+the machine's state. The modes are per-model and per-engine attributes, set before each run:
+``model.fused_layers`` (one-call stack or op by op), ``engine.greedy_from_logits`` (False in
+fused-accept-op: greedy acceptance through the temperature-0 rows and the acceptance op) and
+``engine.serial_host_steps`` (False in fused-torch-threads: a small step's host work keeps
+torch's threads). Reports tokens/s (prefill included), tokens per target step, each engine
+against op-by-op plain decoding and against plain decoding in the same mode, and whether each
+output equals op-by-op plain decoding token for token (or, with ``--modes fused``, plain decoding
+on the one-call path). Prints one JSON document (and writes it with ``--out``).
 """
 
 from __future__ import annotations
@@ -38,16 +42,14 @@ def main(argv=None):
     ap.add_argument("--modes", default="fused,op-by-op",
                     help="which paths to run: fused (one core call), op-by-op, and/or "
                          "fused-accept-op (one core call, greedy acceptance through the "
-                         "temperature-0 rows and the acceptance op instead of the engine's "
+                         "temperature-0 rows and the acceptance op instead of the core's greedy "
                          "walk from the logits), fused-torch-threads (one core call, torch's "
-                         "threads outside the forward: the step's other torch ops, the greedy "
-                         "walk's max included, run in parallel)")
+                         "threads outside the forward: the step's other torch ops run in "
+                         "parallel)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
     import pyspec
-    import pyspec.engine as engine_mod
-    import pyspec.models.llama as llama_mod
     from bench_spec import load_prompts
 
     torch.set_num_threads(2)
@@ -63,34 +65,28 @@ def main(argv=None):
     if not modes or any(m not in known for m in modes):
         raise SystemExit(f"--modes takes {', '.join(known)}; got "
                          f"{args.modes!r}")
-    walk = engine_mod._greedy_walk
 
-    def use(mode):
-        llama_mod._FUSED_ON = modes[mode]
-        engine_mod._greedy_walk = (lambda *a: None) if mode == "fused-accept-op" else walk
-        engine_mod._SERIAL_STEPS = mode != "fused-torch-threads"
+    def use(mode, llm):
+        llm.model.fused_layers = modes[mode]
+        llm.engine.greedy_from_logits = mode != "fused-accept-op"
+        llm.engine.serial_host_steps = mode != "fused-torch-threads"
     ref_mode = "op-by-op" if "op-by-op" in modes else "fused"
     for llm in llms.values():
         for mode in modes:
-            use(mode)
+            use(mode, llm)
             llm.chat([{"role": "user", "content": "Hello"}], warm)
     keys = [(ref_mode, "none")] + [(m, d) for d in drafters for m in modes
                                    if (m, d) != (ref_mode, "none")]
     res = {k: {"seconds": 0.0, "tokens": 0, "steps": 0, "identical": 0} for k in keys}
-    try:
-        for i, (_, text) in enumerate(prompts):
-            msg = [{"role": "user", "content": text}]
-            # The engines' order rotates from prompt to prompt, so none always runs first.
-            outs = {}
-            for mode, d in keys[i % len(keys):] + keys[:i % len(keys)]:
-                use(mode)
-                outs[mode, d] = timed_chat(llms[d], msg, sp, res[mode, d]).token_ids
-            for key, ids in outs.items():
-                res[key]["identical"] += ids == outs[keys[0]]
-    finally:
-        llama_mod._FUSED_ON = True
-        engine_mod._greedy_walk = walk
-        engine_mod._SERIAL_STEPS = True
+    for i, (_, text) in enumerate(prompts):
+        msg = [{"role": "user", "content": text}]
+        # The engines' order rotates from prompt to prompt, so none always runs first.
+        outs = {}
+        for mode, d in keys[i % len(keys):] + keys[:i % len(keys)]:
+            use(mode, llms[d])
+            outs[mode, d] = timed_chat(llms[d], msg, sp, res[mode, d]).token_ids
+        for key, ids in outs.items():
+            res[key]["identical"] += ids == outs[keys[0]]
     base = res[ref_mode, "none"]["tokens"] / res[ref_mode, "none"]["seconds"]
     engines = {}
     for (mode, d), r in res.items():
@@ -109,7 +105,7 @@ def main(argv=None):
                       "drafters": drafters, "threads": torch.get_num_threads(),
                       "packed_weights": args.packed_weights, "modes": list(modes),
                       "packed": model._packed is not None,
-                      "linear_kernel": pyspec._C._linear_kernel("float32"),
+                      "linear_kernel": model.kernels.kernel("float32"),
                       "wall_seconds": round(time.perf_counter() - t0, 1)},
            "engines": engines}
     emit(doc, args.out)

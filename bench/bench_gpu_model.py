@@ -26,6 +26,17 @@ CONFIGS = {
 }
 
 
+def repetitive_prompt(vocab: int, length: int = 48, seed: int = 1):
+    """A prompt with repeated phrases, the kind of input prompt lookup is made for: an 8-token
+    phrase and 8 random tokens, repeated, then the phrase."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    phrase = torch.randint(0, vocab, (8,), generator=g).tolist()
+    noise = torch.randint(0, vocab, (length,), generator=g).tolist()
+    return (phrase + noise[:8]) * (length // 16) + phrase
+
+
 def _sync(device):
     import torch
 
@@ -54,7 +65,6 @@ def main(argv=None):
     from pyspec.models.llama import LlamaForCausalLM, resolve_device
     from pyspec.models.loader import resolve_dtype
     from pyspec.runner import ModelRunner, SeqStep
-    from pyspec.smoke import default_prompt
 
     device = resolve_device(args.device)
     c = CONFIGS[args.config]
@@ -105,7 +115,7 @@ def main(argv=None):
     # ---- engine: plain vs prompt-lookup speculation, same prompts, one run -----------------------
     engine = []
     for b in (int(x) for x in args.batch.split(",")):
-        prompts = [default_prompt(cfg.vocab_size, length=96, seed=s) for s in range(b)]
+        prompts = [repetitive_prompt(cfg.vocab_size, length=96, seed=s) for s in range(b)]
         sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
         row = {"batch": b, "max_tokens": args.max_tokens}
         outs = {}

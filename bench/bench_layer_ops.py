@@ -77,10 +77,12 @@ def ops_table(rows_list, repeats):
 
 
 def step_table(context, rounds, repeats):
-    from pyspec import TokenTree, _C, generation
+    import pyspec
+    from pyspec import TokenTree, _C
     from pyspec.runner import SeqStep
 
-    runner = generation.load(None, dtype="float32", progress=False).runner
+    # The LLM's runner, straight (its engine stays unused).
+    runner = pyspec.LLM(None, draft="none", dtype="float32", progress=False).runner
     table = list(range((context + 64) // runner.block_size + 2))
     runner.step([SeqStep(list(range(100, 100 + context)), 0, table, None, "last")])
     steps = {n: SeqStep(list(range(200, 200 + n)), context, table,

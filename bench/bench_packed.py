@@ -11,9 +11,10 @@ matrices only), and decodes MT-bench first turns (chat template, greedy, batch 1
 interleaved per prompt so they share the machine's state. Reports tokens/s (prefill included),
 tokens per target step, each engine against plain decoding on float32 weights and against plain
 decoding on the same weights, and whether each output equals plain decoding on float32 weights
-token for token. ``--isa`` forces the dense kernels' build (``avx2``: what a CPU without AVX-512
-runs). ``--weights packed,codes,float32`` adds the model loaded with ``packed_weights="codes"``
-(the layers' float32 copies freed); each engine reports the weight bytes its model holds.
+token for token. ``--isa`` picks every loaded model's dense-layer kernels (``LLM(...,
+kernels=isa)``, a property of each model; ``avx2``: what a CPU without AVX-512 runs).
+``--weights packed,codes,float32`` adds the model loaded with ``packed_weights="codes"`` (the
+layers' float32 copies freed); each engine reports the weight bytes its model holds.
 ``--prefill-tokens N`` also times, per weights, a prefill of an N-token prompt (from the prompts
 joined, another start each repetition so nothing comes from the prefix cache; ``max_tokens=1``,
 median of 5, the weights alternating). Prints one JSON document (and
@@ -57,7 +58,6 @@ def main(argv=None):
     from bench_spec import load_prompts
 
     torch.set_num_threads(2)
-    pyspec._C._set_linear_isa(args.isa)  # before loading: packing depends on the kernel in use
     drafters = drafter_list(args.drafters)
     setting = {"packed": "auto", "codes": "codes", "float32": "off"}
     kinds = [w for w in args.weights.split(",") if w]
@@ -69,8 +69,9 @@ def main(argv=None):
     for weights in kinds:
         for d in drafters:
             t = time.perf_counter()
+            # The kernels are given at load: whether the model packs depends on them.
             llms[weights, d] = pyspec.LLM(draft=d, progress=False,
-                                         packed_weights=setting[weights])
+                                         packed_weights=setting[weights], kernels=args.isa)
             llms[weights, d].load_seconds_measured = time.perf_counter() - t
     packed_model = llms["packed", "none"].model
     if packed_model._packed is None:
@@ -124,8 +125,8 @@ def main(argv=None):
             engines[f"{weights} {d}"][f"prefill_{args.prefill_tokens}_ms"] = prefill_ms[weights]
     doc = {"config": {"prompts": len(prompts), "max_tokens": args.max_tokens,
                       "drafters": drafters, "threads": torch.get_num_threads(),
-                      "linear_kernel": pyspec._C._linear_kernel("float32"),
-                      "packed_max_rows": pyspec._C._packed_max_rows(),
+                      "linear_kernel": packed_model.kernels.kernel("float32"),
+                      "packed_max_rows": packed_model.kernels.packed_max_rows,
                       "packed_weight_bytes": packed_model.packed_bytes,
                       "float32_weight_bytes": sum(
                           p.dense.numel() * 4 for lp in packed_model._packed

@@ -21,12 +21,14 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args(argv)
 
-    from pyspec import TokenTree, generation
+    import pyspec
+    from pyspec import TokenTree
     from pyspec.runner import SeqStep
 
     out = {}
     for dtype in args.dtypes.split(","):
-        runner = generation.load(None, dtype=dtype, progress=False).runner
+        # The LLM's runner, straight (its engine stays unused).
+        runner = pyspec.LLM(None, draft="none", dtype=dtype, progress=False).runner
         ctx = args.context
         table = list(range((ctx + 64) // runner.block_size + 2))
         runner.step([SeqStep(list(range(100, 100 + ctx)), 0, table, None, "last")])

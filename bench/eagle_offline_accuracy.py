@@ -95,14 +95,13 @@ def _generated_part(head, dv, tokens, hidden, logits, p0, word_cont):
     Also per position: the target's token continues a word (``word_cont``: a bool per vocabulary
     id), the pair (context's last token, target's token) occurred earlier in the context, and
     prompt lookup's first drafted token is the target's."""
-    from pyspec.decode import prompt_lookup_drafter
+    from pyspec.drafters.ngram import prompt_lookup_match
 
     nxt = logits.argmax(-1)
     top = torch.softmax(logits.float(), dim=-1).max(-1).values
     d1, d2 = agreement(head, dv, tokens[1:len(hidden) + 1], hidden, nxt[1:])
     m = d1[p0:].numel()
     want = nxt[1:][p0:p0 + m]
-    lookup = prompt_lookup_drafter(3)
     ctx = [int(t) for t in tokens]
     cont, pair, lk = [], [], []
     for i in range(m):
@@ -111,8 +110,9 @@ def _generated_part(head, dv, tokens, hidden, logits, p0, word_cont):
         prev = ctx[end - 1]
         cont.append(bool(word_cont[w]))
         pair.append(any(ctx[j] == prev and ctx[j + 1] == w for j in range(end - 2)))
-        ch = lookup(ctx[:end], 1)
-        lk.append(bool(ch) and int(ch[0]) == w)
+        # Prompt lookup's first drafted token: the one after the latest earlier match.
+        n, where = prompt_lookup_match(ctx[:end], 3)
+        lk.append(n > 0 and ctx[where] == w)
     flags = torch.tensor([cont, pair, lk], dtype=torch.bool)
     return d1[p0:], d2[p0:], top[1:][p0:p0 + m], want, flags
 
