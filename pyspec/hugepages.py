@@ -6,12 +6,8 @@ madvise`` (a common default) back ordinary allocations with 4 KiB pages and give
 to ranges that ask for them. This module allocates one private anonymous mapping, asks for huge
 pages on it (``MADV_HUGEPAGE``) before its pages are first touched, and places tensors in it.
 
-Measured on the default model (float32, Intel Xeon with AMX, 2 cores; ``PYSPEC_HUGEPAGES=1`` / ``0
-python bench/bench_verify_cost.py --dtypes float32 --nodes 1,2,4,8,16 --repeats 30``, alternating,
-two rounds): a target step over 1 / 2 / 4 / 8 / 16 rows after 300 tokens 24.4-24.7 / 25.1-25.3 /
-26.2-26.9 / 31.3-32.6 / 42.1-42.5 ms on huge pages against 24.9-26.7 / 26.4-26.6 / 27.8-28.8 /
-34.2 / 43.7-44.7 ms on 4 KiB pages; the dense layers alone (``bench/bench_linear.py``) 19.7 /
-19.8 / 19.8 / 23.6 ms at 1 / 2 / 4 / 8 rows against 20.6 / 20.7 / 24.6 / 27.5. A dense loop that
+The gain is measured in docs/experiments/2026-12-04-alignment-prefetch-hugepages.md (target steps
+of a few rows and the dense layers alone, on huge pages against 4 KiB pages). A dense loop that
 does more than stream its weights (several input rows) keeps fewer misses in flight and stalls on
 the page walks; with 2 MiB pages there are 512 times fewer.
 

@@ -64,8 +64,9 @@ bool IsInstanceOfLoaded(py::handle obj, const char* module, const char* cls) {
 }
 
 // torch.Tensor and torch._C._to_dlpack, looked up once torch is imported (never imported here).
-// torch's Tensor.__dlpack__ is a Python method (~2 us a tensor) while torch._C._to_dlpack builds the
-// same capsule in ~0.2 us; ops like the dense layer run ~8 times per layer per token, so it counts.
+// torch's Tensor.__dlpack__ is a Python method, several times slower than torch._C._to_dlpack,
+// which builds the same capsule; ops like the dense layer run ~8 times per layer per token, so it
+// counts.
 // Leaked references: they must outlive every call, including calls during interpreter shutdown.
 struct TorchHooks {
   PyObject* tensor_type = nullptr;

@@ -34,8 +34,7 @@ constexpr int64_t kTileElems = 512;
 
 // Accumulates C tiles 0..NM-1 over all of K for one block of 16 weight rows. The weights stream
 // in address order (a block's rows are contiguous), which the hardware prefetchers follow: software
-// prefetches of the next block measured slower (bench/bench_linear.py, SmolLM2 shapes, one row:
-// 13.1 ms per pass with them, 11.0 without).
+// prefetches of the next block were slower (bench/bench_linear.py, one row).
 template <int NM>
 PYSPEC_AMX_TARGET inline __attribute__((always_inline)) void Accumulate(
     const uint16_t* wb, int64_t ldw_bytes, const uint16_t* xg, int64_t chunk_elems, int64_t kcn) {

@@ -384,8 +384,9 @@ PYSPEC_INLINE void Tiles(const Ctx& c, int64_t n0, int64_t K, int64_t ldw, const
 
 // All input rows against weight rows [n0, n0 + NR); `pf` is the next block (pf_bytes) to
 // prefetch, or null. fp16 weights needed by more than one tile are widened once into `scratch`
-// (NR x ldx floats) and the tiles run the fp32 kernel on that (measured 2x faster at M = 16; for
-// bf16, whose widening is one shift or mask, widening per tile is as fast).
+// (NR x ldx floats) and the tiles run the fp32 kernel on that (faster from a few rows on in
+// bench/bench_linear.py; for bf16, whose widening is one shift or mask, widening per tile is as
+// fast).
 template <class Isa, WKind WK, int NR>
 PYSPEC_INLINE void RowBlock(const Ctx& c, int64_t n0, const char* pf, int64_t pf_bytes,
                             float* scratch) {
@@ -421,10 +422,9 @@ PYSPEC_INLINE void RunBlocksImpl(const Ctx& c, int64_t b0, int64_t b1) {
       // Prefetch the next full block, also across the chunk end (it is likely the next chunk's
       // first block, read next by some thread). Not for a single float32 input row: the loop
       // then only streams the weights in address order, which the hardware prefetchers follow
-      // better on their own (bench_linear.py, 2 threads: 20.1-20.6 ms per model pass without
-      // against 21.3-22.2 ms with). From 2 rows on, and for 16-bit weights, whose widening
-      // makes the loop slower than the stream, the software prefetch wins (float32 at 8 rows
-      // 27.6 vs 33.7 ms; float16 at 1 row 16.0-17.5 vs 27.6-28.4 ms).
+      // better on their own. From 2 rows on, and for 16-bit weights, whose widening makes the
+      // loop slower than the stream, the software prefetch wins (bench/bench_linear.py;
+      // docs/experiments/2026-12-04-alignment-prefetch-hugepages.md).
       const char* pf = nullptr;
       if ((c.M > 1 || WK != WKind::kF32) && n0 + 2 * kNr <= c.N) {
         pf = static_cast<const char*>(c.w) + (n0 + kNr) * c.K * esize;

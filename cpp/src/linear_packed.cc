@@ -163,8 +163,8 @@ __attribute__((target("avx512f,avx2,fma"))) void PackedRowBlock(const PackedCtx&
       // 5 to 8 rows: one pass over the codes, all four weight rows at a time (up to 8 x 4
       // accumulators), rather than rebuilding every weight for two tiles of 4 rows; reduced with
       // Reduce4's tree, so each output has the bits the float32 kernel's full block gives it.
-      // (Two weight rows at a time, 8 x 2, measured 13% / 12% / 6% / 2% slower at 5 / 6 / 7 / 8
-      // rows: bench/bench_linear.py --packed --rows 4,5,6,7,8.)
+      // (Two weight rows at a time, 8 x 2, was slower at 5 to 8 rows:
+      // bench/bench_linear.py --packed --rows 4,5,6,7,8.)
       float res[kPackedRegisterRows * 4];
       const int rows = static_cast<int>(c.M);
       DotRowsPacked<kPackedRegisterRows, 4, BITS, true>(rows, c, c.x, n0, res);

@@ -147,7 +147,7 @@ void WriteCandidates(const std::vector<Candidate>& cand, int64_t n, float min_w,
 // kept mass keep lanes of their own, in GCC vector types): every value is the one a scalar loop
 // computes, in every build, since this file is compiled without FMA contraction (CMakeLists.txt).
 // Each pass is built for the x86-64 baseline, AVX2 and AVX-512; g_filter_isa picks one at run time
-// (a 49k-token row: 0.54 ms before, when the exp loop did not vectorise).
+// (every build gives the same bits, so this is not a setting: tests force each build).
 
 constexpr int kLanes = 16;
 

@@ -74,8 +74,8 @@ def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Dra
         from pyspec.models.default import default_corpus_path, default_drafter_path
 
         # Prompt lookup when the context offers a continuation (long and often right), else the
-        # continuations of the target's earlier answers (the shipped corpus: measured faster than
-        # prompt lookup alone and than the shipped head, README "Performance"); the head where a
+        # continuations of the target's earlier answers (the shipped corpus: faster than prompt
+        # lookup alone and than the shipped head, docs/performance.md); the head where a
         # build ships no corpus; prompt lookup alone for a target the shipped drafters do not fit.
         path = default_corpus_path()
         if path is not None and \

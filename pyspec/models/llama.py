@@ -291,10 +291,9 @@ class LlamaForCausalLM(LlamaWeights):
         decoding, verification, small prefill chunks; see ``_serial_rows``), and with its own
         threads for larger steps, also inside a small step's block (a drafter catching up on many
         tokens within an engine step), and on other devices. Callers wrap the whole step in it,
-        not only the forward: torch's OpenMP workers spin for about 2 ms after any parallel op (a
+        not only the forward: torch's OpenMP workers spin for a while after any parallel op (a
         max over a few rows of logits is one), and on 2 cores they then take a core from the next
-        forward's own worker threads (a 2-row verify step took 9.1 ms after such an op, 7.0 ms
-        without)."""
+        forward's own worker threads (docs/experiments/2026-12-05-torch-threads-in-step.md)."""
         if self.device.type != "cpu":
             return contextlib.nullcontext()
         if rows <= self._serial_rows:
@@ -345,7 +344,7 @@ class LlamaForCausalLM(LlamaWeights):
                 or (self._codes_only and not self.kernels.packed_available)):
             return None
         # The stack holds the tensors it was built from: any replaced one (a layer dict's entry,
-        # a packed matrix) makes a new stack. About 20 us for a 30-layer model.
+        # a packed matrix) makes a new stack (a comparison of identities per tensor).
         sig = [v for layer in self.layers for v in layer.values()]
         if self._packed is not None:
             sig += [w for lp in self._packed for w in lp.values()]

@@ -29,8 +29,8 @@
 // is the gamma in [1, max_draft_tokens] that maximizes expected tokens per unit of time,
 //   (1 - alpha^(gamma+1)) / (1 - alpha)  /  (1 + (draft_cost + verify_cost) * gamma),
 // where draft_cost is the drafter's cost per draft token and verify_cost the target's marginal
-// cost per extra verified token, both relative to one plain decode step (measured by the engine,
-// SetCostModel). For trees, gamma counts nodes and alpha is estimated the same way (a
+// cost per extra verified token, both relative to one plain decode step (SetCostModel, or with
+// measure_costs the scheduler's own fit of the step times the engine reports). For trees, gamma counts nodes and alpha is estimated the same way (a
 // conservative approximation: a tree accepts at least as much as a chain with that alpha).
 // When even the best gamma is predicted slower than plain decoding at an optimistic alpha (the
 // upper end, two standard errors, of the accepted/trial counts of about the last twenty
@@ -89,8 +89,8 @@ struct SchedulerConfig {
   int64_t probe_interval = 32;            // plain steps before speculation is probed again (base)
   bool record_transitions = false;        // keep Request::history (tests)
   bool cost_model = false;                // draft_len from the Leviathan cost model (see above)
-  // Tokens a step can run before its forward turns compute-bound (measured by the engine; 0 =
-  // unknown). When set, the draft tokens of a step are limited to what is left of it after the
+  // Tokens a step can run before its forward turns compute-bound (SetMemoryBoundTokens, or with
+  // measure_costs the scheduler's fit; 0 = unknown). When set, the draft tokens of a step are limited to what is left of it after the
   // batch's own tokens: none once the batch alone reaches it.
   int64_t memory_bound_tokens = 0;
   double draft_cost = 0.0;                // per draft token, relative to a plain step (>= 0)
