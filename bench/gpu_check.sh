@@ -54,7 +54,8 @@ run_step build 200 env PYSPEC_ENABLE_CUDA=ON PYSPEC_CUDA_ARCHS=${PYSPEC_CUDA_ARC
 if [ "${status[build]}" -eq 0 ]; then
   # The test files that hold cuda-marked cases (others may import packages the GPU image lacks,
   # e.g. the server's); from outside the checkout so the installed package is imported.
-  mapfile -t CUDA_TEST_FILES < <(grep -l "mark.cuda\|devices()" "$ROOT"/tests/python/test_*.py)
+  mapfile -t CUDA_TEST_FILES < <(grep -rl --include='test_*.py' "mark.cuda\|devices()" \
+      "$ROOT"/tests/python | sort)
   echo "cuda test files: ${CUDA_TEST_FILES[*]}"
   (cd /tmp && run_step cuda_tests 240 "$PY" -m pytest -q -p no:cacheprovider -m cuda \
       --rootdir="$ROOT" -c "$ROOT/pyproject.toml" --junitxml="$OUT/cuda_tests.xml" \

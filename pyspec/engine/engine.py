@@ -31,7 +31,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 import torch
 
 from pyspec import _C
-from pyspec.drafters.base import Draft, PrefillChunk, Verified
+from pyspec.drafters.base import Draft, Drafter, PrefillChunk, Verified
 from pyspec.engine.accept import accept_step
 from pyspec.engine.drafting import DraftStage
 from pyspec.engine.routing import RouteFeatures, Router, switch_drafters
@@ -97,8 +97,8 @@ class Engine:
 
     def __init__(self, runner: ModelRunner, tokenizer=None, *, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048,
-                 drafter: Union[None, str, "Drafter"] = "ngram",  # noqa: F821
-                 drafters: Optional[Mapping[str, Union[str, "Drafter"]]] = None,  # noqa: F821
+                 drafter: Union[None, str, Drafter] = "ngram",
+                 drafters: Optional[Mapping[str, Union[str, Drafter]]] = None,
                  router: Optional[Router] = None, gamma: Optional[int] = None,
                  adaptive: bool = True, switch_below: float = 0.0,
                  enable_prefix_cache: bool = True, **scheduler_kwargs):

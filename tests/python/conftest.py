@@ -1,4 +1,17 @@
+"""Shared test setup: the tests' support modules (helpers.py, reference.py, *_support.py, beside
+this file) importable from every test directory, whatever the import mode or the directory pytest
+runs from; the extension check; CUDA-marked tests skipped without a GPU."""
+
+import os
+import sys
+
 import pytest
+
+# pytest's default "prepend" import mode puts this directory on sys.path when it loads this file;
+# said explicitly, so that tests/python/<package>/test_*.py find the support modules under any mode.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
 
 
 def pytest_configure(config):

@@ -3,44 +3,16 @@ random Llama weights): every drafter spec, prompts as text or ids, chat, streami
 n samples, errors."""
 
 import json
-import math
 import os
 
 import pytest
-import torch
 
 import pyspec
 from pyspec import cli
 from reference import decode_one
-from pyspec.models.config import ModelConfig
-from pyspec.models.loader import expected_shapes
 from pyspec.runner import ModelRunner
 
-from test_tokenizer import write_byte_bpe
-
-VOCAB = 259  # 3 specials + 256 bytes
-
-
-def write_tiny_model(path, layers=2, seed=0):
-    from safetensors.torch import save_file
-
-    conf = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=VOCAB,
-                hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
-                num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
-                max_position_embeddings=1024, tie_word_embeddings=False, eos_token_id=2)
-    write_byte_bpe(str(path), model_config=conf)
-    cfg = ModelConfig.from_dict(conf)
-    g = torch.Generator().manual_seed(seed)
-    w = {}
-    for name, shape in expected_shapes(cfg).items():
-        if name.endswith("norm.weight"):
-            w[name] = torch.ones(shape)
-        elif name == "model.embed_tokens.weight":
-            w[name] = torch.randn(shape, generator=g)
-        else:
-            w[name] = torch.randn(shape, generator=g) * (2.0 / math.sqrt(shape[-1]))
-    save_file(w, os.path.join(str(path), "model.safetensors"))
-    return str(path)
+from models_support import VOCAB, write_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -291,24 +263,6 @@ def test_stop_string_token_ids_do_not_depend_on_the_drafter(model_dir):
     assert not s.has_unfinished and s.num_free_blocks == s.num_total_blocks
 
 
-def test_held_back_text_is_the_longest_stop_prefix():
-    """The text held back from a stream (it may begin a stop string) is the longest end of the
-    text that is a proper prefix of some stop string, checked against brute force."""
-    import random
-
-    from pyspec.outputs import OutputTracker
-
-    rng = random.Random(0)
-    for _ in range(500):
-        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 6)))
-                 for _ in range(rng.randint(1, 3))]
-        t = OutputTracker.__new__(OutputTracker)
-        t.stops, t.text = stops, "".join(rng.choice("abc") for _ in range(rng.randint(0, 12)))
-        want = max([k for s in stops for k in range(1, len(s)) if t.text.endswith(s[:k])],
-                   default=0)
-        assert t._held() == want, (stops, t.text)
-
-
 def test_streams_and_generate_interleave_without_losing_tokens(llm):
     """Every call steps the one engine: a stream left open while generate() runs, or two
     streams read in turns, still get all their tokens (each equal to its request run alone)."""
@@ -420,3 +374,30 @@ def test_deployment_acceptance_ewma_follows_ewma_window(model_dir, tmp_path, win
     for x in rates[1:]:
         e = (1 - w) * e + w * x
     assert llm.engine.stats.acceptance_ewma == pytest.approx(e, abs=1e-12)
+
+
+def test_describe_names_the_model_kernels_and_drafter(model_dir):
+    """LLM.describe(): the model's device, dtype and its own dense-layer kernels (a property of
+    the model: two LLMs in one process with different kernels keep theirs), the drafter and the
+    speculation settings."""
+    from pyspec import _C
+
+    a = pyspec.LLM(model_dir, draft="ngram", kv_cache_tokens=256, kernels="generic")
+    b = pyspec.LLM(model_dir, draft="none", kv_cache_tokens=256,
+                   spec=pyspec.SpecConfig(adaptive=False))
+    da, db = a.describe(), b.describe()
+    assert da["model_path"] == model_dir and (da["device"], da["dtype"]) == ("cpu", "float32")
+    assert da["dense_layers"] == {"isa": "generic", "kernel": "generic",
+                                  "core_kernel_up_to_rows": 16}
+    best = _C.LinearKernels()
+    assert db["dense_layers"]["isa"] == best.isa
+    assert db["dense_layers"]["core_kernel_up_to_rows"] == best.max_fast_rows("float32")
+    assert a.describe()["dense_layers"]["isa"] == "generic"  # unchanged by the other LLM
+    assert da["packed"] is None  # random weights are on no block grid
+    assert da["fused_layers"] is True
+    assert da["drafter"].startswith("ngram") and db["drafter"] == "none (plain decoding)"
+    assert da["speculation"]["adaptive"] is True and db["speculation"]["adaptive"] is False
+    p = {"max_tokens": 8, "ignore_eos": True}
+    assert len(a.generate("abc", p)[0].token_ids) == len(b.generate("abc", p)[0].token_ids) == 8
+    with pytest.raises(ValueError, match="unknown linear kernel ISA 'avx9'"):
+        pyspec.LLM(model_dir, draft="none", kv_cache_tokens=256, kernels="avx9")

@@ -1,6 +1,5 @@
 """pyspec.tokenizer: loading, encode/decode, chat templates, streaming detokenization."""
 
-import json
 import os
 
 import pytest
@@ -8,63 +7,7 @@ from helpers import require_module
 
 from pyspec.tokenizer import IncrementalDecoder, Tokenizer
 
-CHATML = ("{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
-          "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
-          "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-
-
-def _byte_alphabet():
-    """GPT-2's byte -> printable character table."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    chars = keep[:]
-    n = 0
-    for b in range(256):
-        if b not in keep:
-            keep.append(b)
-            chars.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(keep, chars)}
-
-
-def write_byte_bpe(path, merges=(), config=None, generation_config=None, model_config=None,
-                   jinja=None, bos_template=False):
-    """A byte-level BPE tokenizer folder: one token per byte, a few merges, ChatML specials."""
-    from tokenizers import AddedToken, Tokenizer as T, decoders, models, pre_tokenizers, processors
-
-    alpha = _byte_alphabet()
-    vocab = {}
-    for s in ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]:
-        vocab[s] = len(vocab)
-    for b in range(256):
-        vocab.setdefault(alpha[b], len(vocab))
-    pairs = []
-    for a, b in merges:
-        pairs.append((a, b))
-        vocab.setdefault(a + b, len(vocab))
-    tk = T(models.BPE(vocab=vocab, merges=pairs))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens([AddedToken(s, special=True, normalized=False)
-                           for s in ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]])
-    if bos_template:
-        tk.post_processor = processors.TemplateProcessing(
-            single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
-    os.makedirs(path, exist_ok=True)
-    tk.save(os.path.join(path, "tokenizer.json"))
-    cfg = {"bos_token": "<|im_start|>", "eos_token": {"content": "<|im_end|>"},
-           "pad_token": "<|endoftext|>", "chat_template": CHATML}
-    cfg.update(config or {})
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({k: v for k, v in cfg.items() if v is not None}, f)
-    for name, obj in (("generation_config.json", generation_config), ("config.json", model_config)):
-        if obj is not None:
-            with open(os.path.join(path, name), "w") as f:
-                json.dump(obj, f)
-    if jinja is not None:
-        with open(os.path.join(path, "chat_template.jinja"), "w") as f:
-            f.write(jinja)
-    return path
+from models_support import _byte_alphabet, write_byte_bpe
 
 
 def enc(s):

@@ -16,7 +16,7 @@ from pyspec.engine import Engine, SamplingParams
 from pyspec.models.llama import LlamaForCausalLM, resolve_device
 from pyspec.runner import ModelRunner, SeqStep
 from helpers import tiny_config
-from test_drafters import MAX_TOKENS, _drafter, prompts
+from drafters_support import MAX_TOKENS, _drafter, prompts
 
 
 def _cuda_usable() -> bool:
@@ -37,7 +37,7 @@ def test_device_argument_errors(tmp_path):
     with pytest.raises(ValueError, match="device must be"):
         LlamaForCausalLM.random(tiny_config()).to("mps")
     import pyspec
-    from test_llm import write_tiny_model
+    from models_support import write_tiny_model
 
     folder = write_tiny_model(tmp_path / "tiny")
     with pytest.raises(ValueError, match="device must be"):

@@ -28,7 +28,7 @@ import pyspec
 from pyspec.linear import max_fast_rows
 
 from helpers import assert_equal_up_to_near_ties
-from test_llm import write_tiny_model
+from models_support import write_tiny_model
 
 NEAR_TIE = 1e-2  # logits; batch-shape rounding differences are ~1e-5 (see the module docstring)
 
@@ -105,7 +105,7 @@ def test_greedy_batch_equals_each_prompt_alone(model_dir, draft):
 # ---- the embedded default model (slow) ----------------------------------------------------------
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PROMPTS_FILE = os.path.join(HERE, "..", "..", "bench", "data", "mt_bench_questions.jsonl")
+PROMPTS_FILE = os.path.join(HERE, "..", "..", "..", "bench", "data", "mt_bench_questions.jsonl")
 SLOW_PROMPTS = 4
 SLOW_TOKENS = 32
 

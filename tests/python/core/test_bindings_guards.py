@@ -179,6 +179,11 @@ _ARGS = {
     ("Scheduler", "observe_step_time"): "(1, 1, 0.1)",
     ("Scheduler", "observe_draft_time"): "(0, 0.1, 1)",
     ("Scheduler", "switch_reason"): "(0, 0.5)",
+    ("LinearKernels", "kernel"): "('float32',)",
+    ("LinearKernels", "max_fast_rows"): "('float32',)",
+    ("LinearKernels", "dense_route"): "('float32', 1)",
+    ("LinearKernels", "packed_route"): "(1, True)",
+    ("LinearKernels", "packed_rows_limit"): "(True,)",
     ("StepResult", "add_prefill"): "(1, 2)",
     ("StepResult", "add_decode"): "(1, [1])",
     ("SuffixIndex", "longest_match"): "([1],)",
@@ -251,8 +256,8 @@ def test_uninitialized_instances_raise_instead_of_crashing():
     bad = [ln for ln in p.stdout.splitlines() if ln.startswith("BAD")]
     assert not bad, "\n".join(bad)
     classes = {ln.split()[1] for ln in p.stdout.splitlines() if ln.startswith("class")}
-    assert {"AttentionPlan", "BlockManager", "Request", "ScheduleOutput", "Scheduler", "StepResult",
-            "SuffixIndex", "TokenTree"} <= classes
+    assert {"AttentionPlan", "BlockManager", "LinearKernels", "Request", "ScheduleOutput",
+            "Scheduler", "StepResult", "SuffixIndex", "TokenTree"} <= classes
     assert p.stdout.rstrip().endswith("done")
 
 

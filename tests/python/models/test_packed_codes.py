@@ -7,13 +7,12 @@ import torch
 
 import pyspec
 from pyspec import _C
-from pyspec.linear import Linear, PackedWeight, linear, pack_exact
+from pyspec.linear import Linear, PackedWeight, pack_exact
 from pyspec.models.llama import LlamaForCausalLM
 from pyspec.runner import ModelRunner, SeqStep
 
-from test_packed import (assert_steps_bit_equal, bits_equal, needs_kernel,  # noqa: F401
-                         packed_kernels, q4_grid, q8_grid,
-                         snap_model_dir)
+from packed_support import (assert_steps_bit_equal, bits_equal, needs_kernel, q4_grid, q8_grid,
+                            snap_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +222,7 @@ def test_server_on_a_codes_model(grid_dir):
     pytest.importorskip("uvicorn")
     httpx = pytest.importorskip("httpx")
     from pyspec.serve.app import create_app
-    from test_serve import _start
+    from serve_support import _start
 
     llm = pyspec.LLM(grid_dir, draft="ngram", kv_cache_tokens=2048, progress=False,
                      packed_weights="codes")

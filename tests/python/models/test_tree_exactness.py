@@ -20,7 +20,7 @@ from pyspec.linear import max_fast_rows
 from pyspec.models.llama import LlamaForCausalLM
 from pyspec.runner import ModelRunner, SeqStep
 
-from test_llm import VOCAB, write_tiny_model
+from models_support import VOCAB, write_tiny_model
 
 
 @pytest.fixture(scope="module")

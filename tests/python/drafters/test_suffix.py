@@ -17,7 +17,7 @@ import pytest
 from pyspec import _C, cli
 from pyspec.drafters import DraftRequest, SuffixDrafter
 from pyspec.drafters.suffix import load_corpus, save_corpus
-from test_llm import write_tiny_model
+from models_support import write_tiny_model
 
 
 def _index(docs):

@@ -17,7 +17,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PROMPTS_FILE = os.path.join(HERE, "..", "..", "bench", "data", "mt_bench_questions.jsonl")
+PROMPTS_FILE = os.path.join(HERE, "..", "..", "..", "bench", "data", "mt_bench_questions.jsonl")
 NUM_PROMPTS = 20
 MAX_TOKENS = 64
 NEAR_TIE = 1e-2  # logits; fp32 rounding differences between batch shapes are ~1e-5

@@ -3,43 +3,19 @@
 few rows of decoding with results equal to the float32 kernel's bit for bit (pyspec.linear's
 PackedWeight / pack_exact, _C.linear_packed, LlamaForCausalLM.pack_weights)."""
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import pyspec
-from pyspec import TokenTree, _C
+from pyspec import _C
 from pyspec.linear import Linear, PackedWeight, linear, max_fast_rows, pack_exact
 from pyspec.models.llama import LlamaForCausalLM
 from pyspec.runner import ModelRunner, SeqStep
 
-from test_llm import write_tiny_model
-
-needs_kernel = pytest.mark.skipif(not _C.LinearKernels().packed_available,
-                                  reason="the packed kernel needs the AVX2 or AVX-512 float32 "
-                                         "build")
-
-
-def q4_grid(n, k, seed=0):
-    """A float32 [n, k] matrix on a 4-bit grid: per group of 32, d * q + m with d, m float16 values
-    and q in 0..15, q = 0 and q = 15 both present (as a Q4_1 quantizer leaves them)."""
-    g = torch.Generator().manual_seed(seed)
-    d = (torch.rand(n, k // 32, 1, generator=g) * 0.02 + 1e-3).half().float()
-    m = (-torch.rand(n, k // 32, 1, generator=g) * 0.2).half().float()
-    q = torch.randint(0, 16, (n, k // 32, 32), generator=g)
-    q[..., 3], q[..., 20] = 0, 15
-    return (q * d + m).reshape(n, k).contiguous()
-
-
-def q8_grid(n, k, seed=0):
-    """8-bit: per group of 32, d * q with d a float16 value and q in -127..127, |q| = 127 present."""
-    g = torch.Generator().manual_seed(seed)
-    d = (torch.rand(n, k // 32, 1, generator=g) * 0.01 + 1e-4).half().float()
-    q = torch.randint(-127, 128, (n, k // 32, 32), generator=g)
-    q[..., 7] = 127
-    return (q * d + 0.0).reshape(n, k).contiguous()
+from models_support import write_tiny_model
+from packed_support import (assert_steps_bit_equal, bits_equal, needs_kernel, q4_grid, q8_grid,
+                            snap_model_dir)
 
 
 def rebuild(p: PackedWeight) -> torch.Tensor:
@@ -50,11 +26,6 @@ def rebuild(p: PackedWeight) -> torch.Tensor:
         q = torch.cat([b & 15, b >> 4], -1).float()
         return (q * p.d[..., None] + p.m[..., None]).reshape(n, k)
     return (p.q.view(n, k // 32, 32).float() * p.d[..., None]).reshape(n, k)
-
-
-def bits_equal(a, b):
-    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int32),
-                                              b.contiguous().view(torch.int32))
 
 
 def test_pack_exact_recognizes_the_formats_and_nothing_else():
@@ -109,16 +80,6 @@ def test_big_matrix_of_another_format_fails_fast_and_still_packs_right():
     w2 = q4_grid(200, 64, seed=4)
     w2[150, 10] += 1e-3  # fine in the first rows, off the grid further down
     assert pack_exact(w2, bits=(4,)) is None
-
-
-@pytest.fixture(params=["avx2", "avx512"])
-def packed_kernels(request):
-    """The builds with a packed kernel, each through its own LinearKernels; one this CPU lacks is
-    a visible skip."""
-    try:
-        return _C.LinearKernels(request.param)
-    except ValueError as e:
-        pytest.skip(f"no {request.param} kernel on this CPU: {e}")
 
 
 @pytest.mark.parametrize("isa, rows", [("generic", 0), ("avx2", 4), ("avx512", 32)])
@@ -250,31 +211,6 @@ def test_linear_packed_op_names_bad_arguments():
         _C.linear_packed(torch.randn(2, 96), p8.q, p8.d, None, None, out)
 
 
-def snap_model_dir(path, layers=2):
-    """write_tiny_model with its dense matrices moved onto the 4-bit grid and lm_head onto the
-    8-bit one, as a model converted from a Q4_1 / Q8_0 GGUF has them."""
-    from safetensors.torch import load_file, save_file
-
-    write_tiny_model(path, layers=layers)
-    f = os.path.join(str(path), "model.safetensors")
-    w = load_file(f)
-    for i, (name, t) in enumerate(sorted(w.items())):
-        if name.endswith("proj.weight"):
-            g = t.view(t.shape[0], -1, 32)
-            lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-            d = ((hi - lo) / 15).half().float()
-            lo = lo.half().float()
-            q = torch.round((g - lo) / d).clamp(0, 15)
-            w[name] = (q * d + lo).reshape(t.shape).contiguous()
-        elif name == "lm_head.weight":
-            g = t.view(t.shape[0], -1, 32)
-            d = (g.abs().amax(-1, keepdim=True) / 127).half().float()
-            # + 0.0: a code of 0 is +0.0, as a GGUF's dequantized d * q is (never -0.0).
-            w[name] = (torch.round(g / d).clamp(-127, 127) * d + 0.0).reshape(t.shape).contiguous()
-    save_file(w, f)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def grid_dir(tmp_path_factory):
     return snap_model_dir(tmp_path_factory.mktemp("tiny_grid"))
@@ -302,39 +238,6 @@ def test_from_pretrained_packs_exact_matrices_only(grid_dir, tmp_path, monkeypat
     # Random weights are no block format: nothing to pack.
     plain_dir = write_tiny_model(tmp_path / "random")
     assert LlamaForCausalLM.from_pretrained(plain_dir)._packed is None
-
-
-STEP_NAMES = ("prefill", "chunk", "hidden", "tree", "decode", "chain")
-
-
-def model_steps(model, ctx, nodes, tree):
-    """Logits (and hidden states) of a model's steps over 90 context tokens then 9 tree nodes: a
-    60-row prefill chunk (past the packed kernel's usual 32 rows, where an "auto" model reads its
-    float32 matrices; not past the core kernel's 64, where torch's GEMM may vary from call to
-    call), a 30-row chunk, the tree, a decode step and a 6-node chain."""
-    runner = ModelRunner(model, num_blocks=16, block_size=16)
-    table = list(range(16))
-    o1 = runner.step([SeqStep(ctx[:60], 0, table, None, "all")])
-    runner.commit_kv(o1, 0, range(60), range(60))
-    o2 = runner.step([SeqStep(ctx[60:90], 60, table, None, "all")], return_hidden=True)
-    runner.commit_kv(o2, 0, range(30), range(60, 90))
-    o3 = runner.step([SeqStep(nodes, 90, table, tree, "all")])
-    o4 = runner.step([SeqStep(nodes[:1], 90, table, None, "last")])
-    o5 = runner.step([SeqStep(nodes[:6], 90, table, TokenTree.chain(5), "all")])
-    return o1.logits, o2.logits, o2.hidden, o3.logits, o4.logits, o5.logits
-
-
-def assert_steps_bit_equal(a, b, seed, n_ctx=90):
-    """model_steps of models ``a`` and ``b`` on the same random tokens, equal bit for bit;
-    returns the context tokens."""
-    g = torch.Generator().manual_seed(seed)
-    ctx = torch.randint(3, 250, (n_ctx,), generator=g).tolist()
-    nodes = torch.randint(3, 250, (9,), generator=g).tolist()
-    tree = TokenTree([-1, 0, 0, 1, 1, 2, 3, 3, 4])
-    for name, x, y in zip(STEP_NAMES, model_steps(a, ctx, nodes, tree),
-                          model_steps(b, ctx, nodes, tree)):
-        assert bits_equal(x, y), (name, (x - y).abs().max().item())
-    return ctx
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "op-by-op"])

@@ -1,0 +1,153 @@
+"""Drafters on the tiny random target for the drafter and engine tests: the prompts and the plain
+greedy outputs drafting must reproduce, drafter folders (EAGLE / Medusa heads, a corpus), every
+drafter kind by name, and scripted drafters that fail, or draft on some steps only."""
+
+import dataclasses
+import os
+
+import torch
+
+from pyspec.drafters import (Draft, Drafter, EagleDrafter, LayerSkipDrafter, MedusaDrafter,
+                             ModelDrafter, load_heads, save_heads)
+from pyspec.models.llama import LlamaForCausalLM
+from pyspec.runner import ModelRunner
+
+from helpers import default_prompt, tiny_config
+from reference import decode_one
+
+
+MAX_TOKENS = 24
+
+
+def tiny_model():
+    """The tiny random target (the ``model`` fixture of drafters/ and engine/)."""
+    return LlamaForCausalLM.random(tiny_config(), seed=0)
+
+
+def prompts():
+    a = default_prompt(length=40, seed=1)
+    b = default_prompt(length=40, seed=5)
+    return [a[:n] for n in (2, 11, 25, 40)] + [b[:n] for n in (7, 30)] + [a[:16] + b[:9]]
+
+
+def plain_outputs(model):
+    """Plain greedy decoding of every prompt (the ``plain`` fixture)."""
+    runner = ModelRunner(model, num_blocks=64, block_size=8)
+    return [decode_one(runner, p, MAX_TOKENS).tokens for p in prompts()]
+
+
+def _heads_dir(tmp, model, method):
+    cfg = model.cfg
+    if method == "medusa":
+        t = MedusaDrafter.random_weights(cfg.hidden_size, 3, seed=1, scale=0.5)
+        conf = {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+                "medusa": {"num_heads": 3, "tree": [[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 1]]}}
+    else:  # "eagle", or "eagle-fused": reading target layers 1 and 2 (EAGLE-3 style)
+        fused = method == "eagle-fused"
+        t = EagleDrafter.random_weights(cfg, seed=2, intermediate_size=128,
+                                        num_feature_layers=2 if fused else 1)
+        conf = {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+                "eagle": {"intermediate_size": 128, **({"feature_layers": [1, 2]} if fused
+                                                       else {})},
+                "defaults": {"width": 3, "max_depth": 4, "max_nodes": 10}}
+    return save_heads(os.path.join(tmp, method), method.split("-")[0], t, conf)
+
+
+def _suffix_dir(tmp, model, plain):
+    """A corpus drafter over the plain outputs (so drafts are often right) and random text (so
+    trees branch)."""
+    from pyspec.drafters.suffix import save_corpus
+
+    g = torch.Generator().manual_seed(4)
+    noise = [torch.randint(0, model.cfg.vocab_size, (30,), generator=g).tolist() for _ in range(6)]
+    docs = [p + o for p, o in zip(prompts(), plain)] + noise
+    return save_corpus(os.path.join(tmp, "suffix"), docs, model.cfg.vocab_size,
+                       defaults={"max_nodes": 6, "max_depth": 4})
+
+
+def _drafter(kind, runner, model, tmp, plain=None):
+    if kind == "ngram":
+        return "ngram"
+    if kind == "suffix":
+        return _suffix_dir(tmp, model, plain)
+    if kind == "ngram|suffix":  # through the spec syntax, with options
+        return "ngram|" + _suffix_dir(tmp, model, plain) + "@nodes=4,depth=3,match=6"
+    if kind == "layer-skip":
+        return LayerSkipDrafter(runner, 1, max_depth=4)
+    if kind == "draft-model-self":  # the target itself: everything is accepted
+        return ModelDrafter(LlamaForCausalLM.random(model.cfg, seed=0), runner, max_depth=4)
+    if kind == "draft-model":
+        small = dataclasses.replace(model.cfg, num_hidden_layers=1)
+        return ModelDrafter(LlamaForCausalLM.random(small, seed=3), runner, max_depth=4)
+    if kind == "draft-model-tree":
+        return ModelDrafter(LlamaForCausalLM.random(model.cfg, seed=0), runner, width=3,
+                            max_depth=3)
+    if kind in ("medusa", "eagle", "eagle-fused"):
+        return load_heads(_heads_dir(tmp, model, kind), runner)
+    if kind == "medusa+eagle-fused":  # parts reading different target layers
+        return _heads_dir(tmp, model, "medusa") + "+" + _heads_dir(tmp, model, "eagle-fused")
+    if kind == "ngram+eagle":  # merged trees, through the spec syntax
+        return "ngram+" + _heads_dir(tmp, model, "eagle")
+    if kind == "ngram|eagle":  # prompt lookup, else the head
+        return "ngram|" + _heads_dir(tmp, model, "eagle")
+    raise AssertionError(kind)
+
+
+class Exploding(Drafter):
+    name = "exploding"
+
+    def __init__(self, bad_ids, mode):
+        self.bad, self.mode = set(bad_ids), mode
+        self.seen = 0
+
+    def propose(self, reqs):
+        out = []
+        for r in reqs:
+            self.seen += 1
+            if r.request_id in self.bad:
+                if self.mode == "raise":
+                    raise RuntimeError("drafter crashed")
+                if self.mode == "nan":
+                    probs = torch.full((2, 111), float("nan"))
+                    out.append(Draft([r.context[-1], 1], [-1, 0], probs))
+                    continue
+                if self.mode == "token":
+                    out.append(Draft([r.context[-1], 5000], [-1, 0]))
+                    continue
+                if self.mode == "tree":
+                    out.append(Draft([r.context[-1], 1, 2], [-1, 2, 0]))
+                    continue
+            n = min(2, r.budget)
+            out.append(Draft([r.context[-1], 3, 4][:n + 1], [-1, 0, 1][:n + 1]))
+        return out
+
+
+class SomeSteps(Drafter):
+    """Drafts with ``inner`` only when the context's length is 0, 1 or 2 modulo 5, and says so
+    beforehand (a fully accepted depth-3 draft adds 4 tokens, a miss 1: the parts alternate)."""
+
+    name = "some-steps"
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.max_draft_depth = inner.max_draft_depth
+
+    def draft_source(self, context):
+        return 0 if len(context) % 5 < 3 else None
+
+    def kv_pools(self):
+        return self.inner.kv_pools()
+
+    def prefill(self, chunks):
+        self.inner.prefill(chunks)
+
+    def observe(self, results):
+        self.inner.observe(results)
+
+    def release(self, request_id):
+        self.inner.release(request_id)
+
+    def propose(self, reqs):
+        out = self.inner.propose(reqs)
+        return [d if self.draft_source(r.context) is not None else Draft([r.context[-1]], [-1])
+                for r, d in zip(reqs, out)]

@@ -1,0 +1,74 @@
+"""`pyspec serve`'s command line (pyspec.serve.cli): bad options refused before any model loads,
+the prompt log's default ratio, and --tree-width for draft-model folders only."""
+
+import pytest
+
+from serve_support import require_serve_deps
+
+require_serve_deps()
+
+from models_support import write_tiny_model  # noqa: E402
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt-log-ratio", "0.5"], "--prompt-log-ratio needs --prompt-log"),
+    (["--prompt-log", "P", "--prompt-log-ratio", "0"], r"must be in \(0, 1\]"),
+    (["--prompt-log", "P", "--prompt-log-ratio", "1.5"], r"must be in \(0, 1\]"),
+    (["--prompt-log", "P", "--prompt-log-ratio", "nan"], r"must be in \(0, 1\]"),
+    (["--port", "70000"], r"--port must be in \[0, 65535\]"),
+    (["--max-body-mb", "0"], "--max-body-mb must be a number > 0"),
+])
+def test_serve_cli_refuses_bad_options_before_loading(argv, message, tmp_path, capsys,
+                                                      monkeypatch):
+    """One `pyspec: error:` line and exit status 2, before any model is loaded."""
+    import re
+
+    from pyspec import cli
+    from pyspec.serve import cli as serve_cli
+
+    def no_load(args):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(serve_cli, "build", no_load)
+    argv = [str(tmp_path / "p.jsonl") if a == "P" else a for a in argv]
+    assert cli.main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pyspec: error:") and re.search(message, err), err
+    assert not (tmp_path / "p.jsonl").exists()
+
+
+def test_serve_cli_prompt_log_ratio_defaults():
+    """--prompt-log alone logs 1% of prompts (a ratio of 0 would open the file and never write);
+    without it nothing is logged."""
+    from types import SimpleNamespace
+
+    from pyspec.serve.cli import check_prompt_log
+
+    a = SimpleNamespace(prompt_log="p.jsonl", prompt_log_ratio=None)
+    check_prompt_log(a)
+    assert a.prompt_log_ratio == 0.01
+    a = SimpleNamespace(prompt_log="p.jsonl", prompt_log_ratio=1.0)
+    check_prompt_log(a)
+    assert a.prompt_log_ratio == 1.0
+    a = SimpleNamespace(prompt_log=None, prompt_log_ratio=None)
+    check_prompt_log(a)
+    assert a.prompt_log_ratio == 0.0
+
+
+def test_tree_width_applies_to_draft_model_folders_only(tmp_path, monkeypatch):
+    from pyspec.serve.cli import with_tree_width
+
+    model = tmp_path / "draft_model"
+    write_tiny_model(str(model))
+    assert with_tree_width(str(model), 3) == f"{model}@tree=3"
+    monkeypatch.setenv("HOME", str(tmp_path))  # a folder under ~, as the drafter loader reads it
+    assert with_tree_width("~/draft_model", 3) == "~/draft_model@tree=3"
+    heads = tmp_path / "heads"
+    heads.mkdir()
+    (heads / "drafter.json").write_text("{}")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for spec in ("ngram", "default", "eagle", "ngram|suffix", str(heads), str(empty),
+                 f"{model}@tree=2"):
+        with pytest.raises(ValueError, match="tree_width=3 applies to a draft-model folder"):
+            with_tree_width(spec, 3)

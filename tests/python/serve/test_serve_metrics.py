@@ -1,0 +1,93 @@
+"""pyspec serve's metrics (pyspec.serve.metrics): the /metrics endpoint exports what the Grafana
+dashboard and the alert rules in deploy/ query, and the engine's cumulative counters become
+Prometheus increments."""
+
+import pytest
+
+from serve_support import require_serve_deps
+
+require_serve_deps()
+
+import json  # noqa: E402
+
+import httpx  # noqa: E402
+
+from serve_support import metric  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server(server):
+    """The shared server once it has served speculative requests (test_metrics_exported reads the
+    draft counter: in a full run the serve tests before this module have sent them; run alone,
+    this sends them, half of the requests speculating)."""
+    for _ in range(64):
+        if metric(server["base"], "pyspec_spec_decode_num_drafts_total") > 0:
+            break
+        server["client"].completions.create(model="pyspec", prompt="abc abc abc abc",
+                                            max_tokens=8, temperature=0)
+    return server
+
+
+def test_metrics_exported(server):
+    text = httpx.get(server["base"] + "/metrics").text
+    for name in ["pyspec_spec_decode_num_drafts_total", "pyspec_spec_decode_num_draft_tokens_total",
+                 "pyspec_spec_decode_num_accepted_tokens_total",
+                 "pyspec_spec_decode_acceptance_ewma", "pyspec_num_requests_running",
+                 "pyspec_num_requests_waiting", "pyspec_kv_cache_usage_ratio",
+                 "pyspec_prefix_cache_hit_ratio", "gen_ai_server_time_to_first_token_seconds",
+                 "gen_ai_server_time_per_output_token_seconds",
+                 "gen_ai_server_request_duration_seconds", "pyspec_memory_bytes"]:
+        assert name in text, name
+    assert metric(server["base"], "pyspec_spec_decode_num_drafts_total") > 0
+    assert 'pyspec_memory_bytes{component="target_weights"}' in text
+    assert "gen_ai_server_time_per_output_token_seconds_bucket{le=\"0.005\"}" in text
+    assert "gen_ai.pyspec" not in text and "gen_ai_server_spec" not in text
+
+
+def test_dashboard_and_alert_rules_use_exported_metrics(server):
+    import os
+    import re
+
+    import yaml
+
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "deploy")
+    dash = json.load(open(os.path.join(root, "grafana-dashboard.json")))
+    rules = yaml.safe_load(open(os.path.join(root, "prometheus-alerts.yaml")))
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    exprs += [r["expr"] for g in rules["groups"] for r in g["rules"]]
+    assert len(exprs) > 10 and all(r.get("alert") for g in rules["groups"] for r in g["rules"])
+    # Every metric the files query is one the server exports (gate metrics included).
+    text = httpx.get(server["base"] + "/metrics").text
+    exported = set(re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)", text, re.M))
+    for name, kind in re.findall(r"^# TYPE (\S+) (\S+)", text, re.M):  # labelled, no samples yet
+        exported |= {name, name + "_total"} if kind == "counter" else {
+            name, name + "_bucket", name + "_sum", name + "_count"}
+    for e in exprs:
+        assert e.count("(") == e.count(")"), e
+        for name in re.findall(r"\b((?:pyspec|gen_ai)_[a-z0-9_]+)", e):
+            assert name in exported, (name, e)
+
+
+def test_engine_counters_become_metric_deltas():
+    """Metrics.after_step turns the engine's cumulative counters into Prometheus increments."""
+    from types import SimpleNamespace
+
+    from pyspec.engine import EngineStats
+    from pyspec.serve.metrics import Metrics
+
+    m = Metrics()
+    st = EngineStats()
+    sched = SimpleNamespace(num_running=1, num_waiting=0, kv_usage_ratio=0.5,
+                            prefix_cache_hit_ratio=0.0)
+    eng = SimpleNamespace(stats=st, scheduler=sched)
+    m.after_step(eng)
+    st.budget_probes, st.drafts, st.fallbacks = 2, 5, {"drafter_error": 1}
+    m.after_step(eng)
+    st.budget_probes, st.calibration_steps = 3, 4
+    m.after_step(eng)
+    get = m.registry.get_sample_value
+    assert get("pyspec_spec_decode_budget_probes_total") == 3
+    assert get("pyspec_spec_decode_calibration_steps_total") == 4
+    assert get("pyspec_spec_decode_num_drafts_total") == 5
+    assert get("pyspec_spec_decode_fallbacks_total", {"reason": "drafter_error"}) == 1
+    assert get("pyspec_num_requests_running") == 1
