@@ -275,8 +275,9 @@ that do not match the last step) raise ValueError.)doc")
           },
           "The deployment's acceptance average (accepted / drafted levels per speculative "
           "step); None before the first.")
-      .def("disable_speculation", &Scheduler::DisableSpeculation, py::arg("request_id"),
-           "The request's drafter failed: it decodes plainly from now on. False if finished.")
+      .def("mark_drafter_failed", &Scheduler::MarkDrafterFailed, py::arg("request_id"),
+           "The request's drafter failed: nothing more is drafted for it and calibration steps "
+           "do not count it. False if finished.")
       .def(
           "switch_reason",
           [](const Scheduler& s, int64_t id, double switch_below) {

@@ -180,15 +180,10 @@ bool Scheduler::ResetAcceptance(int64_t id, int32_t evidence_group) {
   return true;
 }
 
-bool Scheduler::DisableSpeculation(int64_t id) {
-  Request& r = Get(id, "DisableSpeculation");
+bool Scheduler::MarkDrafterFailed(int64_t id) {
+  Request& r = Get(id, "MarkDrafterFailed");
   if (r.finished()) return false;
-  r.params.speculative = false;
-  if (r.state() == RequestState::kRunningSpeculative) {
-    r.TransitionTo(RequestState::kRunningPlain);
-    r.steps_since_switch = 0;
-    r.spec_steps_at_switch = r.stats.num_spec_steps;
-  }
+  r.drafter_failed = true;
   return true;
 }
 
@@ -592,7 +587,9 @@ void Scheduler::Calibrate(ScheduleOutput& out) {
   }
   bool held = false;  // (a step in which nothing would have drafted is not one)
   for (int64_t i = 0; i < out.size(); ++i) {
-    if (out.kinds[i] != StepKind::kSpeculative) continue;
+    if (out.kinds[i] != StepKind::kSpeculative || requests_.at(out.ids[i])->drafter_failed) {
+      continue;
+    }
     out.kinds[i] = StepKind::kDecode;
     out.logits[i] = LogitsKind::kLast;
     out.draft_budget[i] = 0;

@@ -4,8 +4,8 @@ drafters are told afterwards (prefill chunks, verified paths, finished requests)
 source drafts each request's next step.
 
 A drafter that raises, or returns a malformed draft, fails only the requests it failed on: the
-engine's ``fail`` callback moves those to plain decoding (``Scheduler.disable_speculation``) and
-every other request goes on.
+engine's ``fail`` callback marks those (``Scheduler.mark_drafter_failed``): nothing more is drafted
+for them, so they decode plainly, and every other request goes on.
 """
 
 from __future__ import annotations

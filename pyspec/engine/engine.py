@@ -323,7 +323,7 @@ class Engine:
         r.stats.fallbacks[reason] = r.stats.fallbacks.get(reason, 0) + 1
         self._stats.fallbacks[reason] = self._stats.fallbacks.get(reason, 0) + 1
         if self.scheduler.has_request(rid):
-            self.scheduler.disable_speculation(rid)
+            self.scheduler.mark_drafter_failed(rid)
         self.drafting.release(rid)
 
     # ---- the loop ----

@@ -241,28 +241,50 @@ TEST(SchedulerAdaptive, DeploymentAcceptanceAverage) {
   }
 }
 
-TEST(SchedulerAdaptive, DisableSpeculationDecodesPlainlyForGood) {
-  SchedulerConfig c;
-  c.probe_interval = 2;
-  std::unique_ptr<Scheduler> sp = OneRunning(c, 3, 50);
-  Scheduler& s = *sp;
-  ScheduleOutput out = s.Step();
-  ASSERT_EQ(out.draft_budget[0], 3);
-  EXPECT_TRUE(s.DisableSpeculation(1));  // mid-step: its drafter failed while drafting
-  StepResult res;
-  res.AddDecode(1, {7}, 0, 0);
-  s.Update(res);
-  for (int i = 0; i < 10; ++i) {  // never probed again
-    out = s.Step();
-    EXPECT_EQ(out.draft_budget[0], 0);
-    EXPECT_EQ(out.kinds[0], StepKind::kDecode);
-    StepResult r;
-    r.AddDecode(1, {7}, 0, 0);
-    s.Update(r);
+TEST(SchedulerAdaptive, FailedDrafterIsLeftOutOfCalibration) {
+  // Request 1's drafter fails; request 2 drafts on. Calibration steps hold back request 2's drafts
+  // only: the failed request keeps its speculative entries (verifying no draft) throughout.
+  Scheduler s(Adaptive(), 64, 16);
+  SamplingParams p;
+  p.max_tokens = 1000;
+  s.AddRequest(1, {1, 2, 3}, p);
+  s.AddRequest(2, {4, 5, 6}, p);
+  EXPECT_THROW(s.MarkDrafterFailed(42), ValueError);
+  int64_t held_back = 0;
+  for (int64_t step = 0; step < 2 * (kCalibrationSteps + 1) + 1; ++step) {
+    ScheduleOutput out = s.Step();
+    if (step == 0) EXPECT_TRUE(s.MarkDrafterFailed(1));  // mid-step, while drafting
+    StepResult res;
+    bool prefill = false;
+    int64_t tokens = 0;
+    for (int64_t j = 0; j < out.size(); ++j) {
+      const int64_t id = out.ids[j];
+      if (out.kinds[j] == StepKind::kPrefill) {
+        res.AddPrefill(id, out.token_indptr[j + 1] - out.token_indptr[j]);
+        prefill = true;
+        continue;
+      }
+      if (id == 1) {
+        EXPECT_EQ(out.kinds[j], StepKind::kSpeculative) << "step " << step;
+        res.AddDecode(id, {7}, 0, 0);  // its drafter drafts nothing
+        tokens += 1;
+        continue;
+      }
+      const int64_t b = out.draft_budget[j];
+      if (out.kinds[j] == StepKind::kDecode) ++held_back;
+      res.AddDecode(id, std::vector<int32_t>(b + 1, 7), b, b);
+      tokens += b + 1;
+    }
+    if (!prefill) s.ObserveStepTime(out.size(), tokens, 0.01);
+    s.Update(res);
   }
-  EXPECT_EQ(s.GetRequest(1).state(), RequestState::kRunningPlain);
-  EXPECT_THROW(s.DisableSpeculation(42), ValueError);
+  EXPECT_EQ(held_back, 2);
+  EXPECT_EQ(s.cost_model_stats().calibration_steps, 2);
+  EXPECT_TRUE(s.GetRequest(1).drafter_failed);
+  EXPECT_FALSE(s.GetRequest(2).drafter_failed);
   s.CheckInvariants();
+  ASSERT_TRUE(s.Abort(2));
+  if (s.HasRequest(2)) EXPECT_FALSE(s.MarkDrafterFailed(2));  // finished
 }
 
 TEST(SchedulerAdaptive, ConfigChecks) {

@@ -10,11 +10,11 @@
 // Request::TransitionTo(), which checks the pair against the explicit table in request.cc; an
 // illegal transition is a scheduler bug and aborts (PYSPEC_ICHECK) with file:line.
 //
-// Token convention (same as pyspec/decode.py and BlockManager): a request with T known tokens
-// (prompt + generated) has the KV of positions [0, T-1) in its pages once it is running; token
-// T-1 is the root of the next decode/speculative step. Prefill therefore computes positions
-// [num_computed, T-1) and never samples: the first generated token comes from the first decode
-// step (which may already speculate).
+// Token convention (same as BlockManager and tests/python/reference.py): a request with T known
+// tokens (prompt + generated) has the KV of positions [0, T-1) in its pages once it is running;
+// token T-1 is the root of the next decode/speculative step. Prefill therefore computes positions
+// [num_computed, T-1) and never samples: the first generated token comes from the first decode step
+// (which may already speculate).
 #pragma once
 
 #include <cstdint>
@@ -179,6 +179,9 @@ struct Request {
   // acceptance average (kSwitchEwmaWeight; < 0 before a speculative step) and the steps.
   double switch_ewma = -1.0;
   int64_t switch_steps = 0;
+  // Its drafter failed (Scheduler::MarkDrafterFailed): the engine drafts nothing more for it and
+  // a calibration step leaves its entries alone (it holds no draft back).
+  bool drafter_failed = false;
   AcceptanceStats stats;
   // The draft source of the next steps; stats.ewma / alpha_* and draft_len are its estimate, the
   // others' wait in saved_sources[source] (grown on demand).

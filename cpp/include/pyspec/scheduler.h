@@ -30,8 +30,9 @@
 //   (1 - alpha^(gamma+1)) / (1 - alpha)  /  (1 + (draft_cost + verify_cost) * gamma),
 // where draft_cost is the drafter's cost per draft token and verify_cost the target's marginal
 // cost per extra verified token, both relative to one plain decode step (SetCostModel, or with
-// measure_costs the scheduler's own fit of the step times the engine reports). For trees, gamma counts nodes and alpha is estimated the same way (a
-// conservative approximation: a tree accepts at least as much as a chain with that alpha).
+// measure_costs the scheduler's own fit of the step times the engine reports). For trees, gamma
+// counts nodes and alpha is estimated the same way (a conservative approximation: a tree accepts
+// at least as much as a chain with that alpha).
 // When even the best gamma is predicted slower than plain decoding at an optimistic alpha (the
 // upper end, two standard errors, of the accepted/trial counts of about the last twenty
 // speculative steps, with a uniform prior, kept across fallbacks), the request falls back to
@@ -45,11 +46,12 @@
 // probed again (back to RUNNING_SPECULATIVE) after probe_interval plain steps; a probe that falls
 // back again within probe_interval steps doubles its wait before the next one (up to
 // kMaxProbeBackoff times probe_interval).
-// With measure_costs (adaptive.h), draft_cost, verify_cost and memory_bound_tokens are measured: the
-// engine reports step and draft times (ObserveStepTime / ObserveDraftTime), Update() feeds the
+// With measure_costs (adaptive.h), draft_cost, verify_cost and memory_bound_tokens are measured:
+// the engine reports step and draft times (ObserveStepTime / ObserveDraftTime), Update() feeds the
 // verified trees' sizes and refits every kRefitInterval steps, and a decode-only step after
 // kCalibrationSteps in a row that all drafted is a calibration step: its speculative entries are
-// scheduled as plain decode steps (their KV reservation kept). A request's drafter-switching
+// scheduled as plain decode steps (their KV reservation kept), except those of a request whose
+// drafter failed (MarkDrafterFailed). A request's drafter-switching
 // evidence (GetSwitchReason) and the deployment's acceptance average are kept here too.
 //
 // Update() applies the runner's results: prefill -> MarkComputed; decode -> Commit(emitted tokens,
@@ -90,8 +92,9 @@ struct SchedulerConfig {
   bool record_transitions = false;        // keep Request::history (tests)
   bool cost_model = false;                // draft_len from the Leviathan cost model (see above)
   // Tokens a step can run before its forward turns compute-bound (SetMemoryBoundTokens, or with
-  // measure_costs the scheduler's fit; 0 = unknown). When set, the draft tokens of a step are limited to what is left of it after the
-  // batch's own tokens: none once the batch alone reaches it.
+  // measure_costs the scheduler's fit; 0 = unknown). When set, the draft tokens of a step are
+  // limited to what is left of it after the batch's own tokens: none once the batch alone
+  // reaches it.
   int64_t memory_bound_tokens = 0;
   double draft_cost = 0.0;                // per draft token, relative to a plain step (>= 0)
   double verify_cost = 0.02;              // per extra verified token, relative to a plain step
@@ -224,12 +227,13 @@ class Scheduler {
   // speculative steps count towards that group's deployment evidence from now on.
   bool ResetAcceptance(int64_t id, int32_t evidence_group = -1);
   // The next steps of request `id` are drafted by source `source` (in [0, kMaxDraftSources)): a
-  // part of a combined drafter, a prompt-lookup match length. Each source keeps its own acceptance estimate (EWMA and the cost
-  // model's alpha) and draft_len; this makes `source`'s current (a source never used starts at
-  // initial_draft_tokens with no evidence) and keeps the previous one's for its next turn. The
-  // fallback test's evidence and the lifetime counters stay per request: whether drafting pays
-  // at all is judged over every source. Call between Update() and Step(). False if the request
-  // has finished; throws ValueError for an unknown id, a source out of range or mid-step.
+  // part of a combined drafter, a prompt-lookup match length. Each source keeps its own acceptance
+  // estimate (EWMA and the cost model's alpha) and draft_len; this makes `source`'s current (a
+  // source never used starts at initial_draft_tokens with no evidence) and keeps the previous one's
+  // for its next turn. The fallback test's evidence and the lifetime counters stay per request:
+  // whether drafting pays at all is judged over every source. Call between Update() and Step().
+  // False if the request has finished; throws ValueError for an unknown id, a source out of range
+  // or mid-step.
   bool SetDraftSource(int64_t id, int32_t source);
 
   // Builds the next batch. Throws ValueError if the previous Step() was not followed by Update().
@@ -275,9 +279,10 @@ class Scheduler {
   // The deployment's acceptance average (accepted / drafted levels per speculative step, weight
   // deployment_ewma_alpha); < 0 before the first speculative step.
   double deployment_acceptance_ewma() const { return deploy_ewma_; }
-  // The request's drafter failed: it decodes plainly from now on (no draft budget, no probes).
+  // The request's drafter failed: the engine drafts nothing more for it (its speculative entries
+  // verify no draft, so its output is plain decoding's) and calibration steps do not count it.
   // Allowed mid-step. False if it has finished; throws ValueError for an unknown id.
-  bool DisableSpeculation(int64_t id);
+  bool MarkDrafterFailed(int64_t id);
   // Whether the request should move to another drafter: its acceptance average with its drafter
   // (kSwitchEwmaWeight) is below `switch_below` after kSwitchMinSteps speculative steps, or it
   // started plain on its drafter's evidence. kNone for a finished request or switch_below <= 0.
