@@ -27,6 +27,7 @@ inline bool ReadFlag(const TensorView& t, int64_t i) { return t.ptr<const uint8_
 struct Batch {
   const float* target;       // [N, V] probabilities, or logits (greedy only) with `logits`
   bool logits;
+  const int32_t* argmax;     // [N] with `logits`: each row's first maximum (LogitsArgmaxes)
   const float* draft;        // [N, V] or nullptr
   const int32_t* tokens;     // [N]
   const int32_t* parents;    // [N]
@@ -120,6 +121,23 @@ int64_t LogitsArgmax(const float* z, int64_t vocab, int64_t row) {
   return scan.argmax;
 }
 
+// Every row's first maximal logit. All rows are checked, visited by the walk or not (a NaN or
+// +inf anywhere in the logits, or a row without a finite entry, is an error): the lowest bad row
+// is reported, whichever thread scans it.
+std::vector<int32_t> LogitsArgmaxes(const float* z, int64_t rows, int64_t vocab, ThreadPool& tp) {
+  std::vector<int32_t> argmax(rows);
+  tp.ParallelFor(rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const detail::LogitsRowScan scan = detail::ScanLogitsRow(z + r * vocab, vocab);
+      argmax[r] = scan.bad ? -1 : static_cast<int32_t>(scan.argmax);
+    }
+  });
+  for (int64_t r = 0; r < rows; ++r) {
+    if (argmax[r] < 0) LogitsArgmax(z + r * vocab, vocab, r);  // throws, naming what is wrong
+  }
+  return argmax;
+}
+
 // Inverse-CDF sample from unnormalised weights w (total mass `total`). If rounding leaves
 // u * total beyond the running sum, the last token with positive weight is returned (its mass
 // absorbs the rounding).
@@ -209,7 +227,7 @@ void WalkRequest(const Batch& in, int64_t b, bool greedy, bool sampled, uint64_t
       // child holding that token; a miss (recovered token) or a leaf (bonus) ends the walk.
       int32_t t;
       if (greedy && in.logits) {
-        t = static_cast<int32_t>(LogitsArgmax(p, V, row));
+        t = in.argmax[row];
       } else if (greedy) {
         int64_t best = 0;
         CheckedRow<true>(p, V, in.tol, "target_probs", row, b, node, &best);
@@ -432,8 +450,14 @@ void AcceptTrees(const AcceptTreesArgs& args, ThreadPool* pool) {
   const AcceptOptions& options = args.options;
   const TensorView &greedy = args.greedy, &sampled_children = args.sampled_children;
   const int64_t batch = shape.batch, vocab = shape.vocab, width = shape.width;
+  ThreadPool& tp = pool ? *pool : ThreadPool::Default();
+  std::vector<int32_t> argmax;
+  if (options.target_is_logits) {
+    argmax = LogitsArgmaxes(args.target.ptr<const float>(), shape.total, vocab, tp);
+  }
   Batch in{args.target.ptr<const float>(),
            options.target_is_logits,
+           argmax.data(),
            args.draft() ? args.draft_probs.ptr<const float>() : nullptr,
            args.tokens.ptr<const int32_t>(),
            args.parents.ptr<const int32_t>(),
@@ -445,7 +469,6 @@ void AcceptTrees(const AcceptTreesArgs& args, ThreadPool* pool) {
   int32_t* out_nodes = args.accepted_nodes.ptr<int32_t>();
   int32_t* out_tokens = args.emitted_tokens.ptr<int32_t>();
   int32_t* out_count = args.num_accepted.ptr<int32_t>();
-  ThreadPool& tp = pool ? *pool : ThreadPool::Default();
   tp.ParallelFor(batch, 1, [&](int64_t begin, int64_t end) {
     WalkScratch s;
     if (!options.target_is_logits) {  // (the greedy walk over logits samples nothing)

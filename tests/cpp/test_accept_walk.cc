@@ -546,5 +546,22 @@ TEST(AcceptGreedyLogits, BadRowsAndNonGreedyRequestsThrow) {
   EXPECT_THROW(RunAccept({s}, 4, true, opt), ValueError);  // draft rows given
 }
 
+TEST(AcceptGreedyLogits, BadRowsThrowEvenWhereTheWalkDoesNotGo) {
+  AcceptOptions opt;
+  opt.target_is_logits = true;
+  // The root's argmax (1) misses the child (token 3): the walk reads row 0 only.
+  Request r = GreedyChain(4, {0, 3}, {1, 2});
+  EXPECT_EQ(RunAccept({r}, 4, false, opt).num_accepted[0], 0);
+  for (float bad : {NAN, INFINITY}) {
+    Request b = r;
+    b.target[1][2] = bad;
+    EXPECT_THROW(RunAccept({b}, 4, false, opt), ValueError);
+    EXPECT_THROW(RunAccept({GreedyChain(4, {0, 1}, {1, 2}), b}, 4, false, opt), ValueError);
+  }
+  Request all_inf = r;
+  all_inf.target[1] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+  EXPECT_THROW(RunAccept({all_inf}, 4, false, opt), ValueError);
+}
+
 }  // namespace
 }  // namespace pyspec

@@ -270,6 +270,16 @@ def test_greedy_walk_from_logits_equals_accept_on_one_hot_rows():
     logits[0] = float("-inf")
     with pytest.raises(ValueError, match="no finite entry"):
         accept_greedy(logits, *trees)
+    # Every row is checked, also those the walk does not reach; the lowest bad row is named.
+    tokens, parents, indptr = (torch.tensor([0, 3, 0], dtype=torch.int32),
+                               torch.tensor([-1, 0, -1], dtype=torch.int32), torch.tensor([0, 2, 3]))
+    logits = torch.zeros(3, 4)
+    logits[:, 1] = 1.0  # the roots' argmax (1) misses the child (3): row 1 is never visited
+    assert accept_greedy(logits, tokens, parents, indptr).num_accepted.tolist() == [0, 0]
+    logits[2, 0] = float("nan")
+    logits[1, 2] = float("inf")
+    with pytest.raises(ValueError, match="'logits' row 1 has a NaN or \\+inf entry at token 2"):
+        accept_greedy(logits, tokens, parents, indptr)
 
 
 def test_small_steps_run_all_their_torch_work_on_one_thread(model, monkeypatch, torch_threads_2):
