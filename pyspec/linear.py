@@ -180,7 +180,7 @@ class Linear:
     dense matrix (rebuilt from the codes when only they are held) beyond.
     """
 
-    __slots__ = ("kernels", "_max_rows", "_packed_limit", "_f32_rows")
+    __slots__ = ("kernels", "_max_rows", "_packed_limit")
 
     def __init__(self, kernels=None):
         if kernels is None or isinstance(kernels, str):
@@ -191,7 +191,6 @@ class Linear:
         self.kernels = kernels
         # The C++ routing table's numbers for this object (read once: the calls are hot).
         self._max_rows = {dt: kernels.max_fast_rows(name) for dt, name in _DTYPE_NAMES.items()}
-        self._f32_rows = self._max_rows[torch.float32]
         self._packed_limit = {True: kernels.packed_rows_limit(True),
                               False: kernels.packed_rows_limit(False)}
 

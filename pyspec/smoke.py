@@ -1,7 +1,8 @@
 """``pyspec smoke``: the data plane end to end on a tiny random-weight Llama model, no download.
 
 Greedy generation twice through one engine each: plain decoding, and prompt-lookup speculative
-decoding at a fixed draft length whose chains are verified with tree attention over the paged KV.
+decoding (drafts of up to ``gamma`` tokens, starting at ``gamma``; without adaptive speculation's
+cost model) whose chains are verified with tree attention over the paged KV.
 Reports whether both outputs are identical, the acceptance length and the speedup. A tiny model's
 step is dominated by per-step overhead, so its speed says little about real models.
 """
@@ -44,7 +45,8 @@ def main(max_new_tokens: int = 96, gamma: int = 6, seed: int = 0) -> dict:
 
     def engine(draft):
         return Engine(ModelRunner(model, num_blocks=64, block_size=16),
-                      drafter=draft if gamma > 0 else "none", gamma=gamma or None, adaptive=False)
+                      drafter=draft if gamma > 0 else "none", gamma=gamma or None, adaptive=False,
+                      **({"initial_draft_tokens": gamma} if gamma > 0 else {}))
 
     plain_eng, spec_eng = engine("none"), engine("ngram")
     for eng in (plain_eng, spec_eng):  # warm-up

@@ -37,8 +37,8 @@ void StepCostModel::ObserveDraft(int32_t group, double seconds, int64_t levels) 
 
 void StepCostModel::ObserveTree(int64_t nodes, int64_t depth) {
   if (nodes <= 0 || depth <= 0) return;
-  nodes_per_level_ = kNodesPerLevelDecay * nodes_per_level_ +
-                     kNodesPerLevelWeight * (static_cast<double>(nodes) / static_cast<double>(depth));
+  const double per_level = static_cast<double>(nodes) / static_cast<double>(depth);
+  nodes_per_level_ = kNodesPerLevelDecay * nodes_per_level_ + kNodesPerLevelWeight * per_level;
 }
 
 void StepCostModel::OnCalibration() {

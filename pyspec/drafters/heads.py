@@ -49,7 +49,6 @@ from pyspec.drafters.base import Draft, Drafter, DraftRequest, PrefillChunk, Ver
 from pyspec.drafters.folder import (WEIGHTS_NAME, check_target, read_config, warn_target_hash,
                                     write_config)
 from pyspec.drafters.tree_builder import TreeBuilder
-from pyspec.linear import linear
 from pyspec.ops import rms_norm
 from pyspec.runner import ModelRunner, SeqStep
 
@@ -253,7 +252,9 @@ class EagleDrafter(Drafter):
                   "mlp.down_proj.weight": (h, inter)}
         for k, s in shapes.items():
             w["model.layers.0." + k] = _shape(weights, "layer." + k, s).to(tm.dtype)
-        self.head = LlamaForCausalLM(cfg, w, tm.dtype, "cpu")
+        # The target's dense kernels (its LinearKernels), for the head's layers and its own
+        # matrices (fc, fuse) alike.
+        self.head = LlamaForCausalLM(cfg, w, tm.dtype, "cpu", kernels=getattr(tm, "kernels", None))
         self.target = tm
         self.vocab_size = tc.vocab_size
         self.block_size = target_runner.block_size
@@ -277,7 +278,7 @@ class EagleDrafter(Drafter):
 
     def _push(self, rid: int, start: int, feats: torch.Tensor, next_tokens: Sequence[int]) -> None:
         if self.fuse_w is not None:  # the target's layers fused into one feature (EAGLE-3)
-            feats = linear(feats.to(self.fuse_w.dtype).contiguous(), self.fuse_w)
+            feats = self.head.linear(feats.to(self.fuse_w.dtype).contiguous(), self.fuse_w)
         dc = self._dc.get(rid)
         have = len(self._feat.get(rid, ()))
         if dc is None or dc + have != start:  # first chunk, or a gap (e.g. after a cache hit)
@@ -333,7 +334,7 @@ class EagleDrafter(Drafter):
         e = F.embedding(torch.tensor(tokens, dtype=torch.int64), self.embed_w)
         # The core's dense kernel, like every layer of the head: torch's GEMM here would wake
         # its own thread team while the core's workers still poll for their next job.
-        return linear(torch.cat([e, feats.to(e.dtype)], dim=-1), self.fc_w, self.fc_b)
+        return self.head.linear(torch.cat([e, feats.to(e.dtype)], dim=-1), self.fc_w, self.fc_b)
 
     @torch.inference_mode()
     def propose(self, reqs: List[DraftRequest]) -> List[Draft]:

@@ -29,6 +29,23 @@ from pyspec.models.weights import LlamaWeights, resolve_device  # noqa: F401 (re
 # from_pretrained's packed_weights settings (the CLI's --packed-weights choices).
 PACKED_WEIGHTS_CHOICES = ("auto", "codes", "off")
 
+# Environment switches that once steered every model of a process, with what replaced them.
+_RETIRED_ENV = {
+    "PYSPEC_PACKED_NUMERICS": ("exact", "packed weights always compute exactly (the same bits as "
+                               "their float32 matrices); the approximate 'fixed' numerics are "
+                               "not built"),
+    "PYSPEC_FUSED_LAYERS": ("1", "set model.fused_layers = False on the model instead"),
+}
+
+
+def _check_retired_env() -> None:
+    """A retired switch set to anything but its old default would be silently ignored: refuse."""
+    for name, (default, instead) in _RETIRED_ENV.items():
+        value = os.environ.get(name)
+        if value not in (None, "", default):
+            raise ValueError(f"{name}={value!r} is no longer read: {instead}. Unset it (or set it "
+                             f"to {default!r}).")
+
 
 def rope_inv_freq(cfg: ModelConfig, seq_len: int) -> torch.Tensor:
     """Inverse frequencies [head_dim / 2] (float32) for the config's RoPE variant."""
@@ -94,6 +111,7 @@ class LlamaForCausalLM(LlamaWeights):
                  device: str = "cpu",
                  core_linear_dtypes=(torch.float32, torch.bfloat16, torch.float16),
                  kernels=None):
+        _check_retired_env()
         self.cfg = cfg
         # The dense layers' kernels, this model's own (pyspec._C.LinearKernels: which builds run,
         # which route a call takes; an ISA name or None for this CPU's best): the core's

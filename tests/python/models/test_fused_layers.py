@@ -218,3 +218,15 @@ def test_decoder_stack_argument_errors():
     with pytest.raises(ValueError, match="'wqkv' must be a tensor or a"):
         _C.DecoderStack(bad, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                         cfg.intermediate_size, cfg.rms_norm_eps)
+
+
+@pytest.mark.parametrize("name,value", [("PYSPEC_FUSED_LAYERS", "0"),
+                                        ("PYSPEC_PACKED_NUMERICS", "fixed")])
+def test_retired_environment_switches_are_refused_not_ignored(name, value, monkeypatch):
+    """The process-wide switches that became per-model settings (or left main) must not be
+    silently ignored when set: loading a model names the switch and what replaced it."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"{name}='{value}' is no longer read"):
+        LlamaForCausalLM.random(tiny_config())
+    monkeypatch.setenv(name, {"PYSPEC_FUSED_LAYERS": "1", "PYSPEC_PACKED_NUMERICS": "exact"}[name])
+    assert LlamaForCausalLM.random(tiny_config()).fused_layers
