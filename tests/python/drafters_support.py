@@ -5,6 +5,7 @@ drafter kind by name, and scripted drafters that fail, or draft on some steps on
 import dataclasses
 import os
 
+import pytest
 import torch
 
 from pyspec.drafters import (Draft, Drafter, EagleDrafter, LayerSkipDrafter, MedusaDrafter,
@@ -19,8 +20,9 @@ from reference import decode_one
 MAX_TOKENS = 24
 
 
-def tiny_model():
-    """The tiny random target (the ``model`` fixture of drafters/ and engine/)."""
+@pytest.fixture(scope="module")
+def model():
+    """The tiny random target (a fixture of drafters/ and engine/, through their conftest)."""
     return LlamaForCausalLM.random(tiny_config(), seed=0)
 
 
@@ -30,8 +32,9 @@ def prompts():
     return [a[:n] for n in (2, 11, 25, 40)] + [b[:n] for n in (7, 30)] + [a[:16] + b[:9]]
 
 
-def plain_outputs(model):
-    """Plain greedy decoding of every prompt (the ``plain`` fixture)."""
+@pytest.fixture(scope="module")
+def plain(model):
+    """Plain greedy decoding of every prompt by ``model``."""
     runner = ModelRunner(model, num_blocks=64, block_size=8)
     return [decode_one(runner, p, MAX_TOKENS).tokens for p in prompts()]
 
