@@ -172,7 +172,14 @@ rebuilt from the codes when only they are held); every route gives a row the sam
           "alone).")
       .def("__repr__", [](const LinearKernels& k) {
         return "LinearKernels(isa='" + k.isa() + "')";
-      });
+      })
+      // Pickled as its resolved ISA (a model and its copies compute the same bits; unpickling
+      // where that ISA is missing raises the constructor's ValueError).
+      .def(py::pickle([](const LinearKernels& k) { return py::make_tuple(k.isa()); },
+                      [](const py::tuple& t) {
+                        PYSPEC_CHECK(t.size() == 1, "LinearKernels: bad pickled state");
+                        return LinearKernels(t[0].cast<std::string>());
+                      }));
   RefuseUninitialized<LinearKernels>();
   m.def(
       "rms_norm",

@@ -230,3 +230,19 @@ def test_retired_environment_switches_are_refused_not_ignored(name, value, monke
         LlamaForCausalLM.random(tiny_config())
     monkeypatch.setenv(name, {"PYSPEC_FUSED_LAYERS": "1", "PYSPEC_PACKED_NUMERICS": "exact"}[name])
     assert LlamaForCausalLM.random(tiny_config()).fused_layers
+
+
+def test_model_pickles_and_copies_with_its_kernels(monkeypatch):
+    """A model (its LinearKernels included, the decoder stack never) survives pickle and deepcopy:
+    the copy keeps its kernels and computes the same bits."""
+    import copy
+    import pickle
+
+    m = _model(torch.float32)
+    m.set_kernels("generic")
+    want = _steps(m, True, monkeypatch)
+    for c in (pickle.loads(pickle.dumps(m)), copy.deepcopy(m)):
+        assert c.kernels.isa == "generic" and c.kernels is not m.kernels
+        for a, b in zip(_steps(c, True, monkeypatch), want):
+            assert _same(a.logits, b.logits)
+    assert pickle.loads(pickle.dumps(_C.LinearKernels())).isa == _C.LinearKernels().isa
