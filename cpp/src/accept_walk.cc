@@ -25,9 +25,8 @@ inline bool ReadFlag(const TensorView& t, int64_t i) { return t.ptr<const uint8_
 
 // Per-request inputs shared by the walks.
 struct Batch {
-  const float* target;       // [N, V] probabilities, or logits (greedy only) with `logits`
-  bool logits;
-  const int32_t* argmax;     // [N] with `logits`: each row's first maximum (LogitsArgmaxes)
+  const float* target;       // [N, V] probabilities, or logits (greedy only) with `argmax`
+  const int32_t* argmax;     // [N] or nullptr: the logits rows' first maxima (LogitsArgmaxes)
   const float* draft;        // [N, V] or nullptr
   const int32_t* tokens;     // [N]
   const int32_t* parents;    // [N]
@@ -107,20 +106,6 @@ double CheckedRow(const float* row, int64_t vocab, double tol, const char* name,
   return sum;
 }
 
-// The first maximal logit of a row (what temperature 0 picks), with ApplySamplingFilters' checks
-// and messages.
-int64_t LogitsArgmax(const float* z, int64_t vocab, int64_t row) {
-  const detail::LogitsRowScan scan = detail::ScanLogitsRow(z, vocab);
-  if (scan.bad) {
-    for (int64_t v = 0; v < vocab; ++v) {
-      PYSPEC_CHECK(!std::isnan(z[v]) && z[v] != std::numeric_limits<float>::infinity(),
-                   "'logits' row ", row, " has a NaN or +inf entry at token ", v);
-    }
-  }
-  PYSPEC_CHECK(scan.argmax >= 0, "'logits' row ", row, " has no finite entry (all -inf)");
-  return scan.argmax;
-}
-
 // Every row's first maximal logit. All rows are checked, visited by the walk or not (a NaN or
 // +inf anywhere in the logits, or a row without a finite entry, is an error): the lowest bad row
 // is reported, whichever thread scans it.
@@ -133,7 +118,7 @@ std::vector<int32_t> LogitsArgmaxes(const float* z, int64_t rows, int64_t vocab,
     }
   });
   for (int64_t r = 0; r < rows; ++r) {
-    if (argmax[r] < 0) LogitsArgmax(z + r * vocab, vocab, r);  // throws, naming what is wrong
+    if (argmax[r] < 0) detail::CheckedScanLogitsRow(z + r * vocab, vocab, r);  // throws
   }
   return argmax;
 }
@@ -226,7 +211,7 @@ void WalkRequest(const Batch& in, int64_t b, bool greedy, bool sampled, uint64_t
       // target with the draw plain decoding uses at this position. Either way move to the first
       // child holding that token; a miss (recovered token) or a leaf (bonus) ends the walk.
       int32_t t;
-      if (greedy && in.logits) {
+      if (greedy && in.argmax != nullptr) {
         t = in.argmax[row];
       } else if (greedy) {
         int64_t best = 0;
@@ -456,8 +441,7 @@ void AcceptTrees(const AcceptTreesArgs& args, ThreadPool* pool) {
     argmax = LogitsArgmaxes(args.target.ptr<const float>(), shape.total, vocab, tp);
   }
   Batch in{args.target.ptr<const float>(),
-           options.target_is_logits,
-           argmax.data(),
+           options.target_is_logits ? argmax.data() : nullptr,
            args.draft() ? args.draft_probs.ptr<const float>() : nullptr,
            args.tokens.ptr<const int32_t>(),
            args.parents.ptr<const int32_t>(),

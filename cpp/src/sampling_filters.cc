@@ -151,13 +151,7 @@ void WriteCandidates(const std::vector<Candidate>& cand, int64_t n, float min_w,
 
 constexpr int kLanes = 16;
 
-// The row's first maximal entry (lowest id on ties; -0 and +0 compare equal), its count of entries
-// that are not -inf, and whether any entry is NaN or +inf.
-struct RowScan {
-  int64_t argmax;  // -1 when every entry is -inf or NaN
-  int64_t finite;
-  bool bad;
-};
+using RowScan = detail::LogitsRowScan;
 
 #define PYSPEC_INLINE inline __attribute__((always_inline))
 
@@ -308,20 +302,24 @@ FilterPasses Passes() {
   return kGenericPasses;
 }
 
-void FilterRow(const TensorView& logits, int64_t row, int64_t vocab, float temperature, int32_t top_k,
-               float top_p, float min_p, float* out, FilterScratch& s) {
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  const FilterPasses passes = Passes();
-  float* z = s.z.data();
-  LoadRow(logits, row, vocab, z);
-  const RowScan scan = passes.scan(z, vocab);
+// `scan` of logits row `row` (`z`), or ValueError naming what is wrong with the row.
+const RowScan& CheckScan(const RowScan& scan, const float* z, int64_t vocab, int64_t row) {
   if (scan.bad) {
     for (int64_t v = 0; v < vocab; ++v) {
-      PYSPEC_CHECK(!std::isnan(z[v]) && z[v] != -kNegInf, "'logits' row ", row,
-                   " has a NaN or +inf entry at token ", v);
+      PYSPEC_CHECK(!std::isnan(z[v]) && z[v] != std::numeric_limits<float>::infinity(),
+                   "'logits' row ", row, " has a NaN or +inf entry at token ", v);
     }
   }
   PYSPEC_CHECK(scan.argmax >= 0, "'logits' row ", row, " has no finite entry (all -inf)");
+  return scan;
+}
+
+void FilterRow(const TensorView& logits, int64_t row, int64_t vocab, float temperature, int32_t top_k,
+               float top_p, float min_p, float* out, FilterScratch& s) {
+  const FilterPasses passes = Passes();
+  float* z = s.z.data();
+  LoadRow(logits, row, vocab, z);
+  const RowScan scan = CheckScan(passes.scan(z, vocab), z, vocab, row);
   const int64_t argmax = scan.argmax;
   const float zmax = z[argmax];
   const int64_t num_finite = scan.finite;
@@ -417,9 +415,10 @@ void FilterRow(const TensorView& logits, int64_t row, int64_t vocab, float tempe
 }  // namespace
 
 namespace detail {
-LogitsRowScan ScanLogitsRow(const float* z, int64_t vocab) {
-  const RowScan r = Passes().scan(z, vocab);
-  return {r.argmax, r.finite, r.bad};
+LogitsRowScan ScanLogitsRow(const float* z, int64_t vocab) { return Passes().scan(z, vocab); }
+
+LogitsRowScan CheckedScanLogitsRow(const float* z, int64_t vocab, int64_t row) {
+  return CheckScan(Passes().scan(z, vocab), z, vocab, row);
 }
 }  // namespace detail
 
