@@ -2,8 +2,9 @@
 // unit has one, AVX-512.
 //
 // Kernels are compiled several times (plain and with __attribute__((target(...)))) so the library
-// runs on any x86-64 and uses the widest vectors the CPU has. Each kernel unit owns one IsaSelector
-// that knows the widest build the unit has; its override exists so tests can run every build.
+// runs on any x86-64 and uses the widest vectors the CPU has. The dense kernels' build is a property
+// of each model's LinearKernels (pyspec/linear.h); tree attention and the sampling filters' passes
+// each use an IsaSelector, whose override exists so tests can run every build.
 #pragma once
 
 #include <atomic>
@@ -36,11 +37,43 @@ inline bool CpuHasAvx512() {
 #endif
 }
 
+// Vector ISA levels of the kernel units' builds.
+inline constexpr int kIsaGeneric = 0;
+inline constexpr int kIsaAvx2 = 1;
+inline constexpr int kIsaAvx512 = 2;
+
+// The widest level this CPU runs (asked once).
+inline int CpuIsaLevel() {
+  static const int level = CpuHasAvx512() ? kIsaAvx512 : CpuHasAvx2() ? kIsaAvx2 : kIsaGeneric;
+  return level;
+}
+
+inline const char* IsaLevelName(int level) {
+  return level == kIsaAvx512 ? "avx512" : level == kIsaAvx2 ? "avx2" : "generic";
+}
+
+// The level an ISA name asks for: -1 for "auto", -2 for a name that is none of "auto", "generic",
+// "avx2", "avx512" (the caller names what it allows). ValueError for a level this CPU (or build)
+// lacks; `unit` names the kernel in that message.
+inline int ParseIsaLevel(const std::string& isa, const char* unit) {
+  if (isa == "auto") return -1;
+  if (isa == "generic") return kIsaGeneric;
+  if (isa == "avx2") {
+    PYSPEC_CHECK(CpuHasAvx2(), "this CPU (or build) has no AVX2+FMA ", unit, " kernel");
+    return kIsaAvx2;
+  }
+  if (isa == "avx512") {
+    PYSPEC_CHECK(CpuHasAvx512(), "this CPU (or build) has no AVX-512 ", unit, " kernel");
+    return kIsaAvx512;
+  }
+  return -2;
+}
+
 class IsaSelector {
  public:
-  static constexpr int kGeneric = 0;
-  static constexpr int kAvx2 = 1;
-  static constexpr int kAvx512 = 2;
+  static constexpr int kGeneric = kIsaGeneric;
+  static constexpr int kAvx2 = kIsaAvx2;
+  static constexpr int kAvx512 = kIsaAvx512;
 
   // `widest`: the widest build this unit has.
   explicit IsaSelector(int widest) : widest_(widest) {}
@@ -49,31 +82,19 @@ class IsaSelector {
   int Resolved() const {
     const int isa = override_.load(std::memory_order_relaxed);
     if (isa >= 0) return isa;
-    static const int cpu = CpuHasAvx512() ? kAvx512 : CpuHasAvx2() ? kAvx2 : kGeneric;
-    return cpu < widest_ ? cpu : widest_;
+    return CpuIsaLevel() < widest_ ? CpuIsaLevel() : widest_;
   }
-  const char* Name() const {
-    const int isa = Resolved();
-    return isa == kAvx512 ? "avx512" : isa == kAvx2 ? "avx2" : "generic";
-  }
+  const char* Name() const { return IsaLevelName(Resolved()); }
 
   // "auto" | "generic" | "avx2" | "avx512"; returns the resolved name. `unit` names the kernel in
   // errors.
   std::string Set(const std::string& isa, const char* unit) {
-    if (isa == "auto") {
-      override_.store(-1);
-    } else if (isa == "generic") {
-      override_.store(kGeneric);
-    } else if (isa == "avx2") {
-      PYSPEC_CHECK(CpuHasAvx2(), "this CPU (or build) has no AVX2+FMA ", unit, " kernel");
-      override_.store(kAvx2);
-    } else if (isa == "avx512" && widest_ >= kAvx512) {
-      PYSPEC_CHECK(CpuHasAvx512(), "this CPU (or build) has no AVX-512 ", unit, " kernel");
-      override_.store(kAvx512);
-    } else {
+    const int level = ParseIsaLevel(isa, unit);
+    if (level == -2 || level > widest_) {
       throw ValueError(StrCat("unknown ", unit, " ISA '", isa, "'; use auto, generic, avx2",
                               widest_ >= kAvx512 ? " or avx512" : " (no avx512 build)"));
     }
+    override_.store(level);
     return Name();
   }
 

@@ -72,22 +72,18 @@ PYSPEC_AMX_TARGET inline __attribute__((always_inline)) __m256i RoundToBf16(__m5
 
 }  // namespace
 
-bool AmxFeatureAvailable(int feature_bit) {
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  const bool feature = (d >> feature_bit) & 1u, amx_tile = (d >> 24) & 1u;
-  const bool avx512f = (b >> 16) & 1u, avx512bw = (b >> 30) & 1u;
-  if (!(feature && amx_tile && avx512f && avx512bw)) return false;
-  // Linux hands out the tile data state only on request (once per process, for all threads).
-  static const bool granted = [] {
+bool AmxBf16Available() {
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    // CPUID.(7, 0): EDX bit 22 AMX-BF16, 24 AMX-TILE; EBX bit 16 AVX-512F, 30 AVX-512BW.
+    const bool amx_bf16 = (d >> 22) & 1u, amx_tile = (d >> 24) & 1u;
+    const bool avx512f = (b >> 16) & 1u, avx512bw = (b >> 30) & 1u;
+    if (!(amx_bf16 && amx_tile && avx512f && avx512bw)) return false;
+    // Linux hands out the tile data state only on request (once per process, for all threads).
     constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
-  return granted;
-}
-
-bool AmxBf16Available() {
-  static const bool ok = AmxFeatureAvailable(22);
   return ok;
 }
 
@@ -163,7 +159,6 @@ PYSPEC_AMX_TARGET void AmxLinearBlocks(const uint16_t* packed, const uint16_t* w
 
 #else  // no AMX in this build
 
-bool AmxFeatureAvailable(int) { return false; }
 bool AmxBf16Available() { return false; }
 void AmxPackInputs(const uint16_t*, int64_t, int64_t, uint16_t*) {}
 void AmxLinearBlocks(const uint16_t*, const uint16_t*, const float*, uint16_t*, int64_t, int64_t,

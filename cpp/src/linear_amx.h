@@ -12,7 +12,6 @@
 
 #include <cstdint>
 #include <functional>
-#include <initializer_list>
 
 #include "cpu_isa.h"
 #include "pyspec/tensor_view.h"
@@ -40,19 +39,15 @@ struct alignas(64) AmxTileConfig {
 };
 #endif
 
-// True when the CPU has AMX-TILE, the AMX feature in bit `feature_bit` of CPUID.(7, 0).EDX (22:
-// AMX-BF16), AVX-512F and AVX-512BW, the build can emit them, and the OS granted this
-// process the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, asked once for all threads).
-bool AmxFeatureAvailable(int feature_bit);
-
 // run(b0, b1) over [0, blocks) blocks of `block_bytes` weight bytes each: on the calling thread when
 // they are too few to be worth waking a worker (under 96 KiB in all), else split over `pool`
 // (ThreadPool::Default() when null) in chunks of at least that many bytes.
 void RunBlocks(ThreadPool* pool, int64_t blocks, int64_t block_bytes,
                const std::function<void(int64_t, int64_t)>& run);
 
-// True when the CPU has AMX-TILE and AMX-BF16, the build can emit them, and the OS granted this
-// process the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM); asked once, cached.
+// True when the CPU has AMX-TILE, AMX-BF16, AVX-512F and AVX-512BW, the build can emit them, and
+// the OS granted this process the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, asked once for
+// all threads); cached.
 bool AmxBf16Available();
 
 // The layer shapes the AMX kernel takes: K a multiple of 32 and N of 16 (others run elsewhere).
@@ -67,9 +62,6 @@ void AmxPackInputs(const uint16_t* x, int64_t M, int64_t K, uint16_t* packed);
 // Output blocks [b0, b1) of 16 weight rows each: out [M, N] bf16 bits, bias [N] fp32 or nullptr.
 void AmxLinearBlocks(const uint16_t* packed, const uint16_t* w, const float* bias, uint16_t* out,
                      int64_t M, int64_t N, int64_t K, int64_t b0, int64_t b1);
-
-// A RuntimeError naming `op` when any of the (non-null) tensors is on a CUDA device.
-void RefuseCuda(std::initializer_list<const TensorView*> ts, const char* op);
 
 }  // namespace detail
 }  // namespace pyspec

@@ -3,7 +3,6 @@
 // process-wide state.
 #include <algorithm>
 #include <functional>
-#include <initializer_list>
 #include <string>
 
 #include "cpu_isa.h"
@@ -25,14 +24,6 @@ bool CpuHasAvx512Bf16() {
 #endif
 }
 
-// The widest vector build this CPU runs (the dense kernel has generic, AVX2 and AVX-512 builds).
-int CpuLevel() {
-  static const int level = detail::CpuHasAvx512()  ? detail::IsaSelector::kAvx512
-                           : detail::CpuHasAvx2() ? detail::IsaSelector::kAvx2
-                                                  : detail::IsaSelector::kGeneric;
-  return level;
-}
-
 }  // namespace
 
 namespace linear_kernel {
@@ -40,12 +31,12 @@ namespace linear_kernel {
 Kernel SelectKernel(DType dtype, const LinearKernels& kernels) {
 #ifdef PYSPEC_X86
   const int isa = kernels.level();
-  if (isa >= detail::IsaSelector::kAvx512) {
+  if (isa >= detail::kIsaAvx512) {
     if (dtype != DType::kBFloat16) return {&RunBlocksAvx512, 32, false};
     static const bool bf16_dot = CpuHasAvx512Bf16();
     if (bf16_dot) return {&RunBlocksAvx512, 32, true};
   }
-  if (isa >= detail::IsaSelector::kAvx2) return {&RunBlocksAvx2, 16, false};
+  if (isa >= detail::kIsaAvx2) return {&RunBlocksAvx2, 16, false};
 #else
   (void)dtype;
   (void)kernels;
@@ -60,26 +51,20 @@ bool UseAmx(DType dtype, const LinearKernels& kernels) {
 }  // namespace linear_kernel
 
 LinearKernels::LinearKernels(const std::string& isa) {
-  using detail::IsaSelector;
-  if (isa == "auto") {
-    level_ = CpuLevel();
-    amx_ = level_ >= IsaSelector::kAvx512 && detail::AmxBf16Available();
-  } else if (isa == "generic") {
-    level_ = IsaSelector::kGeneric;
-  } else if (isa == "avx2") {
-    PYSPEC_CHECK(detail::CpuHasAvx2(), "this CPU (or build) has no AVX2+FMA linear kernel");
-    level_ = IsaSelector::kAvx2;
-  } else if (isa == "avx512") {
-    PYSPEC_CHECK(detail::CpuHasAvx512(), "this CPU (or build) has no AVX-512 linear kernel");
-    level_ = IsaSelector::kAvx512;
-  } else if (isa == "amx") {
+  // (the dense kernel has generic, AVX2 and AVX-512 builds, and AMX tiles for bfloat16)
+  if (isa == "amx") {
     PYSPEC_CHECK(detail::AmxBf16Available(), "this CPU, OS or build has no AMX-BF16 linear "
                  "kernel; use auto, generic, avx2 or avx512");
-    level_ = IsaSelector::kAvx512;
+    level_ = detail::kIsaAvx512;
     amx_ = true;
   } else {
-    throw ValueError(detail::StrCat("unknown linear kernel ISA '", isa, "'; use auto, generic, "
-                                    "avx2, avx512 or amx"));
+    const int level = detail::ParseIsaLevel(isa, "linear");
+    if (level == -2) {
+      throw ValueError(detail::StrCat("unknown linear kernel ISA '", isa, "'; use auto, generic, "
+                                      "avx2, avx512 or amx"));
+    }
+    level_ = level >= 0 ? level : detail::CpuIsaLevel();
+    amx_ = level < 0 && level_ >= detail::kIsaAvx512 && detail::AmxBf16Available();
   }
   // Rows up to which this kernel beats torch's GEMM (which blocks over M), measured on the
   // SmolLM2-135M shapes with 2 threads (bench/bench_linear.py --rows; docs/kernels.md): float32
@@ -99,12 +84,7 @@ const LinearKernels& LinearKernels::Default() {
   return k;
 }
 
-std::string LinearKernels::isa() const {
-  if (amx_) return "amx";
-  return level_ == detail::IsaSelector::kAvx512 ? "avx512"
-         : level_ == detail::IsaSelector::kAvx2 ? "avx2"
-                                                : "generic";
-}
+std::string LinearKernels::isa() const { return amx_ ? "amx" : detail::IsaLevelName(level_); }
 
 std::string LinearKernels::Kernel(DType dtype) const {
   if (linear_kernel::UseAmx(dtype, *this)) return "amx-bf16";
@@ -130,8 +110,8 @@ int64_t LinearKernels::PackedMaxRows() const {
   // Measured on the SmolLM2-135M shapes, 2 threads (one decoding step's dense layers): the AVX-512
   // codes beat the float32 matrix up to 32 rows (level at 32, behind at 64); the AVX2 build's 16
   // registers hold fewer rows per rebuilt weight, and it is behind from 8 rows.
-  if (level_ >= detail::IsaSelector::kAvx512) return 32;
-  if (level_ >= detail::IsaSelector::kAvx2) return 4;
+  if (level_ >= detail::kIsaAvx512) return 32;
+  if (level_ >= detail::kIsaAvx2) return 4;
   return 0;
 }
 
@@ -162,15 +142,6 @@ void RunBlocks(ThreadPool* pool, int64_t blocks, int64_t block_bytes,
     return;
   }
   (pool != nullptr ? *pool : ThreadPool::Default()).ParallelFor(blocks, grain, run);
-}
-
-void RefuseCuda(std::initializer_list<const TensorView*> ts, const char* op) {
-  for (const TensorView* t : ts) {
-    if (t != nullptr && t->device.type == DeviceType::kCUDA) {
-      throw RuntimeError(detail::StrCat("pyspec ", op, ": got CUDA tensors; packed weights run ",
-                                        "on the CPU"));
-    }
-  }
 }
 
 }  // namespace detail

@@ -3,6 +3,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <vector>
 
 #include "linear_amx.h"
@@ -332,7 +333,15 @@ __attribute__((target("avx2,fma"))) void PackedBlocks256(const PackedCtx& c, int
 }
 #endif
 
-using detail::RefuseCuda;
+// A RuntimeError naming `op` when any of the (non-null) tensors is on a CUDA device.
+void RefuseCuda(std::initializer_list<const TensorView*> ts, const char* op) {
+  for (const TensorView* t : ts) {
+    if (t != nullptr && t->device.type == DeviceType::kCUDA) {
+      throw RuntimeError(detail::StrCat("pyspec ", op, ": got CUDA tensors; packed weights run ",
+                                        "on the CPU"));
+    }
+  }
+}
 
 // Checks packed codes q (and scales d, m) of a matrix with K weights per row (`k_from` names the
 // argument K comes from); returns N.
@@ -451,7 +460,7 @@ void LinearPacked(const TensorView& x, const TensorView& q, const TensorView& d,
               M, N, K, ldx};
   const int64_t blocks = (N + kNr - 1) / kNr;
   const int64_t block_bytes = kNr * (K * bits / 8 + (K / 32) * (bits == 4 ? 8 : 4));
-  const bool w512 = lk.level() >= detail::IsaSelector::kAvx512;
+  const bool w512 = lk.level() >= detail::kIsaAvx512;
   auto run = [&](int64_t b0, int64_t b1) {
     if (w512) {
       if (bits == 4) {
