@@ -175,9 +175,10 @@ class Delta:
 
 
 def apply_outputs(engine, outs, trackers: Mapping[int, OutputTracker]) -> List[Delta]:
-    """One step's engine outputs through their trackers. A request a stop string ended before the
-    engine finished it is aborted at the engine now (its KV freed). Outputs of requests without a
-    tracker pass through as token deltas. Trackers that had already finished are skipped."""
+    """One step's engine outputs through their trackers (``trackers.get(request_id)``: a mapping,
+    or any object with that method). A request a stop string ended before the engine finished it
+    is aborted at the engine now (its KV freed). Outputs of requests without a tracker pass
+    through as token deltas. Trackers that had already finished are skipped."""
     deltas = []
     for o in outs:
         t = trackers.get(o.request_id)

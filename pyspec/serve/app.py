@@ -138,9 +138,13 @@ class _Responder:
                 getter.cancel()
         return make_final(results, handles)
 
-    async def respond(self, request, ids, p, stream: bool, req_id: str, make_chunk, make_final,
-                      usage_chunk):
-        handles = self.submit(ids, p, req_id)
+    async def respond(self, request, body: dict, head: dict, ids, p, make_chunk, make_final):
+        """The response to a request (``body``): a stream of ``make_chunk`` chunks (and, when
+        asked, a usage chunk after ``head``'s fields) or ``make_final``'s object."""
+        stream = get_field(body, "stream", bool, False, None, "true or false")
+        usage_chunk = ((lambda u: {**head, "choices": [], "usage": u}) if stream_usage(body)
+                       else None)
+        handles = self.submit(ids, p, head["id"])
         if stream:
             return self.stream(handles, len(ids), make_chunk, usage_chunk)
         return await self.collect(request, handles, make_final)
@@ -234,9 +238,6 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
         return error_response(RequestError(exc.status_code, msg, None, code, kind),
                               headers=exc.headers)
 
-    def streamed(body) -> bool:
-        return get_field(body, "stream", bool, False, None, "true or false")
-
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await reader.read_json(request)
@@ -244,9 +245,7 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
         ids = await reader.prompt(body)
         p = reader.params(body, request.headers.get("x-tenant"), rid)
         reader.check_prompt(ids, p)
-        prompt = body.get("prompt")
-        log_prompt("completions", prompt[0] if isinstance(prompt, list) and len(prompt) == 1
-                   and isinstance(prompt[0], str) else prompt if isinstance(prompt, str) else None)
+        log_prompt("completions", reader.prompt_text(body))
         created = int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
 
@@ -260,10 +259,7 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
                                 for i, r in enumerate(results)],
                     "usage": usage(len(ids), results), "speculation": spec_stats(handles)}
 
-        stream = streamed(body)
-        usage_chunk = (lambda u: {**head, "choices": [], "usage": u}) if stream_usage(body) \
-            else None
-        return await responder.respond(request, ids, p, stream, rid, chunk, final, usage_chunk)
+        return await responder.respond(request, body, head, ids, p, chunk, final)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -294,10 +290,7 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
                                 for i, r in enumerate(results)],
                     "usage": usage(len(ids), results), "speculation": spec_stats(handles)}
 
-        stream = streamed(body)
-        usage_chunk = (lambda u: {**head, "choices": [], "usage": u}) if stream_usage(body) \
-            else None
-        return await responder.respond(request, ids, p, stream, rid, chunk, final, usage_chunk)
+        return await responder.respond(request, body, head, ids, p, chunk, final)
 
     @app.get("/v1/models")
     async def models():

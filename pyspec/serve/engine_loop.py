@@ -37,8 +37,7 @@ class Handle:
         self.ids = ids
         self.params = params
         self.rid: Optional[int] = None
-        self.t0 = time.perf_counter()
-        self.track = OutputTracker(tokenizer, params, self.t0)
+        self.track = OutputTracker(tokenizer, params)  # its t0: when the handler submitted it
         self.aborted = False
         self.stats = None
         self.score = False  # quality gate: also score this request with the target alone
@@ -47,6 +46,17 @@ class Handle:
 
     def put(self, item) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class _Trackers:
+    """The live handles' trackers by request id, for :func:`apply_outputs` (a view, not a copy)."""
+
+    def __init__(self, live: Dict[int, Handle]):
+        self._live = live
+
+    def get(self, rid: int) -> Optional[OutputTracker]:
+        h = self._live.get(rid)
+        return h.track if h is not None else None
 
 
 class EngineLoop:
@@ -69,6 +79,7 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stop = False
         self._live: Dict[int, Handle] = {}
+        self._trackers = _Trackers(self._live)
         self._thread = threading.Thread(target=self._run, name="pyspec-engine", daemon=True)
 
     def start(self) -> None:
@@ -146,7 +157,7 @@ class EngineLoop:
         self._live.pop(h.rid, None)
         h.stats = res.stats
         t = h.track
-        dur = time.perf_counter() - h.t0
+        dur = time.perf_counter() - t.t0
         ttft = t.time_to_first_token
         self.metrics.request_finished(res.stats, reason, ttft, dur, len(t.tokens))
         if reason == "abort":
@@ -193,13 +204,11 @@ class EngineLoop:
             except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
                 self._fail_all(e)
                 continue
-            trackers = {rid: h.track for rid, h in self._live.items()}
-            for d in apply_outputs(eng, outs, trackers):
+            for d in apply_outputs(eng, outs, self._trackers):
                 h = self._live.get(d.request_id)
                 if h is None:  # not this loop's (or gone since)
                     continue
                 if d.finished:
                     self._finish(h, d.finish_reason)
-                h.put(("delta", d.text, d.token_ids, d.finished,
-                       d.finish_reason if d.finished else None))
+                h.put(("delta", d.text, d.token_ids, d.finished, d.finish_reason))
             self.metrics.after_step(eng)

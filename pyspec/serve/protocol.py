@@ -290,15 +290,23 @@ class RequestReader:
         except ValueError as e:
             raise RequestError(400, str(e), field) from None
 
-    async def prompt(self, body: dict) -> List[int]:
-        """The token ids of a completion request's ``prompt`` (a string or a list of ids)."""
+    @staticmethod
+    def prompt_text(body: dict) -> Optional[str]:
+        """A completion request's ``prompt`` when it is text (a string, or a list of one), else
+        None."""
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
-        if isinstance(prompt, str):
-            if not prompt:
+        return prompt if isinstance(prompt, str) else None
+
+    async def prompt(self, body: dict) -> List[int]:
+        """The token ids of a completion request's ``prompt`` (a string or a list of ids)."""
+        text = self.prompt_text(body)
+        if text is not None:
+            if not text:
                 raise RequestError(400, "'prompt' is empty", "prompt")
-            return await self.tokenize(self.llm.tokenizer.encode, prompt, len(prompt), "prompt")
+            return await self.tokenize(self.llm.tokenizer.encode, text, len(text), "prompt")
+        prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return list(prompt)

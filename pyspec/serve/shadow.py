@@ -119,11 +119,12 @@ class Shadow:
         from pyspec.outputs import OutputTracker, apply_outputs
 
         eng = self.engine
-        live: Dict[int, list] = {}  # engine id -> [key, t0, t_first]
+        live: Dict[int, str] = {}  # engine id -> key
         ids_of: Dict[str, int] = {}  # key -> engine id, for aborts
-        # The engine knows stop tokens only; stop strings are applied here as the live loop
-        # applies them, else a copy would run on to max_tokens past where its live request
-        # stopped (requests without stop strings need no tracker).
+        # Each mirrored request's tokens and timing. The engine knows stop tokens only: stop
+        # strings are applied here as the live loop applies them, else a copy would run on to
+        # max_tokens past where its live request stopped (requests without stop strings need no
+        # detokenizing).
         trackers: Dict[int, OutputTracker] = {}
         while not self._stop:
             block = not live
@@ -136,8 +137,7 @@ class Shadow:
                 if item is None:
                     return
                 if item[0] == "abort":
-                    trackers.pop(ids_of.get(item[1], -1), None)
-                    self._drop(live, ids_of, item[1])
+                    self._drop(live, ids_of, trackers, item[1])
                     continue
                 _, key, ids, p = item
                 try:
@@ -145,11 +145,9 @@ class Shadow:
                 except ValueError as e:
                     log.warning("shadow: could not mirror a request: %s", e)
                     continue
-                t0 = time.perf_counter()
-                live[rid] = [key, t0, None]
+                live[rid] = key
                 ids_of[key] = rid
-                if p.stop:
-                    trackers[rid] = OutputTracker(self.llm.tokenizer, p, t0)
+                trackers[rid] = OutputTracker(self.llm.tokenizer if p.stop else None, p)
             if not live:
                 continue
             try:
@@ -165,17 +163,13 @@ class Shadow:
                 continue
             now = time.perf_counter()
             for d in apply_outputs(eng, outs, trackers):
-                ent = live.get(d.request_id)
-                if ent is None:
-                    continue
-                if d.token_ids and ent[2] is None:
-                    ent[2] = now
-                if not d.finished:
+                key = live.get(d.request_id)
+                if key is None or not d.finished:
                     continue
                 res = eng.result(d.request_id, pop=True)
                 del live[d.request_id]
-                trackers.pop(d.request_id, None)
-                ids_of.pop(ent[0], None)
+                t = trackers.pop(d.request_id)
+                ids_of.pop(key, None)
                 st = res.stats
                 self.m_requests.inc()
                 self.m_drafts.inc(st.drafts)
@@ -185,17 +179,18 @@ class Shadow:
                 self._accepted += st.accepted_tokens
                 if self._drafts:
                     self.m_al.set(1 + self._accepted / self._drafts)
-                # Tokens past a stop string (accepted in the same step) are not output.
-                n = len(d.tracker.tokens) if d.stopped else len(res.token_ids)
-                if n > 1 and ent[2] is not None:
+                # The tokens output (not those a step accepted past a stop string).
+                n = len(t.tokens)
+                if n > 1 and t.t_first is not None:
                     with self._lock:
-                        self._shadow_tpot[ent[0]] = (now - ent[2]) / (n - 1)
-                        self._pair(ent[0])
+                        self._shadow_tpot[key] = (now - t.t_first) / (n - 1)
+                        self._pair(key)
 
-    def _drop(self, live, ids_of, key) -> None:
+    def _drop(self, live, ids_of, trackers, key) -> None:
         rid = ids_of.pop(key, None)
         if rid is not None and rid in live:
             del live[rid]
+            trackers.pop(rid, None)
             self.engine.abort(rid)
             self.engine.result(rid, pop=True)
         with self._lock:  # an aborted live request is never paired

@@ -46,7 +46,7 @@ class RequestTracer:
         return self._offset + int(t * 1e9)
 
     def start(self, h, attrs: dict) -> None:
-        h.span = self.tracer.start_span("pyspec.request", start_time=self.ns(h.t0),
+        h.span = self.tracer.start_span("pyspec.request", start_time=self.ns(h.track.t0),
                                         attributes=attrs)
 
     def _child(self, h, name, t0, t1, attrs=None):
