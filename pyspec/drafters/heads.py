@@ -74,10 +74,13 @@ def save_heads(path: str, method: str, tensors: Dict[str, torch.Tensor], config:
     return path
 
 
-def read_heads(path: str):
+def read_heads(path: str, cfg: Optional[dict] = None):
+    """A heads folder's drafter.json and weights (``cfg``: its drafter.json when the caller has
+    read it already, e.g. to check the method before loading the weights)."""
     from safetensors.torch import load_file
 
-    cfg = read_config(path)
+    if cfg is None:
+        cfg = read_config(path)
     w_path = os.path.join(path, WEIGHTS_NAME)
     if not os.path.isfile(w_path):
         raise ValueError(f"{path!r}: {WEIGHTS_NAME} is missing")
@@ -452,9 +455,10 @@ class EagleDrafter(Drafter):
 
 def load_heads(path: str, target_runner: ModelRunner, **overrides) -> Drafter:
     """Load a Medusa/EAGLE drafter folder against a target (shape mismatches are errors)."""
-    cfg, tensors = read_heads(path)
+    cfg = read_config(path)
     if cfg["method"] not in ("eagle", "medusa"):
         raise ValueError(f"{path!r} holds a {cfg['method']!r} drafter, not EAGLE or Medusa heads")
+    cfg, tensors = read_heads(path, cfg)
     check_target(cfg, target_runner.model.cfg)
     defaults = dict(cfg.get("defaults") or {})
     if cfg["method"] == "medusa":

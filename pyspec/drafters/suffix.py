@@ -24,7 +24,6 @@ keeps an acceptance estimate and a draft length per source.
 from __future__ import annotations
 
 import collections
-import json
 import os
 import threading
 from typing import List, Optional, Sequence
@@ -32,7 +31,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from pyspec.drafters.base import Draft, Drafter, DraftRequest
-from pyspec.drafters.folder import CONFIG_NAME, warn_target_hash, write_config
+from pyspec.drafters.folder import read_config, warn_target_hash, write_config
 
 CORPUS_NAME = "corpus.npz"
 # Match-length buckets, one draft source each: >= 6 tokens, 3-5, 2, 1.
@@ -198,12 +197,7 @@ def read_corpus(path: str, vocab_size: int, cfg: Optional[dict] = None):
     documents as flat int32 tokens and int64 offsets, checked against the target's vocabulary
     (``cfg``: its ``drafter.json`` when the caller has read it already)."""
     if cfg is None:
-        try:
-            with open(os.path.join(path, CONFIG_NAME)) as f:
-                cfg = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{path!r} is not a corpus drafter folder ({CONFIG_NAME}: {e})"
-                             ) from None
+        cfg = read_config(path)
     if cfg.get("method") != "suffix":
         raise ValueError(f"{path!r}: drafter method {cfg.get('method')!r} is not a corpus "
                          "(\"suffix\")")

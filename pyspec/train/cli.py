@@ -134,6 +134,7 @@ def _data_recipe(args, data_paths) -> dict:
 def _initial_head(args, layers):
     """--init-from DIR: the trained EAGLE head to start from. Its draft vocabulary, intermediate
     size and feature layers are the new head's (given explicitly, they must agree)."""
+    from pyspec.drafters.folder import read_config
     from pyspec.drafters.heads import read_heads
 
     if args.method != "eagle":
@@ -147,10 +148,11 @@ def _initial_head(args, layers):
             raise ValueError("--init-from eagle: this build ships no EAGLE head")
     if not os.path.isfile(os.path.join(path, "drafter.json")):
         raise ValueError(f"--init-from {args.init_from!r}: not a drafter folder (drafter.json)")
-    cfg, tensors = read_heads(path)
+    cfg = read_config(path)
     if cfg.get("method") != "eagle":
         raise ValueError(f"--init-from {args.init_from!r} is a {cfg.get('method')} drafter; an "
                          "EAGLE head is needed")
+    cfg, tensors = read_heads(path, cfg)
     e = cfg["eagle"]
     own = e.get("feature_layers")
     if layers is not None and list(layers) != list(own or layers):

@@ -42,6 +42,12 @@ def test_heads_files_and_errors(model, tmp_path):
         load_heads(d, runner)
     with pytest.raises(ValueError, match="drafter.json"):
         load_heads(str(tmp_path), runner)
+    # A corpus folder (no weights file) is refused for what it is, before any weights are read.
+    from pyspec.drafters.suffix import save_corpus
+
+    corpus = save_corpus(str(tmp_path / "corpus"), [[1, 2, 3]], model.cfg.vocab_size)
+    with pytest.raises(ValueError, match="holds a 'suffix' drafter, not EAGLE or Medusa heads"):
+        load_heads(corpus, runner)
     for bad in ("bogus", "layer-skip:9", "layer-skip:x", "ngram:0", str(tmp_path / "nothing"),
                 d + "@size=3", m + "@width=2"):
         with pytest.raises(ValueError):
