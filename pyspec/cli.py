@@ -7,7 +7,7 @@ import dataclasses
 import sys
 import time
 
-from pyspec.cli_flags import add_model_flags
+from pyspec.cli_flags import DTYPES, add_model_flags
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -22,7 +22,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     k = _C.LinearKernels()
     print(f"dense layer kernels (a model's default, isa {k.isa}): " + ", ".join(
         f"{dt} {k.kernel(dt)} up to {k.max_fast_rows(dt)} rows"
-        for dt in ("float32", "bfloat16", "float16")) + ", torch's GEMM beyond")
+        for dt in DTYPES) + ", torch's GEMM beyond")
     rows = k.packed_max_rows
     print("packed exact weights: " + (f"read as codes up to {rows} rows" if rows else
                                       "unavailable (needs the AVX2 or AVX-512 float32 kernel)"))
