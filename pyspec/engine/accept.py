@@ -32,7 +32,6 @@ def accept_step(reqs, drafts: List[Draft], logits: torch.Tensor, vocab_size: int
             temperature-0 rows, the same result; for measurements).
         debug_skip_residual: the deliberately broken rule (tests only).
     """
-    sizes = [len(d.tokens) for d in drafts]
     indptr = [0]
     parents: List[int] = []
     flat: List[int] = []
@@ -49,7 +48,7 @@ def accept_step(reqs, drafts: List[Draft], logits: torch.Tensor, vocab_size: int
     if all(greedy):
         probs = apply_sampling_filters(logits, 0.0)
     else:
-        sz = torch.tensor(sizes, dtype=torch.int64)
+        sz = trees[2].diff()  # each tree's rows
 
         def rows(vals, dtype):
             return torch.repeat_interleave(torch.tensor(vals, dtype=dtype), sz)
