@@ -125,9 +125,11 @@ AttentionPlan PlanAttention(const TensorView& q_indptr, const TensorView& prefix
   plan.page_indptr_.assign(B + 1, 0);
   plan.is_tree_.assign(B, 0);
   for (int64_t b = 0; b < B; ++b) {
+    // Compared before subtracting: arbitrary entries (e.g. near INT64_MIN) would overflow the
+    // difference. Once non-decreasing from qp[0] == 0, every difference is of non-negatives.
+    PYSPEC_CHECK(qp[b + 1] >= qp[b], "'q_indptr' must be non-decreasing; request ", b,
+                 " has q_indptr [", qp[b], ", ", qp[b + 1], "]");
     const int64_t q_len = qp[b + 1] - qp[b];
-    PYSPEC_CHECK(q_len >= 0, "'q_indptr' must be non-decreasing; request ", b, " has q_len ",
-                 q_len);
     const int64_t p = plan.prefix_lens_[b];
     PYSPEC_CHECK(p >= 0 && p <= kMaxAttentionContext, "'prefix_lens[", b, "]' = ", p,
                  " must be in [0, ", kMaxAttentionContext, "]");
@@ -142,9 +144,9 @@ AttentionPlan PlanAttention(const TensorView& q_indptr, const TensorView& prefix
       if (j < used) plan.pages_.push_back(static_cast<int32_t>(e));
     }
     plan.page_indptr_[b + 1] = static_cast<int64_t>(plan.pages_.size());
+    PYSPEC_CHECK(tptr[b + 1] >= tptr[b], "'tree_indptr' must be non-decreasing; request ", b,
+                 " has tree_indptr [", tptr[b], ", ", tptr[b + 1], "]");
     const int64_t n = tptr[b + 1] - tptr[b];
-    PYSPEC_CHECK(n >= 0, "'tree_indptr' must be non-decreasing; request ", b, " has ", n,
-                 " nodes");
     PYSPEC_CHECK(n == 0 || n == q_len, "'tree_indptr': request ", b, " has ", n,
                  " tree nodes but q_len ", q_len, " (give 0 nodes for a causal chunk or one node "
                  "per new token)");

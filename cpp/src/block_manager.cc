@@ -622,11 +622,20 @@ void BlockManager::CheckInvariants() const {
       }
     }
   }
-  for (const PendingCopy& c : pending_) {
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    const PendingCopy& c = pending_[i];
     PYSPEC_BM_EXPECT(c.src >= 0 && c.src < nb && c.dst >= 0 && c.dst < nb && c.src != c.dst,
                      "bad pending copy ", c.src, " -> ", c.dst);
     ++pins[c.src];
-    PYSPEC_BM_EXPECT(refs[c.dst] > 0, "pending copy into unreferenced block ", c.dst);
+    // The destination is needed: a block table holds it, or a later pending copy reads it (a
+    // fork of the request that got it reserved before the copies ran, then the request let it go:
+    // src -> dst -> dst2 must still run in order to fill dst2).
+    bool read_later = false;
+    for (size_t j = i + 1; j < pending_.size() && !read_later; ++j) {
+      read_later = pending_[j].src == c.dst;
+    }
+    PYSPEC_BM_EXPECT(refs[c.dst] > 0 || read_later, "pending copy into block ", c.dst,
+                     " that no block table holds and no later copy reads");
   }
 
   // Every block is exactly one of: used (referenced or pinned), free, evictable.

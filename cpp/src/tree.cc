@@ -157,12 +157,17 @@ void ValidateTreeBatch(const int32_t* parents, const int64_t* tree_indptr, int64
   PYSPEC_CHECK(tree_indptr[batch] == total_nodes, "'", name, "' indptr must end at the node count ",
                total_nodes, "; got ", tree_indptr[batch]);
   for (int64_t b = 0; b < batch; ++b) {
-    int64_t begin = tree_indptr[b], end = tree_indptr[b + 1];
-    int64_t n = end - begin;
-    PYSPEC_CHECK(n >= 1 && n <= TokenTree::kMaxNodes, "'", name, "' tree ", b, " has ", n,
+    const int64_t begin = tree_indptr[b], end = tree_indptr[b + 1];
+    // begin is in [0, total_nodes] (tree_indptr[0] == 0, and every later entry was checked as the
+    // previous tree's end), so end - begin cannot overflow once end > begin; an arbitrary end
+    // (e.g. near INT64_MIN) is compared before any subtraction.
+    PYSPEC_CHECK(end > begin, "'", name, "' tree ", b, " has no nodes (indptr [", begin, ", ", end,
+                 ")); allowed 1..", TokenTree::kMaxNodes);
+    const int64_t n = end - begin;
+    PYSPEC_CHECK(n <= TokenTree::kMaxNodes, "'", name, "' tree ", b, " has ", n,
                  " nodes; allowed 1..", TokenTree::kMaxNodes);
     // indptr must stay inside the node array before any parent is read.
-    PYSPEC_CHECK(begin >= 0 && end <= total_nodes, "'", name, "' indptr entry ", b + 1, " = ", end,
+    PYSPEC_CHECK(end <= total_nodes, "'", name, "' indptr entry ", b + 1, " = ", end,
                  " is outside [0, ", total_nodes, "]");
     PYSPEC_CHECK(parents[begin] == -1, "'", name, "' tree ", b, ": node 0 must be the root (parent -1)");
     for (int64_t i = 1; i < n; ++i) {

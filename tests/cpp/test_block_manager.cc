@@ -276,6 +276,58 @@ TEST(BlockManager, FreeCancelsCopiesIntoItsBlocks) {
   bm.CheckInvariants();
 }
 
+// A copy chain through a fork: request 1 gets a copy-on-write block d1 (copy s -> d1 pending), is
+// forked again before the copies run, the fork gets its own copy d1 -> d2, and request 1 is freed.
+// d1 is in no block table any more but must stay (pinned) and its incoming copy must stay pending:
+// the runner performs s -> d1, then d1 -> d2. (CheckInvariants used to call this state corrupt; the
+// randomized test in test_fuzz.cc found it.)
+TEST(BlockManager, CopyChainThroughAForkKeepsTheMiddleBlock) {
+  // Builds the chain; returns {s, d1, d2}.
+  auto build = [](BlockManager& bm) {
+    EXPECT_EQ(bm.AddRequest(1, Range(10, 6)), 0);
+    EXPECT_TRUE(bm.Reserve(1, 0));
+    bm.MarkComputed(1, 5);  // block 1 holds computed position 4
+    bm.Fork(1, 2);
+    const int32_t s = bm.BlockTable(1)[1];
+    EXPECT_TRUE(bm.Reserve(1, 1));  // copy-on-write: s -> d1
+    const int32_t d1 = bm.BlockTable(1)[1];
+    bm.Fork(1, 3);
+    EXPECT_TRUE(bm.Reserve(3, 1));  // copy-on-write of d1 (shared with 1): d1 -> d2
+    const int32_t d2 = bm.BlockTable(3)[1];
+    EXPECT_TRUE(s != d1 && d1 != d2 && s != d2);
+    return std::vector<int32_t>{s, d1, d2};
+  };
+  BlockManager bm(10, 4);
+  const std::vector<int32_t> b = build(bm);
+  const std::vector<std::pair<int32_t, int32_t>> chain = {{b[0], b[1]}, {b[1], b[2]}};
+  EXPECT_EQ(bm.PeekPendingCopies(), chain);
+  bm.CheckInvariants();
+  bm.Free(1);
+  EXPECT_EQ(bm.PeekPendingCopies(), chain);  // both still needed, in this order
+  EXPECT_EQ(bm.RefCount(b[1]), 1);           // pinned by d1 -> d2 only
+  bm.CheckInvariants();
+  const int64_t free_before = bm.num_free_blocks();
+  EXPECT_EQ(bm.TakePendingCopies(), chain);
+  EXPECT_EQ(bm.RefCount(b[1]), 0);  // released once the copies are taken
+  EXPECT_EQ(bm.num_free_blocks(), free_before + 1);
+  bm.CheckInvariants();
+  bm.Free(2);
+  bm.Free(3);
+  EXPECT_EQ(bm.num_used_blocks(), 0);
+
+  // The same chain dropped before the copies ran: freeing the fork cancels d1 -> d2, which
+  // releases d1 and so cancels s -> d1.
+  BlockManager bm2(10, 4);
+  build(bm2);
+  bm2.Free(1);
+  bm2.Free(3);
+  EXPECT_EQ(bm2.num_pending_copies(), 0);
+  bm2.CheckInvariants();
+  bm2.Free(2);
+  EXPECT_EQ(bm2.num_used_blocks(), 0);
+  bm2.CheckInvariants();
+}
+
 TEST(BlockManager, LruEvictsOldestUnreferenced) {
   BlockManager bm(6, 2);
   for (int64_t id = 1; id <= 3; ++id) {
