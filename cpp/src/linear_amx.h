@@ -28,8 +28,8 @@ class ThreadPool;
 
 namespace detail {
 
-#ifdef PYSPEC_HAVE_AMX
-// LDTILECFG's 64-byte operand (palette 1: rows and bytes per row of tiles 0-7).
+// LDTILECFG's 64-byte operand (palette 1: rows and bytes per row of tiles 0-7). Defined in every
+// build: the emulated tiles (AmxLinearBlocksEmulated) take the same configuration.
 struct alignas(64) AmxTileConfig {
   uint8_t palette_id;
   uint8_t start_row;
@@ -37,7 +37,6 @@ struct alignas(64) AmxTileConfig {
   uint16_t colsb[16];
   uint8_t rows[16];
 };
-#endif
 
 // run(b0, b1) over [0, blocks) blocks of `block_bytes` weight bytes each: on the calling thread when
 // they are too few to be worth waking a worker (under 96 KiB in all), else split over `pool`
@@ -57,11 +56,24 @@ inline bool AmxShapeOk(int64_t N, int64_t K) { return K > 0 && K % 32 == 0 && N 
 inline int64_t AmxPackedElems(int64_t M, int64_t K) { return (M + 15) / 16 * 16 * K; }
 
 // x [M, K] bf16 bits -> packed [M/16 chunks][K/32][16 pairs][16 rows][2], rows past M zero.
+// Plain C++: every build.
 void AmxPackInputs(const uint16_t* x, int64_t M, int64_t K, uint16_t* packed);
 
 // Output blocks [b0, b1) of 16 weight rows each: out [M, N] bf16 bits, bias [N] fp32 or nullptr.
+// Only where AmxBf16Available().
 void AmxLinearBlocks(const uint16_t* packed, const uint16_t* w, const float* bias, uint16_t* out,
                      int64_t M, int64_t N, int64_t K, int64_t b0, int64_t b1);
+
+// The same kernel body (one source, templated on the tile unit) on tiles emulated in plain C++:
+// LDTILECFG, TILEZERO, TILELOADD, TILESTORED and TDPBF16PS as the Intel SDM specifies them (rows
+// and bytes per row from the tile configuration; TDPBF16PS accumulates the even and the odd bf16
+// products of each pair separately in fp32 with FMA, round to nearest even, denormal inputs as
+// zero and denormal results flushed, then adds their sum to the C element). Runs on every CPU, so
+// the kernel's logic (packing, tile loads and strides, the C-tile gather, bias, rounding) is
+// tested everywhere; slow, for tests only.
+void AmxLinearBlocksEmulated(const uint16_t* packed, const uint16_t* w, const float* bias,
+                             uint16_t* out, int64_t M, int64_t N, int64_t K, int64_t b0,
+                             int64_t b1);
 
 }  // namespace detail
 }  // namespace pyspec

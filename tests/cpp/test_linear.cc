@@ -1,12 +1,15 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "../../cpp/src/linear_amx.h"
 #include "half_bits.h"
 #include "pyspec/check.h"
 #include "pyspec/linear.h"
@@ -447,6 +450,145 @@ TEST(LinearPacked, RejectsBadArguments) {
   TensorView bias = F({4});
   ExpectValueError([&] { LinearPacked(F({2, 64}), Q({3, 32}), F({3, 2}), &m, &bias, F({2, 3})); },
                "'bias'");
+}
+
+// ---- the AMX kernel's logic on emulated tiles (every CPU) -------------------------------------------
+
+// Denormals as zero (TDPBF16PS's DAZ on inputs, FTZ on results).
+float FlushDenormal(float x) {
+  return std::fpclassify(x) == FP_SUBNORMAL ? std::copysign(0.0f, x) : x;
+}
+
+// One output the way the AMX kernel computes it, written out directly from x and w (no packing,
+// no tiles): per 32-k chunk, the even and the odd bf16 products summed separately in fp32 (FMA, k
+// ascending), their sum added to the running fp32 total; then the bias; one rounding to bf16.
+uint16_t AmxOrderReference(const uint16_t* x, const uint16_t* w, int64_t K, const float* bias) {
+  float acc = 0.0f;
+  for (int64_t k0 = 0; k0 < K; k0 += 32) {
+    float even = 0.0f, odd = 0.0f;
+    for (int64_t p = 0; p < 16; ++p) {
+      const int64_t k = k0 + 2 * p;
+      even = FlushDenormal(std::fma(FlushDenormal(half::BF16ToFloat(w[k])),
+                                    FlushDenormal(half::BF16ToFloat(x[k])), even));
+      odd = FlushDenormal(std::fma(FlushDenormal(half::BF16ToFloat(w[k + 1])),
+                                   FlushDenormal(half::BF16ToFloat(x[k + 1])), odd));
+    }
+    acc = FlushDenormal(acc + FlushDenormal(even + odd));
+  }
+  if (bias != nullptr) acc += *bias;
+  return half::FloatToBF16(acc);
+}
+
+// The kernel body on emulated tiles, over the shapes it takes (N % 16 == 0, K % 32 == 0; input
+// rows in 1-10 chunks of 16, i.e. one to three passes of up to four C tiles, with partial last
+// chunks): bit for bit the reference order above, within bf16 rounding of the exact (double) sum,
+// only the requested output blocks written, and the same bits whether the blocks run in one call
+// or several. Where the CPU has AMX, the hardware kernel must give the emulation's bits too.
+TEST(LinearAmxEmulated, MatchesTheKernelOrderBitForBit) {
+  std::mt19937 rng(20240901);
+  std::uniform_real_distribution<float> uni(-2.0f, 2.0f);
+  auto random_bf16 = [&](int64_t n) {
+    std::vector<uint16_t> v(static_cast<size_t>(n));
+    for (auto& h : v) {
+      const uint32_t r = rng() % 64;
+      if (r == 0) {
+        h = 0x8000u;  // -0.0
+      } else if (r == 1) {
+        h = static_cast<uint16_t>(0x0001u + rng() % 0x7fu);  // a denormal (treated as zero)
+      } else if (r == 2) {
+        h = 0;
+      } else {
+        h = half::FloatToBF16(uni(rng));
+      }
+    }
+    return v;
+  };
+  const bool hardware = detail::AmxBf16Available();
+  int64_t checked = 0;
+  for (auto nk : {std::pair<int64_t, int64_t>{16, 32}, {48, 96}, {32, 256}}) {
+    const int64_t N = nk.first, K = nk.second, blocks = N / 16;
+    ASSERT_TRUE(detail::AmxShapeOk(N, K));
+    for (int64_t M : {1, 2, 15, 16, 17, 31, 33, 48, 63, 64, 65, 100, 128, 129, 144, 159}) {
+      for (bool with_bias : {false, true}) {
+        const std::vector<uint16_t> x = random_bf16(M * K), w = random_bf16(N * K);
+        std::vector<float> bias(static_cast<size_t>(N));
+        for (float& b : bias) b = uni(rng);
+        const float* bp = with_bias ? bias.data() : nullptr;
+        std::vector<uint16_t> packed(static_cast<size_t>(detail::AmxPackedElems(M, K)), 0xdeadu);
+        detail::AmxPackInputs(x.data(), M, K, packed.data());
+        // All blocks in one call.
+        std::vector<uint16_t> out(static_cast<size_t>(M * N), 0xffffu);
+        detail::AmxLinearBlocksEmulated(packed.data(), w.data(), bp, out.data(), M, N, K, 0,
+                                        blocks);
+        for (int64_t m = 0; m < M; ++m) {
+          for (int64_t n = 0; n < N; ++n) {
+            const uint16_t want = AmxOrderReference(&x[m * K], &w[n * K], K, bp ? bp + n : nullptr);
+            ASSERT_EQ(out[m * N + n], want) << "M " << M << " N " << N << " K " << K << " bias "
+                                            << with_bias << " at [" << m << ", " << n << "]";
+            double exact = bp ? bp[n] : 0.0, mag = bp ? std::abs(bp[n]) : 0.0;
+            for (int64_t k = 0; k < K; ++k) {
+              const double xv = FlushDenormal(half::BF16ToFloat(x[m * K + k]));
+              const double wv = FlushDenormal(half::BF16ToFloat(w[n * K + k]));
+              exact += xv * wv;
+              mag += std::abs(xv * wv);
+            }
+            const double got = half::BF16ToFloat(out[m * N + n]);
+            ASSERT_LE(std::abs(got - exact), std::abs(exact) / 256.0 + mag * K * 0x1p-23 + 1e-30)
+                << "M " << M << " N " << N << " K " << K << " at [" << m << ", " << n << "]";
+            ++checked;
+          }
+        }
+        // Block by block (as the thread pool splits a layer), in reverse order: same bits, and a
+        // call writes only its own blocks.
+        std::vector<uint16_t> split(static_cast<size_t>(M * N), 0xffffu);
+        for (int64_t b = blocks - 1; b >= 0; --b) {
+          detail::AmxLinearBlocksEmulated(packed.data(), w.data(), bp, split.data(), M, N, K, b,
+                                          b + 1);
+          for (int64_t m = 0; m < M; ++m) {
+            for (int64_t n = 0; n < N; ++n) {
+              const bool written = n >= b * 16;
+              ASSERT_EQ(split[m * N + n], written ? out[m * N + n] : uint16_t{0xffffu})
+                  << "block " << b << " at [" << m << ", " << n << "]";
+            }
+          }
+        }
+        if (hardware) {
+          std::vector<uint16_t> hw(static_cast<size_t>(M * N), 0xffffu);
+          detail::AmxLinearBlocks(packed.data(), w.data(), bp, hw.data(), M, N, K, 0, blocks);
+          ASSERT_EQ(hw, out) << "hardware vs emulated tiles: M " << M << " N " << N << " K " << K;
+        }
+      }
+    }
+  }
+  EXPECT_GT(checked, 10000);
+  if (!hardware) RecordProperty("amx_hardware", "absent: emulated tiles only");
+}
+
+// The packed layout itself: pair p of row m at [m / 16][p / 16][p % 16][m % 16][2], rows past M
+// zero (the kernel's B operand).
+TEST(LinearAmxEmulated, PackInputsLayout) {
+  for (int64_t M : {1, 16, 17, 40}) {
+    for (int64_t K : {32, 96}) {
+      std::vector<uint16_t> x(static_cast<size_t>(M * K));
+      for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<uint16_t>(i * 7 + 1);
+      std::vector<uint16_t> packed(static_cast<size_t>(detail::AmxPackedElems(M, K)), 0xdeadu);
+      detail::AmxPackInputs(x.data(), M, K, packed.data());
+      const int64_t chunks = (M + 15) / 16, kcn = K / 32;
+      for (int64_t c = 0; c < chunks; ++c) {
+        for (int64_t kc = 0; kc < kcn; ++kc) {
+          for (int64_t p = 0; p < 16; ++p) {
+            for (int64_t r = 0; r < 16; ++r) {
+              for (int64_t e = 0; e < 2; ++e) {
+                const int64_t m = c * 16 + r, k = kc * 32 + 2 * p + e;
+                const uint16_t got = packed[(((c * kcn + kc) * 16 + p) * 16 + r) * 2 + e];
+                ASSERT_EQ(got, m < M ? x[m * K + k] : uint16_t{0}) << M << " " << K;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
 }
 
 }  // namespace
