@@ -55,7 +55,7 @@ def head_from(folder, llm):
     dv = load_file(os.path.join(folder, "drafter.safetensors"))["draft_vocab"]
     head = EagleHead(llm.model, dv, int(conf["eagle"]["intermediate_size"]),
                      conf["eagle"].get("feature_layers"))
-    state = torch.load(os.path.join(folder, "checkpoint.pt"), weights_only=False)["head"]
+    state = torch.load(os.path.join(folder, "checkpoint.pt"), weights_only=True)["head"]
     head.load_state_dict(state)
     return head.eval(), dv, conf
 
@@ -230,7 +230,9 @@ def main(argv=None):
     data = args.data or os.path.join(args.folder, "data.pt" if len(layers) == 1 else
                                      "features-" + "-".join(map(str, layers)) + ".pt")
     if "training_corpus" in sets and os.path.isfile(data) and args.train_seqs > 0:
-        seqs = torch.load(data, weights_only=False)[-args.train_seqs:]
+        from pyspec.train.data import load_sequences
+
+        seqs = load_sequences(data)[-args.train_seqs:]
         lm_head = llm.model.lm_head.float()
         parts = []
         for s in seqs:

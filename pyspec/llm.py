@@ -117,6 +117,10 @@ class LLM:
             the host (see ``pyspec.models.llama.resolve_device``).
         dtype: "float32" | "bfloat16" | "float16".
         kv_cache_tokens: KV pool size in tokens (shared by all requests).
+        max_num_seqs, max_num_batched_tokens: requests holding KV at once, tokens run per step.
+        max_prefill_chunk: most prompt tokens of one request run per step (0: as many as
+            ``max_num_batched_tokens`` leaves): smaller chunks let a short request's prefill and
+            the running requests' decode steps go between a long prompt's chunks.
         packed_weights: "auto" (default): dense matrices whose float32 values are exactly a 4-bit
             or 8-bit block format (a model converted from a Q4_1 / Q8_0 GGUF, like the default
             model) are also held as those codes, which decoding reads instead: the same outputs
@@ -134,7 +138,8 @@ class LLM:
                  spec: Optional[SpecConfig] = None, *, device: str = "cpu",
                  dtype: str = "float32", kv_cache_tokens: int = 16384, block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 enable_prefix_cache: bool = True, progress: bool = True,
+                 max_prefill_chunk: int = 0, enable_prefix_cache: bool = True,
+                 progress: bool = True,
                  packed_weights: str = "auto", kernels=None):
         from pyspec.models.llama import LlamaForCausalLM
         from pyspec.tokenizer import Tokenizer
@@ -152,6 +157,9 @@ class LLM:
                         ("max_num_batched_tokens", max_num_batched_tokens)):
             if not is_int(v) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1; got {v!r}")
+        if not is_int(max_prefill_chunk) or max_prefill_chunk < 0:
+            raise ValueError(f"max_prefill_chunk must be an int >= 0 (0: limited by "
+                             f"max_num_batched_tokens only); got {max_prefill_chunk!r}")
         if not isinstance(enable_prefix_cache, bool):
             raise ValueError(f"enable_prefix_cache must be a bool; got {enable_prefix_cache!r}")
         if model is None or model == "default":
@@ -169,6 +177,12 @@ class LLM:
                                                       packed_weights=packed_weights,
                                                       kernels=kernels)
         self.tokenizer = Tokenizer.from_pretrained(path)
+        # config.json's and generation_config.json's ids were checked as the config was read.
+        eos, vocab = self.tokenizer.eos_token_id, self.model.cfg.vocab_size
+        if eos is not None and not 0 <= eos < vocab:
+            raise ValueError(f"{path}: the tokenizer's eos_token {self.tokenizer.eos_token!r} is "
+                             f"token id {eos}, outside the model's vocabulary [0, {vocab}) "
+                             "(vocab_size in config.json)")
         try:
             self.runner = ModelRunner(self.model, -(-kv_cache_tokens // block_size), block_size)
         except (RuntimeError, MemoryError) as e:  # torch's allocator refusing
@@ -185,7 +199,8 @@ class LLM:
             router=spec.router, gamma=spec.num_speculative_tokens, adaptive=spec.adaptive,
             switch_below=spec.switch_below, enable_prefix_cache=enable_prefix_cache,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            ewma_alpha=alpha, min_acceptance_rate=float(spec.fallback_on_alpha_below),
+            max_prefill_chunk=max_prefill_chunk, ewma_alpha=alpha,
+            min_acceptance_rate=float(spec.fallback_on_alpha_below),
             warmup_steps=spec.warmup_steps, probe_interval=spec.probe_interval,
             spec_disable_batch_size=spec.spec_disable_batch_size,
             spec_token_budget=spec.spec_token_budget)

@@ -89,6 +89,9 @@ def open_gguf(path: str):
         magic = f.read(4)
     if magic != b"GGUF":
         raise ValueError(f"{path}: not a GGUF file (bad magic {magic!r}, expected b'GGUF')")
+    # gguf's reader trusts the counts and lengths it reads (an array length past the end of the
+    # file makes it loop without end): the layout is checked against the file's size first.
+    check_layout(path)
     try:
         reader = gguf.GGUFReader(path, "r")
     except Exception as e:  # truncated header, bad counts, unknown value types...
@@ -103,14 +106,185 @@ def open_gguf(path: str):
     return reader
 
 
+# GGUF metadata value types: fixed sizes of the scalar ones; 8 is a string, 9 an array.
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY, _UINT32 = 8, 9, 4
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+
+
+def check_layout(path: str) -> None:
+    """Walk a GGUF file's header (metadata, tensor infos) and check every count, length, type and
+    tensor range against the file before anything trusts them; ValueError saying what is wrong.
+
+    Every length is bounded by the bytes left, so a corrupt file costs at most one pass over its
+    header: no loop runs on a count the file cannot hold, nothing is allocated for one.
+    """
+    import mmap
+
+    gguf = _gguf()
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 24:
+            raise ValueError(f"{path}: corrupt or truncated GGUF file ({size} bytes is shorter "
+                             "than a GGUF header)")
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        _walk_layout(path, buf, size, gguf)
+    finally:
+        buf.close()
+
+
+def _walk_layout(path: str, buf, size: int, gguf) -> None:
+    def bad(why: str) -> ValueError:
+        return ValueError(f"{path}: corrupt or truncated GGUF file ({why})")
+
+    pos = 4
+    (version,) = struct.unpack_from("<I", buf, pos)
+    order = ">" if version & 0xFFFF == 0 else "<"  # a byte-swapped (big-endian) file
+    (version,) = struct.unpack_from(order + "I", buf, pos)
+    if version not in (2, 3):
+        raise bad(f"GGUF version {version}; versions 2 and 3 are supported")
+    n_tensors, n_kv = struct.unpack_from(order + "QQ", buf, 8)
+    pos = 24
+
+    def need(n: int, what: str) -> None:
+        if n > size - pos:
+            raise bad(f"{what} at byte {pos} needs {n} bytes; the file has {size - pos} left")
+
+    def u32(what: str) -> int:
+        nonlocal pos
+        need(4, what)
+        (v,) = struct.unpack_from(order + "I", buf, pos)
+        pos += 4
+        return v
+
+    def u64(what: str) -> int:
+        nonlocal pos
+        need(8, what)
+        (v,) = struct.unpack_from(order + "Q", buf, pos)
+        pos += 8
+        return v
+
+    def string(what: str) -> str:
+        nonlocal pos
+        n = u64(f"the length of {what}")
+        need(n, f"{what} ({n} bytes)")
+        try:
+            text = bytes(buf[pos:pos + n]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise bad(f"{what} at byte {pos} is not UTF-8") from None
+        pos += n
+        return text
+
+    # The smallest entries: a metadata pair (empty key, type, one byte), a tensor info (empty
+    # name, 0 dims, type, offset).
+    if n_kv > (size - pos) // 13:
+        raise bad(f"{n_kv} metadata entries cannot fit in {size} bytes")
+    if n_tensors > (size - pos) // 24:
+        raise bad(f"{n_tensors} tensors cannot fit in {size} bytes")
+    keys = set()
+    alignment = 32
+    for _ in range(n_kv):
+        key = string("a metadata key")
+        if key in keys:
+            raise bad(f"duplicate metadata key {key!r}")
+        keys.add(key)
+        vtype = u32(f"the type of {key!r}")
+        if vtype in _SCALAR_BYTES:
+            if key == "general.alignment":
+                if vtype != _UINT32:
+                    raise bad("general.alignment must be a uint32")
+                alignment = u32("general.alignment")
+                if alignment == 0 or alignment & (alignment - 1):
+                    raise bad(f"general.alignment {alignment} is not a power of two")
+                continue
+            need(_SCALAR_BYTES[vtype], f"the value of {key!r}")
+            pos += _SCALAR_BYTES[vtype]
+        elif vtype == _STRING:
+            string(f"the value of {key!r}")
+        elif vtype == _ARRAY:
+            etype = u32(f"the element type of {key!r}")
+            count = u64(f"the length of {key!r}")
+            if etype in _SCALAR_BYTES:
+                need(count * _SCALAR_BYTES[etype], f"the {count} values of {key!r}")
+                pos += count * _SCALAR_BYTES[etype]
+            elif etype == _STRING:
+                if count > (size - pos) // 8:
+                    raise bad(f"{count} strings of {key!r} cannot fit in the file")
+                for i in range(count):
+                    string(f"{key}[{i}]")
+            else:
+                raise bad(f"{key!r} is an array of value type {etype} (nested arrays and unknown "
+                          "types are not supported)")
+        else:
+            raise bad(f"{key!r} has unknown value type {vtype}")
+    infos = []
+    names = set()
+    for _ in range(n_tensors):
+        name = string("a tensor name")
+        if name in names:
+            raise bad(f"duplicate tensor {name!r}")
+        names.add(name)
+        n_dims = u32(f"the dimension count of {name!r}")
+        if n_dims > _MAX_DIMS:
+            raise bad(f"tensor {name!r} has {n_dims} dimensions; at most {_MAX_DIMS}")
+        dims = [u64(f"the dimensions of {name!r}") for _ in range(n_dims)]
+        ttype = u32(f"the type of {name!r}")
+        try:
+            qtype = gguf.GGMLQuantizationType(ttype)
+            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            raise bad(f"tensor {name!r} has unknown type {ttype}") from None
+        if dims and dims[0] % block:
+            raise bad(f"tensor {name!r}: {dims[0]} values per row is not a multiple of "
+                      f"{qtype.name}'s block of {block}")
+        n = 1
+        for d in dims:
+            n *= d
+        offset = u64(f"the data offset of {name!r}")
+        infos.append((offset, n // block * type_size, name))
+    start = pos + (-pos % alignment)
+    end_prev, prev = start, None
+    for offset, nbytes, name in sorted(infos):
+        lo, hi = start + offset, start + offset + nbytes
+        if hi > size:
+            raise bad(f"tensor {name!r} data (bytes {lo} to {hi}) runs past the end of the file "
+                      f"({size} bytes)")
+        if lo < end_prev:
+            raise bad(f"tensor {name!r} data (from byte {lo}) overlaps "
+                      + (f"tensor {prev!r}" if prev else "the header"))
+        end_prev, prev = hi, name
+
+
 def _field(reader, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     if f is None:
         return default
     gguf = _gguf()
-    v = f.contents()
-    if f.types and f.types[0] == gguf.GGUFValueType.FLOAT32:
+    try:
+        v = f.contents()
+    except Exception as e:  # noqa: BLE001 - gguf decodes the raw parts here
+        raise ValueError(f"GGUF metadata {key!r} cannot be read ({type(e).__name__}: "
+                         f"{e})") from None
+    if f.types == [gguf.GGUFValueType.FLOAT32] and isinstance(v, float):
         v = float(str(np.float32(v)))  # shortest repr: 1e-05, not 9.999999747378752e-06
+    return v
+
+
+def _typed(reader, key: str, kind, what: str, default: Any = None) -> Any:
+    """Metadata ``key`` when it is a ``kind`` (``str``, ``int``, ``list`` of ``str``...);
+    ValueError naming the key, its value and ``what`` it must be otherwise."""
+    v = _field(reader, key)
+    if v is None:
+        return default
+    ok = (isinstance(v, list) and all(isinstance(x, kind[0]) and not isinstance(x, bool)
+                                      for x in v)) if isinstance(kind, list) else (
+        isinstance(v, kind) and (kind is bool or not isinstance(v, bool)))
+    if not ok:
+        text = repr(v)
+        raise ValueError(f"GGUF metadata {key} must be {what}; got "
+                         f"{text if len(text) <= 80 else text[:77] + '...'}")
     return v
 
 
@@ -125,7 +299,7 @@ def _architecture(reader) -> str:
     arch = _field(reader, "general.architecture")
     if arch is None:
         raise ValueError("GGUF metadata lacks 'general.architecture'")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     return arch
@@ -135,8 +309,29 @@ def _architecture(reader) -> str:
 # config
 
 
-def build_config(reader) -> Dict[str, Any]:
-    """A Hugging Face ``LlamaForCausalLM`` config dict from the GGUF metadata."""
+def _config_keys(arch: str) -> Dict[str, str]:
+    """The GGUF metadata key each config value comes from (for error messages)."""
+    keys = {"hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
+            "num_hidden_layers": "block_count", "num_attention_heads": "attention.head_count",
+            "num_key_value_heads": "attention.head_count_kv", "head_dim": "attention.key_length",
+            "rms_norm_eps": "attention.layer_norm_rms_epsilon", "rope_theta": "rope.freq_base",
+            "max_position_embeddings": "context_length",
+            "rope_scaling.factor": "rope.scaling.factor",
+            "rope_scaling.rope_type": "rope.scaling.type"}
+    out = {k: f"{arch}.{v}" for k, v in keys.items()}
+    out.update({"vocab_size": "vocab_size (the rows of token_embd.weight)",
+                "bos_token_id": "tokenizer.ggml.bos_token_id",
+                "eos_token_id": "tokenizer.ggml.eos_token_id",
+                "pad_token_id": "tokenizer.ggml.padding_token_id"})
+    return out
+
+
+def build_config(reader, source: str = "GGUF metadata") -> Dict[str, Any]:
+    """A Hugging Face ``LlamaForCausalLM`` config dict from the GGUF metadata, checked by
+    :meth:`ModelConfig.from_dict` (the same checks as a ``config.json``; errors name the GGUF
+    key)."""
+    from pyspec.models.config import ModelConfig
+
     arch = _architecture(reader)
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
@@ -144,53 +339,58 @@ def build_config(reader) -> Dict[str, Any]:
     if "rope_freqs.weight" in tensors:
         raise ValueError("GGUF file uses per-frequency rope factors (rope_freqs.weight, Llama 3.1 "
                          "style rope scaling), which this converter does not support")
-    hidden = int(_require(reader, f"{arch}.embedding_length"))
-    n_head = int(_require(reader, f"{arch}.attention.head_count"))
-    n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // n_head))
-    v_dim = int(_field(reader, f"{arch}.attention.value_length", head_dim))
-    if v_dim != head_dim:
-        raise ValueError(f"key_length {head_dim} != value_length {v_dim} is not supported")
-    rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
-        raise ValueError(f"partial rotary embeddings (rope dim {rope_dim} < head dim {head_dim}) "
-                         "are not supported")
-    vocab = int(tensors["token_embd.weight"].shape[-1])  # ggml order: [hidden, vocab]
+    embd = [int(d) for d in tensors["token_embd.weight"].shape]  # ggml order: [hidden, vocab]
+    if len(embd) != 2:
+        raise ValueError(f"GGUF tensor 'token_embd.weight' must be 2-D; it has shape "
+                         f"{tuple(reversed(embd))}")
     rope_scaling = None
     scaling_type = _field(reader, f"{arch}.rope.scaling.type")
     if scaling_type not in (None, "none"):
         if scaling_type != "linear":
             raise ValueError(f"unsupported rope scaling type {scaling_type!r}")
-        factor = float(_require(reader, f"{arch}.rope.scaling.factor"))
-        rope_scaling = {"rope_type": "linear", "factor": factor}
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    pad = _field(reader, "tokenizer.ggml.padding_token_id")
-    return {
+        rope_scaling = {"rope_type": "linear",
+                        "factor": _require(reader, f"{arch}.rope.scaling.factor")}
+    config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": int(_require(reader, f"{arch}.feed_forward_length")),
-        "num_hidden_layers": int(_require(reader, f"{arch}.block_count")),
-        "num_attention_heads": n_head,
-        "num_key_value_heads": n_kv,
-        "head_dim": head_dim,
+        "hidden_size": _require(reader, f"{arch}.embedding_length"),
+        "intermediate_size": _require(reader, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": _require(reader, f"{arch}.block_count"),
+        "num_attention_heads": _require(reader, f"{arch}.attention.head_count"),
+        "num_key_value_heads": _field(reader, f"{arch}.attention.head_count_kv"),
+        "head_dim": _field(reader, f"{arch}.attention.key_length"),
         "hidden_act": "silu",
-        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "rms_norm_eps": _field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": _field(reader, f"{arch}.rope.freq_base", 10000.0),
         "rope_scaling": rope_scaling,
-        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
-        "vocab_size": vocab,
+        "max_position_embeddings": _field(reader, f"{arch}.context_length", 2048),
+        "vocab_size": embd[1],
         "tie_word_embeddings": "output.weight" not in tensors,
         "attention_bias": False,
         "mlp_bias": False,
-        "bos_token_id": None if bos is None else int(bos),
-        "eos_token_id": None if eos is None else int(eos),
-        "pad_token_id": None if pad is None else int(pad),
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
         "initializer_range": 0.02,
         "torch_dtype": "float32",
         "use_cache": True,
     }
+    keys = _config_keys(arch)
+    cfg = ModelConfig.from_dict(config, source=source, key_names=keys)
+    # What the dict left to defaults, as the check resolved it.
+    config.update(num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
+    pad = config["pad_token_id"]
+    if pad is not None and not (isinstance(pad, int) and not isinstance(pad, bool)
+                                and 0 <= pad < cfg.vocab_size):
+        raise ValueError(f"{source}: {keys['pad_token_id']} must be a token id in [0, "
+                         f"{cfg.vocab_size}); got {pad!r}")
+    for key, why in ((f"{arch}.attention.value_length", "value heads of another size"),
+                     (f"{arch}.rope.dimension_count", "partial rotary embeddings")):
+        v = _field(reader, key)
+        if v is not None and v != cfg.head_dim:
+            raise ValueError(f"{source}: {key} must equal the head dimension ({cfg.head_dim}; "
+                             f"{why} are not supported); got {v!r}")
+    return config
 
 
 # --------------------------------------------------------------------------------------------
@@ -267,6 +467,9 @@ def _dequantize(t) -> np.ndarray:
 
 def _plan_tensors(reader, config: Dict[str, Any]) -> List[Tuple[str, Any, Tuple[int, ...]]]:
     """(hf_name, reader tensor, hf shape) for every tensor, in file order; checks names/shapes."""
+    from pyspec.models.config import ModelConfig
+    from pyspec.models.loader import _Shapes
+
     n_layers = config["num_hidden_layers"]
     plan = []
     seen = set()
@@ -276,20 +479,19 @@ def _plan_tensors(reader, config: Dict[str, Any]) -> List[Tuple[str, Any, Tuple[
             raise ValueError(f"duplicate tensor {t.name!r}")
         seen.add(name)
         plan.append((name, t, tuple(int(d) for d in reversed(t.shape))))
-    expected = {"model.embed_tokens.weight", "model.norm.weight"}
-    for i in range(n_layers):
-        expected.update(f"model.layers.{i}.{v}" for v in _LAYER_NAMES.values())
-    missing = sorted(expected - seen)
-    if missing:
+    # Looked up per tensor: the block count is a claim of the metadata (2**31 layers must not
+    # make a table of that many names).
+    shapes = _Shapes(ModelConfig.from_dict(config, source="GGUF metadata"))
+    required = sum(shapes.get(name)[1] for name, _, _ in plan)
+    if required < shapes.count:
+        missing = shapes.missing(seen, limit=6)
         raise ValueError(f"GGUF file lacks tensors: {', '.join(missing[:5])}"
-                         + (" ..." if len(missing) > 5 else ""))
-    h, hd = config["hidden_size"], config["head_dim"]
-    want = {"q_proj": (config["num_attention_heads"] * hd, h),
-            "k_proj": (config["num_key_value_heads"] * hd, h)}
+                         + (" ..." if shapes.count - required > 5 else ""))
     for name, t, shape in plan:
-        for key, s in want.items():
-            if f".{key}." in name and shape != s:
-                raise ValueError(f"tensor {t.name!r} has shape {shape}, expected {s}")
+        want = shapes.get(name)[0]
+        if shape != want:
+            raise ValueError(f"tensor {t.name!r} has shape {shape}, expected {want} "
+                             "(from the GGUF metadata)")
     return plan
 
 
@@ -332,31 +534,61 @@ def _write_safetensors(path: str, items: List[Tuple[str, Tuple[int, ...]]], prod
 
 
 def _token_strings(reader) -> List[str]:
-    tokens = _field(reader, "tokenizer.ggml.tokens")
+    tokens = _typed(reader, "tokenizer.ggml.tokens", [str], "a list of strings")
     if not tokens:
         raise ValueError("GGUF metadata has no tokenizer (tokenizer.ggml.tokens)")
     return tokens
 
 
+def _token_types(reader, tokens: List[str]) -> List[int]:
+    types = _typed(reader, "tokenizer.ggml.token_type", [int], "a list of integers") or \
+        [1] * len(tokens)
+    if len(types) != len(tokens):
+        raise ValueError(f"{len(types)} token types for {len(tokens)} tokens")
+    return types
+
+
+def _token_id(reader, key: str, tokens: List[str]) -> Optional[int]:
+    """Metadata ``key`` (a special token's id) checked to be a token of the vocabulary."""
+    i = _typed(reader, key, int, "a token id")
+    if i is not None and not 0 <= i < len(tokens):
+        raise ValueError(f"GGUF metadata {key} must be a token id in [0, {len(tokens)}) (the "
+                         f"tokens of tokenizer.ggml.tokens); got {i}")
+    return i
+
+
 def build_tokenizer(reader):
     """A ``tokenizers.Tokenizer`` equivalent to the GGUF's byte-level BPE vocabulary."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-
     kind = _field(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
+    if not isinstance(kind, str) or kind != "gpt2":
         raise ValueError(f"unsupported GGUF tokenizer model {kind!r}; only byte-level BPE "
                          "('gpt2') vocabularies are supported")
     pre = _field(reader, "tokenizer.ggml.pre", "default")
-    if pre not in _PRE_TOKENIZERS:
+    if not isinstance(pre, str) or pre not in _PRE_TOKENIZERS:
         raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; supported: "
                          f"{', '.join(sorted(_PRE_TOKENIZERS))}")
     tokens = _token_strings(reader)
-    merges = _field(reader, "tokenizer.ggml.merges")
+    merges = _typed(reader, "tokenizer.ggml.merges", [str], "a list of strings")
     if not merges:
         raise ValueError("GGUF byte-level BPE vocabulary has no merges (tokenizer.ggml.merges)")
-    types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-    if len(types) != len(tokens):
-        raise ValueError(f"{len(types)} token types for {len(tokens)} tokens")
+    types = _token_types(reader, tokens)
+    bos = _token_id(reader, "tokenizer.ggml.bos_token_id", tokens)
+    eos = _token_id(reader, "tokenizer.ggml.eos_token_id", tokens)
+    add_bos = _typed(reader, "tokenizer.ggml.add_bos_token", bool, "true or false", False)
+    add_eos = _typed(reader, "tokenizer.ggml.add_eos_token", bool, "true or false", False)
+    try:
+        return _make_tokenizer(tokens, merges, types, pre, bos if add_bos else None,
+                               eos if add_eos else None)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - tokenizers raises bare Exceptions
+        raise ValueError(f"the GGUF vocabulary does not make a tokenizer ({type(e).__name__}: "
+                         f"{e})") from None
+
+
+def _make_tokenizer(tokens, merges, types, pre, bos, eos):
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
     vocab: Dict[str, int] = {}
     for i, tok in enumerate(tokens):
         vocab.setdefault(tok, i)  # first occurrence wins on (rare) duplicates
@@ -390,10 +622,7 @@ def build_tokenizer(reader):
     if user:
         tk.add_tokens(user)
 
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False)) and bos is not None
-    add_eos = bool(_field(reader, "tokenizer.ggml.add_eos_token", False)) and eos is not None
+    add_bos, add_eos = bos is not None, eos is not None
     if add_bos or add_eos:
         b, e = (tokens[int(bos)] if add_bos else None), (tokens[int(eos)] if add_eos else None)
         single = ([b] if b else []) + ["$A"] + ([e] if e else [])
@@ -411,11 +640,12 @@ def build_tokenizer(reader):
 
 def build_tokenizer_config(reader, config: Dict[str, Any]) -> Dict[str, Any]:
     tokens = _token_strings(reader)
-    types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    types = _token_types(reader, tokens)
 
     def tok(key):
         i = _field(reader, key)
-        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+        ok = isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(tokens)
+        return tokens[i] if ok else None
 
     added = {}
     for i, ty in enumerate(types):
@@ -425,8 +655,10 @@ def build_tokenizer_config(reader, config: Dict[str, Any]) -> Dict[str, Any]:
                              "special": ty == _TOKEN_CONTROL}
     out = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
+        "add_bos_token": _typed(reader, "tokenizer.ggml.add_bos_token", bool, "true or false",
+                                False),
+        "add_eos_token": _typed(reader, "tokenizer.ggml.add_eos_token", bool, "true or false",
+                                False),
         "bos_token": tok("tokenizer.ggml.bos_token_id"),
         "eos_token": tok("tokenizer.ggml.eos_token_id"),
         "unk_token": tok("tokenizer.ggml.unknown_token_id"),
@@ -435,7 +667,7 @@ def build_tokenizer_config(reader, config: Dict[str, Any]) -> Dict[str, Any]:
         "model_max_length": config["max_position_embeddings"],
         "added_tokens_decoder": added,
     }
-    template = _field(reader, "tokenizer.chat_template")
+    template = _typed(reader, "tokenizer.chat_template", str, "a string")
     if template:
         out["chat_template"] = template
     return {k: v for k, v in out.items() if v is not None}
@@ -464,7 +696,7 @@ def convert_into(gguf_path: str, out_dir: str, *, progress: bool = False) -> Dic
     Returns the model config. Everything is validated before the weights are written.
     """
     reader = open_gguf(gguf_path)
-    config = build_config(reader)
+    config = build_config(reader, source=os.fspath(gguf_path))
     tokenizer = build_tokenizer(reader)
     if tokenizer.get_vocab_size(with_added_tokens=True) > config["vocab_size"]:
         raise ValueError(f"tokenizer has {tokenizer.get_vocab_size(with_added_tokens=True)} "

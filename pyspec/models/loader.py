@@ -7,8 +7,10 @@ converted (or fused) form exists.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import struct
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -73,8 +75,13 @@ def _checkpoint_files(path: str) -> List[str]:
         try:
             with open(index, encoding="utf-8") as f:
                 weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{index} is malformed (needs a 'weight_map' object): {e}") from None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(v, str) and v == os.path.basename(v) and v not in ("", ".", "..")
+                for v in weight_map.values()):
+            raise ValueError(f"{index} is malformed: its 'weight_map' must map tensor names to "
+                             "the file names of shards in the same folder")
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
         if missing:
@@ -89,11 +96,53 @@ def _checkpoint_files(path: str) -> List[str]:
                      "model.safetensors.index.json)")
 
 
+# safetensors' own limit on the JSON header.
+_MAX_HEADER_BYTES = 100 * 2**20
+
+
+def check_safetensors_header(file: str) -> None:
+    """The checks safetensors leaves out, made before it opens ``file``: a JSON header that fits
+    the file and names each tensor once (JSON allows repeated keys; a reader would keep one of
+    them). ValueError saying what is wrong; the library checks the rest (dtypes, shapes, offsets
+    within the file, no overlaps)."""
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{file} is not a safetensors file (truncated or corrupt?): "
+                             f"{size} bytes is shorter than its header length")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise ValueError(f"{file} is not a readable safetensors file (truncated or corrupt?): "
+                             f"its header length {n} runs past the end of the file ({size} "
+                             "bytes)")
+        if n > _MAX_HEADER_BYTES:
+            raise ValueError(f"{file} is not a readable safetensors file: its header is {n} "
+                             f"bytes, more than safetensors reads ({_MAX_HEADER_BYTES})")
+        raw = f.read(n)
+
+    def no_duplicates(pairs):
+        seen = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise ValueError(f"{file} is not a readable safetensors file: its header names "
+                                 f"{k!r} more than once")
+            seen.add(k)
+        return dict(pairs)
+
+    try:
+        json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"{file} is not a readable safetensors file (truncated or corrupt?): "
+                         f"its header is not UTF-8 JSON ({type(e).__name__})") from None
+
+
 def iter_tensors(path: str) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yields (name, tensor) for every tensor of every shard, one at a time (memory-mapped)."""
     from safetensors import SafetensorError, safe_open
 
     for file in _checkpoint_files(path):
+        check_safetensors_header(file)
         try:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in f.keys():
@@ -105,36 +154,94 @@ def iter_tensors(path: str) -> Iterator[Tuple[str, torch.Tensor]]:
             raise ValueError(f"{file} could not be read (truncated or corrupt?): {e}") from None
 
 
+class _Shapes:
+    """The shape a checkpoint tensor of ``cfg`` must have, by name, without listing every layer's
+    names up front: a config's layer count is only a claim until the tensors are read (one that
+    says 2**31 layers must cost a lookup per tensor the file holds, not a table of 2**31 rows)."""
+
+    _LAYER = "model.layers."
+
+    def __init__(self, cfg: ModelConfig):
+        one = dataclasses.replace(cfg, num_hidden_layers=1)
+        self.layers = cfg.num_hidden_layers
+        self.required, self.optional = {}, {}
+        for table, shapes in ((self.required, expected_shapes(one)),
+                              (self.optional, optional_shapes(one))):
+            for name, shape in shapes.items():
+                key = name[len(self._LAYER + "0."):] if name.startswith(self._LAYER) else name
+                table[(name.startswith(self._LAYER), key)] = shape
+        self.count = (sum(not layer for layer, _ in self.required)
+                      + self.layers * sum(layer for layer, _ in self.required))
+
+    def _key(self, name: str):
+        if not name.startswith(self._LAYER):
+            return False, name
+        index, _, rest = name[len(self._LAYER):].partition(".")
+        if not (index.isdigit() and index == str(int(index)) and int(index) < self.layers):
+            return None
+        return True, rest
+
+    def get(self, name: str):
+        """(shape, required) of tensor ``name``, or None for a name the config does not use."""
+        key = self._key(name)
+        if key in self.required:
+            return self.required[key], True
+        if key in self.optional:
+            return self.optional[key], False
+        return None
+
+    def missing(self, found, limit: int = 5) -> List[str]:
+        """Up to ``limit`` required names not in ``found``, in order (stops there: the layers
+        walked are at most those ``found`` holds, plus one)."""
+        out = []
+        for i in range(-1, self.layers):
+            for (layer, key) in self.required:
+                if layer != (i >= 0):
+                    continue
+                name = f"{self._LAYER}{i}.{key}" if layer else key
+                if name not in found:
+                    out.append(name)
+                    if len(out) == limit:
+                        return out
+        return out
+
+
 def load_weights(path: str, cfg: ModelConfig, dtype: torch.dtype,
                  device: str = "cpu") -> Dict[str, torch.Tensor]:
     """Reads, validates and converts all tensors. Errors name missing, unexpected or misshapen
     tensors."""
-    required = expected_shapes(cfg)
-    optional = optional_shapes(cfg)
+    shapes = _Shapes(cfg)
     out: Dict[str, torch.Tensor] = {}
     unexpected: List[str] = []
+    required = 0
     for name, t in iter_tensors(path):
         if name.endswith(_IGNORED_SUFFIXES):
             continue
-        want = required.get(name) or optional.get(name)
+        if name in out:
+            raise ValueError(f"checkpoint {path} holds tensor '{name}' more than once (in two "
+                             "shards)")
+        want = shapes.get(name)
         if want is None:
             unexpected.append(name)
             continue
-        if tuple(t.shape) != want:
-            raise ValueError(f"tensor '{name}' has shape {tuple(t.shape)}; the config implies {want}")
+        if tuple(t.shape) != want[0]:
+            raise ValueError(f"tensor '{name}' has shape {tuple(t.shape)}; the config implies "
+                             f"{want[0]}")
         if not t.is_floating_point():
             raise ValueError(f"tensor '{name}' has dtype {t.dtype}; expected a floating type "
                              "(quantized checkpoints are not supported)")
         out[name] = t.to(device=device, dtype=dtype)
+        required += want[1]
         del t
     if unexpected:
         more = f" (+{len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
         raise ValueError(f"checkpoint {path} has tensors this {cfg.model_type} config does not use: "
                          f"{unexpected[:5]}{more}")
-    missing = [n for n in required if n not in out]
-    if missing:
-        more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise ValueError(f"checkpoint {path} is missing tensors: {missing[:5]}{more}")
+    if required < shapes.count:
+        missing = shapes.missing(out)
+        n = shapes.count - required
+        more = f" (+{n - len(missing)} more)" if n > len(missing) else ""
+        raise ValueError(f"checkpoint {path} is missing tensors: {missing}{more}")
     return out
 
 

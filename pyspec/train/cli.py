@@ -245,7 +245,9 @@ def train_draft(args) -> str:
     # anything is loaded or written (a corpus drafter folder needs the target's vocabulary).
     data_path = os.path.join(args.out, "data.pt")
     reuse = data_paths or ([data_path] if os.path.isfile(data_path) else [])
-    saved = {p: D.load_sequences(p, "--data" if data_paths else "--out (resuming)")
+    saved = {p: (D.load_sequences(p, "--data") if data_paths else
+                 D.load_sequences(p, "--out (resuming)", f"delete {p} to generate the corpus "
+                                  "again"))
              for p in reuse if not os.path.isdir(p)}
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(args.seed)
@@ -267,7 +269,7 @@ def train_draft(args) -> str:
         for prompts in _prompt_lists(gen, args):  # one corpus per list, as separate runs do
             seqs.extend(D.generate_corpus(gen, prompts, max_tokens=args.max_tokens,
                                           batch=args.batch, seed=args.seed))
-        torch.save(seqs, data_path)
+        D.save_sequences(seqs, data_path)
     # Features from one teacher-forced pass over the tokens: for other layers than the recorded
     # final one, and for a corpus drafter's documents, which have none (not needed by a corpus).
     recompute = layers or (args.method != "suffix" and any(s.hidden is None for s in seqs))
@@ -276,13 +278,15 @@ def train_draft(args) -> str:
 
         layers = list(feature_layers(layers, gen.model.cfg.num_hidden_layers))
         feat_path = os.path.join(args.out, "features-" + "-".join(map(str, layers)) + ".pt")
-        cached = torch.load(feat_path, weights_only=False) if os.path.isfile(feat_path) else None
+        cached = (D.load_sequences(feat_path, "--out (the feature cache)",
+                                   f"delete {feat_path} to compute the features again")
+                  if os.path.isfile(feat_path) else None)
         if cached is not None and [c.tokens for c in cached] == [s.tokens for s in seqs]:
             seqs = cached
             print(f"loaded the layer {layers} features from {feat_path}")
         else:
             seqs = D.with_feature_layers(gen, seqs, layers)
-            torch.save(seqs, feat_path)
+            D.save_sequences(seqs, feat_path)
         if layers == [gen.model.cfg.num_hidden_layers]:
             layers = None  # the final hidden state alone: a plain head
     n_tok = sum(len(s.tokens) for s in seqs)

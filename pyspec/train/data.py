@@ -11,7 +11,9 @@ HumanEval, which are for measurement only.
 
 from __future__ import annotations
 
+import os
 import random
+import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -445,22 +447,123 @@ class Sequence_:
     num_prompt: Optional[int]  # None: not known (a corpus drafter's documents)
 
 
-def load_sequences(path: str, what: str = "--data") -> List[Sequence_]:
-    """A corpus saved by ``train-draft`` (its ``data.pt``, or a ``features-*.pt``): the generated
-    sequences. Any other file is a ValueError naming it (``what``: the option that gave it)."""
+# A saved corpus (data.pt, features-*.pt): plain tensors, lists and strings only, so it loads with
+# torch.load(weights_only=True), which runs no code from the file.
+CORPUS_FORMAT = "pyspec.train.corpus"
+CORPUS_VERSION = 2
+
+
+def save_sequences(seqs: List[Sequence_], path: str) -> None:
+    """Write a corpus (``data.pt``, ``features-*.pt``) that :func:`load_sequences` reads back:
+    the tokens of every sequence as one int64 tensor and offsets, the prompt lengths (-1: not
+    known) and the hidden states (None where there are none). Written under a temporary name and
+    renamed into place, so an interrupted save never leaves a partial file."""
+    lens = [len(s.tokens) for s in seqs]
+    state = {
+        "format": CORPUS_FORMAT,
+        "version": CORPUS_VERSION,
+        "tokens": torch.tensor([t for s in seqs for t in s.tokens], dtype=torch.int64),
+        "offsets": torch.tensor([0] + lens, dtype=torch.int64).cumsum(0),
+        "num_prompt": torch.tensor([-1 if s.num_prompt is None else s.num_prompt for s in seqs],
+                                   dtype=torch.int64),
+        "hidden": [s.hidden for s in seqs],
+    }
+    tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        seqs = torch.load(path, weights_only=False)
-    # Unpickling arbitrary bytes can raise almost any exception (ValueError, UnpicklingError,
-    # RuntimeError, EOFError, AttributeError, ...), none of which says what was wrong with the file.
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def pickled_global(e: Exception) -> Optional[str]:
+    """The Python object a pickle refused by ``torch.load(weights_only=True)`` names (to build or
+    call it), or None when the load failed for another reason (bytes that are no pickle)."""
+    m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+    return m.group(1) if m else None
+
+
+def load_failure(e: Exception) -> str:
+    """A torch.load error in one line: its type and the line of its message that says what."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    why = next((x for x in lines if "Unsupported" in x), lines[0] if lines else "")
+    why = why.split(" was not an allowed global")[0]
+    return f"{type(e).__name__}: {why}" if why else type(e).__name__
+
+
+def load_sequences(path: str, what: str = "--data",
+                   regenerate: Optional[str] = None) -> List[Sequence_]:
+    """A corpus saved by ``train-draft`` (its ``data.pt``, or a ``features-*.pt``): the generated
+    sequences. Read with ``torch.load(weights_only=True)``: nothing in the file runs. Any other
+    file is a ValueError naming it (``what``: the option that gave it); so is a corpus of an
+    older pyspec, which pickled Python objects. ``regenerate``: how to make the file again, for
+    the errors (default: generate the corpus again)."""
+    hint = f"; {regenerate}" if regenerate else ""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    # Arbitrary bytes can raise almost any exception (UnpicklingError, RuntimeError, EOFError,
+    # ...), none of which says what was wrong with the file.
     except Exception as e:  # noqa: BLE001
-        raise ValueError(f"{what}: {path!r} is not a corpus saved by train-draft (its data.pt) "
-                         f"nor a corpus drafter folder: torch.load failed ({type(e).__name__}: "
-                         f"{e})") from None
-    if not isinstance(seqs, list) or not all(isinstance(s, Sequence_) for s in seqs):
+        name = pickled_global(e)
+        if name is None:
+            raise ValueError(f"{what}: {path!r} is not a corpus saved by train-draft (its "
+                             f"data.pt) nor a corpus drafter folder: torch.load failed "
+                             f"({load_failure(e)}){hint}") from None
+        again = regenerate or "generate the corpus again (train-draft without --data)"
+        raise ValueError(
+            f"{what}: {path!r} holds pickled Python objects (it names {name}), which pyspec does "
+            "not load (unpickling can run any code): a corpus saved by an older pyspec, or not a "
+            f"corpus at all. To go on, {again}; or, only for a file you made yourself, convert it "
+            "once: python -c \"import pyspec.train.data as D; "
+            f"D.convert_pickled_corpus({path!r})\"") from None
+    problem = _corpus_problem(state)
+    if problem:
         raise ValueError(f"{what}: {path!r} is a torch file but not a corpus saved by train-draft "
-                         f"(its data.pt: a list of generated sequences); it holds a "
-                         f"{type(seqs).__name__}")
-    return seqs
+                         f"(its data.pt): {problem}{hint}")
+    tokens, offsets = state["tokens"].tolist(), state["offsets"].tolist()
+    return [Sequence_(tokens[lo:hi], h, None if n < 0 else n)
+            for lo, hi, h, n in zip(offsets[:-1], offsets[1:], state["hidden"],
+                                    state["num_prompt"].tolist())]
+
+
+def _corpus_problem(state) -> str:
+    """What keeps a loaded object from being a saved corpus ('' when nothing does)."""
+    if not isinstance(state, dict) or state.get("format") != CORPUS_FORMAT:
+        return f"it holds a {type(state).__name__}"
+    if state.get("version") != CORPUS_VERSION:
+        return f"corpus version {state.get('version')!r}; this pyspec reads {CORPUS_VERSION}"
+    tokens, offsets = state.get("tokens"), state.get("offsets")
+    num_prompt, hidden = state.get("num_prompt"), state.get("hidden")
+    for name, t in (("tokens", tokens), ("offsets", offsets), ("num_prompt", num_prompt)):
+        if not (isinstance(t, torch.Tensor) and t.dtype == torch.int64 and t.dim() == 1):
+            return f"its {name!r} is not a 1-D int64 tensor"
+    n = len(num_prompt)
+    if not isinstance(hidden, list) or len(hidden) != n or len(offsets) != n + 1:
+        return "its counts of prompt lengths, offsets and hidden states disagree"
+    lens = offsets.diff()
+    if offsets[0] != 0 or offsets[-1] != len(tokens) or bool((lens < 0).any()):
+        return "its offsets do not split its tokens"
+    if bool(((num_prompt < -1) | (num_prompt > lens)).any()):
+        return "a prompt length is past its sequence"
+    for h, k in zip(hidden, lens.tolist()):
+        if h is not None and not (isinstance(h, torch.Tensor) and h.is_floating_point()
+                                  and h.dim() == 2 and h.shape[0] == k - 1):
+            return "a hidden state is not a [len - 1, H] float tensor"
+    return ""
+
+
+def convert_pickled_corpus(path: str, out: Optional[str] = None) -> str:
+    """Rewrite a corpus an older pyspec pickled (a list of ``Sequence_`` objects) in the current
+    format, at ``out`` (default: in place). This unpickles the file, which runs whatever code it
+    holds: only for a file you made yourself."""
+    seqs = torch.load(path, map_location="cpu", weights_only=False)
+    if not isinstance(seqs, list) or not all(isinstance(s, Sequence_) for s in seqs):
+        raise ValueError(f"{path!r} is not a pickled train-draft corpus (a list of sequences); "
+                         f"it holds a {type(seqs).__name__}")
+    save_sequences(seqs, out or path)
+    return out or path
 
 
 def corpus_sequences(path: str, vocab_size: int) -> List[Sequence_]:

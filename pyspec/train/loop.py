@@ -59,10 +59,30 @@ def set_lr(opt: torch.optim.Optimizer, lr: float, step: int, total: int) -> None
 
 def resume(path: str, key: str, module: torch.nn.Module, opt: torch.optim.Optimizer,
            log: Callable = print) -> int:
-    """Load ``path`` when it exists; returns the epochs already done (0 for a fresh start)."""
+    """Load ``path`` when it exists; returns the epochs already done (0 for a fresh start).
+
+    The checkpoint holds state dicts (tensors, numbers, strings) only, read with
+    ``torch.load(weights_only=True)``: nothing in the file runs. One that needs unpickling
+    anything else is refused (it was not written by :func:`save`)."""
     if not os.path.isfile(path):
         return 0
-    state = torch.load(path, weights_only=False)
+    restart = "delete it to train from the first epoch"
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - truncated or foreign bytes raise almost anything
+        from pyspec.train.data import load_failure, pickled_global
+
+        name = pickled_global(e)
+        if name is not None:
+            raise ValueError(f"{path}: the checkpoint holds pickled Python objects (it names "
+                             f"{name}), which pyspec does not load (unpickling can run any code); "
+                             f"train-draft did not write it: {restart}") from None
+        raise ValueError(f"{path}: not a readable training checkpoint ({load_failure(e)}); "
+                         f"{restart}") from None
+    if not (isinstance(state, dict) and isinstance(state.get(key), dict)
+            and isinstance(state.get("opt"), dict) and isinstance(state.get("epoch"), int)):
+        raise ValueError(f"{path}: not a training checkpoint of this trainer (needs '{key}', "
+                         f"'opt' and 'epoch'); {restart}")
     module.load_state_dict(state[key])
     opt.load_state_dict(state["opt"])
     log(f"resumed from {path} after epoch {state['epoch']}")
@@ -71,8 +91,17 @@ def resume(path: str, key: str, module: torch.nn.Module, opt: torch.optim.Optimi
 
 def save(path: str, key: str, module: torch.nn.Module, opt: torch.optim.Optimizer,
          epoch: int) -> None:
+    """The checkpoint :func:`resume` reads: state dicts only (loadable with weights_only=True),
+    written under a temporary name and renamed into place."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    torch.save({key: module.state_dict(), "opt": opt.state_dict(), "epoch": epoch}, path)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        torch.save({key: module.state_dict(), "opt": opt.state_dict(), "epoch": epoch}, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 @dataclass

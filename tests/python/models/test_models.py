@@ -210,7 +210,7 @@ def test_loading_errors_are_clear(tmp_path):
     _write_config(p, num_key_value_heads=2)
 
     _write_config(p, rope_parameters={"rope_type": "yarn", "factor": 4.0})
-    with pytest.raises(ValueError, match="rope_scaling"):
+    with pytest.raises(ValueError, match='rope_parameters.rope_type must be one of .*; got "yarn"'):
         LlamaForCausalLM.from_pretrained(str(p))
     _write_config(p, rope_parameters=None)
 

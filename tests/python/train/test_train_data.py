@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pyspec import cli
+from pyspec.train.data import load_sequences
 
 from train_support import _lossless
 
@@ -53,7 +54,7 @@ def test_train_on_a_corpus_drafter_folder(tiny, trained, tmp_path, capsys):
     assert cli.main(args) == 0
     conf = json.load(open(os.path.join(out, "drafter.json")))
     recipe = conf["manifest"]["recipe"]
-    seqs = torch.load(data, weights_only=False)
+    seqs = load_sequences(data)
     assert recipe["data"] == [corpus] and recipe["sequences"] == len(seqs)
     assert recipe["tokens"] == sum(len(s.tokens) for s in seqs)
     assert "generated_tokens" not in recipe  # a corpus does not record where its prompts end
@@ -65,7 +66,7 @@ def test_train_on_a_corpus_drafter_folder(tiny, trained, tmp_path, capsys):
     assert made["data_commands"] == {data: json.load(open(os.path.join(
         trained, "drafter.json")))["manifest"]["recipe"]["command"]}
     assert "feature_layers" not in conf["eagle"]  # the final hidden state alone: a plain head
-    feats = torch.load(os.path.join(out, "features-2.pt"), weights_only=False)
+    feats = load_sequences(os.path.join(out, "features-2.pt"))
     assert [f.tokens for f in feats] == [s.tokens for s in seqs]
     for a, b in zip(feats, seqs):  # the recomputed features are the recorded ones
         torch.testing.assert_close(a.hidden.float(), b.hidden.float(), atol=0.1, rtol=0.05)
@@ -127,7 +128,7 @@ def test_seed_prompt_sets(tiny, tmp_path):
     llm = pyspec.LLM(tiny, draft="none", kv_cache_tokens=512)
     both = seed_prompts(3, seed=0, prompt_set="basic") + seed_prompts(3, prompt_set="wide")
     want = [llm.chat_prompt([{"role": "user", "content": q}]) for q in both]
-    seqs = torch.load(os.path.join(out, "data.pt"), weights_only=False)
+    seqs = load_sequences(os.path.join(out, "data.pt"))
     assert [q.tokens[:q.num_prompt] for q in seqs] == want
     for bad in ("mt-bench", "wide,wide", "basic,"):
         with pytest.raises(SystemExit) as e:
@@ -195,7 +196,7 @@ def test_train_draft_self_prompt_set(tiny, tmp_path, monkeypatch, capsys):
                      "80", "--intermediate-size", "32"]) == 0
     written = [json.loads(line)["prompt"] for line in open(os.path.join(out, "self-prompts.jsonl"))]
     assert len(written) == 3
-    seqs = torch.load(os.path.join(out, "data.pt"), weights_only=False)
+    seqs = load_sequences(os.path.join(out, "data.pt"))
     import pyspec
 
     llm = pyspec.LLM(tiny, draft="none", kv_cache_tokens=512)
@@ -209,7 +210,7 @@ def test_train_draft_self_prompt_set(tiny, tmp_path, monkeypatch, capsys):
     assert cli.main(["train-draft", "--target", tiny, "--out", again, "--prompt-set", "self",
                      "--prompts", "2", "--max-tokens", "4", "--epochs", "1", "--draft-vocab",
                      "80", "--intermediate-size", "32"]) == 0
-    seqs = torch.load(os.path.join(again, "data.pt"), weights_only=False)
+    seqs = load_sequences(os.path.join(again, "data.pt"))
     assert [q.tokens[:q.num_prompt] for q in seqs] == [
         llm.chat_prompt([{"role": "user", "content": q}]) for q in written[:2]]
     monkeypatch.setattr(D, "self_prompts", lambda llm, n, **kw: [])

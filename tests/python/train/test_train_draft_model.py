@@ -4,9 +4,8 @@ on concatenated corpora, with its manifest, lossless."""
 import json
 import os
 
-import torch
-
 from pyspec import cli
+from pyspec.train.data import load_sequences
 
 from train_support import _lossless
 
@@ -31,7 +30,7 @@ def test_train_draft_model_method(tiny, trained, tmp_path):
     assert "gen_dtype" not in man["recipe"] and "max_tokens" not in man["recipe"]
     assert man["recipe"]["data_commands"] == {corpus: json.load(open(os.path.join(
         trained, "drafter.json")))["manifest"]["recipe"]["command"]}
-    assert man["recipe"]["sequences"] == 2 * len(torch.load(corpus, weights_only=False))
+    assert man["recipe"]["sequences"] == 2 * len(load_sequences(corpus))
     assert json.load(open(os.path.join(out, "config.json")))["num_hidden_layers"] == 1
     llm, _ = _lossless(tiny, out, max_tokens=10)
     assert "draft model" in llm.drafter_name

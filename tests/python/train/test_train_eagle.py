@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pyspec import cli
+from pyspec.train.data import load_sequences
 
 from train_support import _lossless, _random_head
 
@@ -34,8 +35,8 @@ def test_train_eagle_on_fused_target_layers(tiny, trained, tmp_path):
     assert conf["manifest"]["recipe"]["feature_layers"] == [1, 2]
     h = conf["hidden_size"]
     assert load_file(os.path.join(out, "drafter.safetensors"))["fuse.weight"].shape == (h, 2 * h)
-    feats = torch.load(os.path.join(out, "features-1-2.pt"), weights_only=False)
-    seqs = torch.load(corpus, weights_only=False)
+    feats = load_sequences(os.path.join(out, "features-1-2.pt"))
+    seqs = load_sequences(corpus)
     assert [s.tokens for s in feats] == [s.tokens for s in seqs]
     # The recomputed final layer is the recorded one (same target, bf16 storage).
     for a, b in zip(feats, seqs):
@@ -47,7 +48,7 @@ def test_train_eagle_on_fused_target_layers(tiny, trained, tmp_path):
     fresh = EagleHead(ref.model, dv, 32, (1, 2))
     learned = EagleHead(ref.model, dv, 32, (1, 2))
     learned.load_state_dict(torch.load(os.path.join(out, "checkpoint.pt"),
-                                       weights_only=False)["head"])
+                                       weights_only=True)["head"])
     assert float(learned.fuse.weight.detach()[:, :h].abs().sum()) > 0
 
     def loss(m):

@@ -5,6 +5,7 @@ import json
 import os
 
 from pyspec import cli
+from pyspec.train.data import load_sequences
 
 from train_support import _lossless
 
@@ -31,10 +32,10 @@ def test_train_medusa_method(tiny, trained, tmp_path):
     # Training lowers the distillation loss of every head (heads start as the target's own head).
     import torch
 
-    seqs = torch.load(os.path.join(trained, "data.pt"), weights_only=False)
+    seqs = load_sequences(os.path.join(trained, "data.pt"))
     vocab = torch.arange(ref.model.cfg.vocab_size)
     fresh = M.MedusaHeads(ref.model, 3, vocab)
-    state = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)["heads"]
+    state = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)["heads"]
     learned = M.MedusaHeads(ref.model, 3, vocab)
     learned.load_state_dict(state)
     feats, tgts = M._rows(seqs, list(range(len(seqs))), 3, 512)
