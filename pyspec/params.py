@@ -32,6 +32,9 @@ class SamplingParams:
     ``stop_token_ids`` end a request at the engine. ``ignore_eos``: do not stop at the tokenizer's
     end-of-sequence tokens (``pyspec.LLM`` adds them to ``stop_token_ids`` otherwise).
     ``speculative=False`` decodes the request plainly (one token per step) through the same engine.
+    ``learn_partition``: drafters that learn from served text (``learn=``) draft this request from,
+    and teach it to, only that partition's text (the server sets it to the tenant), so what one
+    tenant sent never shapes another's drafts; None is the shared partition.
     """
 
     max_tokens: int = 16
@@ -45,6 +48,7 @@ class SamplingParams:
     n: int = 1
     ignore_eos: bool = False
     speculative: bool = True
+    learn_partition: Optional[str] = None
 
 
 _PARAM_NAMES = {f.name for f in fields(SamplingParams)}
@@ -95,6 +99,10 @@ def validate_params(p: SamplingParams, vocab: int) -> None:
     for name in ("ignore_eos", "speculative"):
         if not isinstance(getattr(p, name), bool):
             raise ValueError(f"{name} must be a bool; got {getattr(p, name)!r}")
+    if p.learn_partition is not None and (not isinstance(p.learn_partition, str) or
+                                          len(p.learn_partition) > 256):
+        raise ValueError(f"learn_partition must be None or a string of at most 256 characters; "
+                         f"got {p.learn_partition!r:.80}")
     if p.seed is not None and (not is_int(p.seed) or not -(1 << 63) <= p.seed < (1 << 63)):
         raise ValueError(f"seed must be None or a 64-bit signed int; got {p.seed!r}")
     if not is_int(p.n) or not 1 <= p.n <= 64:

@@ -51,6 +51,7 @@ class DraftRequest:
     seed: int = 0
     step: int = 0  # the request's decode step (fresh randomness per step)
     max_depth: int = 0  # deepest allowed draft level (its KV slots are reserved); 0: = budget
+    partition: Optional[str] = None  # the request's learned-text partition (SamplingParams)
 
     @property
     def depth_limit(self) -> int:
@@ -120,10 +121,12 @@ class Drafter:
     # the source of each request's next step (:meth:`draft_source`) before the scheduler sizes it.
     num_draft_sources = 1
 
-    def draft_source(self, context: Sequence[int]) -> Optional[int]:
+    def draft_source(self, context: Sequence[int], partition: Optional[str] = None
+                     ) -> Optional[int]:
         """Which source (``0 .. num_draft_sources - 1``) drafts the next step of a request whose
-        context (the root last) is ``context``; None when :meth:`propose` will draft nothing
-        beyond the root. A drafter that cannot tell without drafting says 0."""
+        context (the root last) is ``context`` (and learned-text partition ``partition``, passed
+        only when the request has one); None when :meth:`propose` will draft nothing beyond the
+        root. A drafter that cannot tell without drafting says 0."""
         return 0
 
     def prefill(self, chunks: List[PrefillChunk]) -> None:
@@ -138,13 +141,24 @@ class Drafter:
     def release(self, request_id: int) -> None:
         pass
 
-    def learn(self, request_id: int, tokens: Sequence[int]) -> None:
+    def learn(self, request_id: int, tokens: Sequence[int],
+              partition: Optional[str] = None) -> None:
         """A request finished (not aborted, not failed): ``tokens`` is its prompt + output. A
         drafter that learns from served text (a corpus drafter with ``learn``) copies what it
-        needs; the sequence is the engine's and must not be kept."""
+        needs, into ``partition`` (the request's ``SamplingParams.learn_partition``: what it
+        learns there drafts only requests of the same partition); the sequence is the engine's
+        and must not be kept."""
 
     def describe(self) -> str:
         return self.name
+
+
+def draft_source_of(d: Drafter, context: Sequence[int], partition: Optional[str]):
+    """``d.draft_source`` for a request of ``partition`` (drafters written before partitions
+    existed take the context alone, which is all they need for the shared partition)."""
+    if partition is None:
+        return d.draft_source(context)
+    return d.draft_source(context, partition=partition)
 
 
 def layers_of(drafter: Drafter, num_layers: int) -> Tuple[int, ...]:

@@ -21,7 +21,7 @@ import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from pyspec.drafters.base import (Draft, Drafter, DraftRequest, PrefillChunk, Verified,
-                                  layers_of, select_layers, union_layers)
+                                  draft_source_of, layers_of, select_layers, union_layers)
 
 
 class MergedDrafter(Drafter):
@@ -74,9 +74,9 @@ class MergedDrafter(Drafter):
         for p in self.parts:
             p.release(request_id)
 
-    def learn(self, request_id: int, tokens) -> None:
+    def learn(self, request_id: int, tokens, partition=None) -> None:
         for p in self.parts:
-            p.learn(request_id, tokens)
+            p.learn(request_id, tokens, partition)
 
     def propose(self, reqs: List[DraftRequest]) -> List[Draft]:
         drafts = [p.propose(reqs) for p in self.parts]
@@ -107,13 +107,13 @@ class FirstDrafter(MergedDrafter):
             self._offsets.append(self._offsets[-1] + int(p.num_draft_sources))
         self.num_draft_sources = self._offsets[-1]
 
-    def draft_source(self, context: Sequence[int]) -> Optional[int]:
+    def draft_source(self, context: Sequence[int], partition=None) -> Optional[int]:
         """The source, within the first part that will (or may: it cannot tell) draft for
         ``context``. Prompt lookup copying a repeated run and a head guessing new text are right
         at very different rates: the scheduler keeps an estimate for each, so one's misses do not
         shorten the other's drafts."""
         for k, p in enumerate(self.parts):
-            src = p.draft_source(context)
+            src = draft_source_of(p, context, partition)
             if src is not None:
                 return self._offsets[k] + int(src)
         return None

@@ -46,7 +46,7 @@ class NgramDrafter(Drafter):
                              list(range(-1, len(chain)))))
         return out
 
-    def draft_source(self, context) -> Optional[int]:
+    def draft_source(self, context, partition=None) -> Optional[int]:
         ctx = context if isinstance(context, list) else list(context)
         n = prompt_lookup_match(ctx, self.max_ngram)[0]
         return self.max_ngram - n if n else None

@@ -13,7 +13,11 @@ a few binary searches.
 With ``learn=T`` the drafter also learns from what it serves: every finished request's text
 enters a second index (the newest ``T`` tokens; rebuilt in a background thread every
 ``rebuild_tokens`` new tokens), so repeated and templated traffic (agent loops, the same system
-prompt and answer shapes) drafts from its own history.
+prompt and answer shapes) drafts from its own history. Learned text is kept per partition (a
+request's ``SamplingParams.learn_partition``; the server uses the tenant): a request drafts from
+its own partition's history only, so how well one tenant's text is drafted says nothing about
+what another tenant sent. At most ``MAX_PARTITIONS`` partitions are kept, the least recently
+used dropped first.
 
 Drafts are deterministic (no draft distribution), so sampled requests are verified with the
 target-only walk and stay lossless. Match lengths are separate draft sources: a continuation after
@@ -34,6 +38,7 @@ from pyspec.drafters.base import Draft, Drafter, DraftRequest
 from pyspec.drafters.folder import read_config, warn_target_hash, write_config
 
 CORPUS_NAME = "corpus.npz"
+MAX_PARTITIONS = 64
 # Match-length buckets, one draft source each: >= 6 tokens, 3-5, 2, 1.
 _BUCKETS = (6, 3, 2, 1)
 
@@ -68,10 +73,8 @@ class SuffixDrafter(Drafter):
         # longer suffix.
         self.learn_tokens, self.rebuild_tokens = int(learn), max(1, int(rebuild_tokens))
         self._background = bool(background)
-        self._docs: collections.deque = collections.deque()
-        self._doc_tokens = self._pending = 0
-        self._learned = None
-        self._builder: Optional[threading.Thread] = None
+        self._parts: "collections.OrderedDict[Optional[str], _Learned]" = \
+            collections.OrderedDict()
         self.index = index
         self.max_nodes, self.max_depth = int(max_nodes), int(max_depth)
         self.max_match, self.min_match = int(max_match), int(min_match)
@@ -88,22 +91,24 @@ class SuffixDrafter(Drafter):
     def _tail(self, context: Sequence[int]) -> List[int]:
         return [int(t) for t in context[-self.max_match:]]
 
-    def _indexes(self):
-        learned = self._learned
+    def _indexes(self, partition: Optional[str] = None):
+        part = self._parts.get(partition)
+        learned = part.index if part is not None else None
         return (self.index,) if learned is None else (self.index, learned)
 
-    def draft_source(self, context: Sequence[int]) -> Optional[int]:
+    def draft_source(self, context: Sequence[int], partition: Optional[str] = None
+                     ) -> Optional[int]:
         tail = self._tail(context)
         m = max(ix.longest_match(tail, self.max_match, self.min_match)[0]
-                for ix in self._indexes())
+                for ix in self._indexes(partition))
         if not m:
             return None
         return next(k for k, b in enumerate(_BUCKETS) if m >= b)
 
     def propose(self, reqs: List[DraftRequest]) -> List[Draft]:
         out = []
-        indexes = self._indexes()
         for r in reqs:
+            indexes = self._indexes(r.partition)
             root = int(r.context[-1])
             tail = self._tail(r.context)
             best = None
@@ -117,43 +122,70 @@ class SuffixDrafter(Drafter):
             out.append(Draft([root] + list(toks), [-1] + [p + 1 for p in parents]))
         return out
 
-    def learn(self, request_id: int, tokens: Sequence[int]) -> None:
+    def learn(self, request_id: int, tokens: Sequence[int],
+              partition: Optional[str] = None) -> None:
         if not self.learn_tokens or len(tokens) < 2:
             return
+        part = self._parts.get(partition)
+        if part is None:
+            part = self._parts[partition] = _Learned()
+            while len(self._parts) > MAX_PARTITIONS:
+                self._parts.popitem(last=False)
+        self._parts.move_to_end(partition)
         doc = [int(t) for t in tokens[-self.learn_tokens:]]
-        self._docs.append(doc)
-        self._doc_tokens += len(doc)
-        self._pending += len(doc)
-        while self._doc_tokens > self.learn_tokens:
-            self._doc_tokens -= len(self._docs.popleft())
-        if self._pending < self.rebuild_tokens:
+        part.docs.append(doc)
+        part.doc_tokens += len(doc)
+        part.pending += len(doc)
+        while part.doc_tokens > self.learn_tokens:
+            part.doc_tokens -= len(part.docs.popleft())
+        if part.pending < self.rebuild_tokens:
             return
-        if self._builder is not None and self._builder.is_alive():
+        if part.builder is not None and part.builder.is_alive():
             return  # the next finished request starts the next build
-        self._pending = 0
-        docs = list(self._docs)
+        part.pending = 0
+        docs = list(part.docs)
         if self._background:
             # Not a daemon: a daemon thread that leaves the C++ build while the interpreter
             # shuts down aborts the process; exit waits for the build (a fraction of a second).
-            self._builder = threading.Thread(target=self._build, args=(docs,), daemon=False,
-                                             name="pyspec-suffix-learn")
-            self._builder.start()
+            part.builder = threading.Thread(target=part.build, args=(docs,), daemon=False,
+                                            name="pyspec-suffix-learn")
+            part.builder.start()
         else:
-            self._build(docs)
+            part.build(docs)
 
-    def _build(self, docs) -> None:
-        self._learned = index_of(docs)  # one reference swap: readers see old or new
+    @property
+    def _builder(self) -> Optional[threading.Thread]:
+        """The shared partition's index build in flight (or last run), if any."""
+        part = self._parts.get(None)
+        return part.builder if part is not None else None
+
+    def learned_tokens_of(self, partition: Optional[str] = None) -> int:
+        """Tokens in ``partition``'s learned index (what its drafting uses now)."""
+        part = self._parts.get(partition)
+        return 0 if part is None or part.index is None else int(part.index.num_tokens)
 
     @property
     def learned_tokens(self) -> int:
-        """Tokens in the learned index (what drafting uses now)."""
-        learned = self._learned
-        return 0 if learned is None else int(learned.num_tokens)
+        """Tokens in the shared partition's learned index."""
+        return self.learned_tokens_of(None)
 
     def describe(self) -> str:
         return (f"suffix (corpus of {self.index.num_tokens} tokens, match <= {self.max_match}, "
                 f"<= {self.max_nodes} nodes" + (f", learning up to {self.learn_tokens} tokens"
                                                  if self.learn_tokens else "") + ")")
+
+
+class _Learned:
+    """One partition's learned text: its documents (newest last) and their index."""
+
+    def __init__(self):
+        self.docs: collections.deque = collections.deque()
+        self.doc_tokens = self.pending = 0
+        self.index = None
+        self.builder: Optional[threading.Thread] = None
+
+    def build(self, docs) -> None:
+        self.index = index_of(docs)  # one reference swap: readers see old or new
 
 
 def index_of(docs: Sequence[Sequence[int]]):

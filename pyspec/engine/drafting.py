@@ -18,7 +18,8 @@ import torch
 
 from pyspec import TokenTree, _C
 from pyspec.drafters import Drafter, make_drafter
-from pyspec.drafters.base import (Draft, DraftRequest, layers_of, select_layers, union_layers)
+from pyspec.drafters.base import (Draft, DraftRequest, draft_source_of, layers_of, select_layers,
+                                  union_layers)
 
 __all__ = ["DraftStage"]
 
@@ -106,11 +107,11 @@ class DraftStage:
     def release_one(self, name: str, rid: int) -> None:
         self.drafters[name].release(rid)
 
-    def learn(self, rid: int, context: List[int]) -> None:
-        """Drafters that learn from finished requests see this one's tokens."""
+    def learn(self, rid: int, context: List[int], partition: Optional[str] = None) -> None:
+        """Drafters that learn from finished requests see this one's tokens (in its partition)."""
         for d in self.drafters.values():
             try:
-                d.learn(rid, context)
+                d.learn(rid, context, partition)
             except Exception:  # noqa: BLE001 - learning never fails a request
                 _log.warning("drafter %r failed to learn from request %d", d.name, rid)
 
@@ -143,7 +144,8 @@ class DraftStage:
             if r is None or r.failed or r.drafter not in self.sourced:
                 continue
             try:
-                src = self.drafters[r.drafter].draft_source(r.context)
+                src = draft_source_of(self.drafters[r.drafter], r.context,
+                                      r.params.learn_partition)
                 if src is None:  # nothing will be drafted: no evidence to attribute
                     continue
                 src = int(src)
@@ -179,7 +181,8 @@ class DraftStage:
             rows += nodes
             groups.setdefault(r.drafter, []).append(DraftRequest(
                 rid, r.context, starts[i], table, nodes, float(p.temperature), int(p.top_k),
-                float(p.top_p), float(p.min_p), r.seed, r.stats.steps, depth))
+                float(p.top_p), float(p.min_p), r.seed, r.stats.steps, depth,
+                p.learn_partition))
         return groups, tables, rows
 
     def draft(self, groups: Dict[str, List[DraftRequest]], trace, scheduler, stats) -> Drafts:

@@ -143,6 +143,7 @@ class Engine:
                                           **kw)
         except TypeError as e:  # an unknown keyword
             raise ValueError(str(e)) from None
+        self.max_num_seqs = int(max_num_seqs)
         self._reqs: Dict[int, _Req] = {}
         self._step_open = False  # between the scheduler's step() and update()
         self._next_id = 0
@@ -297,7 +298,7 @@ class Engine:
         r.finished = True
         r.finish_reason = reason
         if reason not in ("abort", "error"):
-            self.drafting.learn(rid, r.context)
+            self.drafting.learn(rid, r.context, r.params.learn_partition)
         self.drafting.release(rid)
         if self.scheduler.has_request(rid):
             snap = self.scheduler.request(rid)

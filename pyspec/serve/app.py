@@ -9,6 +9,7 @@ an OpenAI-style error body; they never reach the engine loop.
 
 import asyncio
 import json
+import math
 import random
 import threading
 import time
@@ -18,9 +19,12 @@ from dataclasses import replace
 from typing import List, Optional
 
 from pyspec.params import SamplingParams, sample_seed
+from pyspec.serve.admission import Admission, AdmissionGate
 from pyspec.serve.config import ServerConfig
 from pyspec.serve.engine_loop import EngineLoop, Handle
+from pyspec.serve.guard import Guard
 from pyspec.serve.metrics import Metrics, set_memory_gauges
+from pyspec.serve.options import ServeOptions
 from pyspec.serve.protocol import (RequestError, RequestReader, disconnected, error_response,
                                    get_field, spec_stats, stream_usage, usage)
 
@@ -32,24 +36,59 @@ def _sse(obj) -> str:
 
 
 class _Responder:
-    """Submits a request's samples to the engine loop and answers with their outputs: a stream
-    of server-sent events, or one JSON body (racing the client's disconnect, which aborts)."""
+    """Admits a request, submits its samples to the engine loop and answers with their outputs:
+    a stream of server-sent events, or one JSON body (racing the client's disconnect, which
+    aborts)."""
 
-    def __init__(self, loop: EngineLoop, tokenizer, gate, shadow):
+    def __init__(self, loop: EngineLoop, tokenizer, gate, shadow, admission: Admission,
+                 options: ServeOptions):
         self.loop, self.tokenizer, self.gate, self.shadow = loop, tokenizer, gate, shadow
+        self.admission, self.options = admission, options
 
-    def submit(self, ids: List[int], p: SamplingParams, req_id: str) -> List[Handle]:
+    def deadlines(self, body: dict):
+        """(deadline, queue deadline) in perf_counter seconds for a request arriving now: its own
+        ``timeout`` field (seconds), at most the server's ``request_timeout``."""
+        t = get_field(body, "timeout", (int, float), None,
+                      lambda v: math.isfinite(v) and v > 0, "a number of seconds > 0")
+        limit = self.options.request_timeout
+        if t is not None and limit is not None:
+            t = min(float(t), limit)
+        elif t is None:
+            t = limit
+        now = time.perf_counter()
+        q = self.options.queue_timeout
+        return (None if t is None else now + t), (None if q is None else now + q)
+
+    def submit(self, prompts: List[List[int]], p: SamplingParams, req_id: str, tenant,
+               deadlines, reservation=None) -> List[Handle]:
+        cost = max(len(ids) for ids in prompts) + p.max_tokens
+        ticket = self.admission.admit(tenant, len(prompts) * p.n, cost, reservation)
         aloop = asyncio.get_running_loop()
         handles = []
-        for k in range(p.n):
-            sp = replace(p, n=1, seed=None if p.seed is None else sample_seed(p.seed, k))
-            h = Handle(aloop, ids, sp, self.tokenizer)
-            h.score = self.gate.wants(f"{req_id}-{k}", sp.speculative)
-            if self.shadow is not None and self.shadow.wants(f"{req_id}-{k}"):
-                h.shadow_key = f"{req_id}-{k}"
-                self.shadow.mirror(h.shadow_key, ids, sp)
-            handles.append(h)
-            self.loop.submit(h)
+        try:
+            for ids in prompts:
+                for k in range(p.n):
+                    sp = replace(p, n=1, seed=None if p.seed is None else sample_seed(p.seed, k))
+                    key = f"{req_id}-{len(handles)}"
+                    h = Handle(aloop, ids, sp, self.tokenizer)
+                    h.tenant = tenant
+                    h.deadline, h.queue_deadline = deadlines
+                    h.score = self.gate.wants(key, sp.speculative)
+                    if self.shadow is not None and self.shadow.wants(key):
+                        h.shadow_key = key
+                        self.shadow.mirror(h.shadow_key, ids, sp)
+                    h.on_close = ticket.sample_done
+                    handles.append(h)
+                    self.loop.submit(h)
+        except BaseException:  # the submitted samples are aborted; the others' slots given back
+            for h in handles:
+                self.loop.abort(h)
+            for _ in range(len(prompts) * p.n - len(handles)):
+                ticket.sample_done()
+            raise
+        finally:
+            if reservation is not None:
+                reservation.release()  # (the submitted samples count as waiting now)
         return handles
 
     def stream(self, handles: List[Handle], n_prompt: int, make_chunk, usage_chunk):
@@ -138,16 +177,25 @@ class _Responder:
                 getter.cancel()
         return make_final(results, handles)
 
-    async def respond(self, request, body: dict, head: dict, ids, p, make_chunk, make_final):
-        """The response to a request (``body``): a stream of ``make_chunk`` chunks (and, when
-        asked, a usage chunk after ``head``'s fields) or ``make_final``'s object."""
+    async def respond(self, request, body: dict, head: dict, prompts, p, make_chunk,
+                      make_final):
+        """The response to a request (``body``) for ``prompts`` (token-id lists; ``p.n`` samples
+        each, numbered in that order): a stream of ``make_chunk`` chunks (and, when asked, a usage
+        chunk after ``head``'s fields) or ``make_final``'s object."""
         stream = get_field(body, "stream", bool, False, None, "true or false")
         usage_chunk = ((lambda u: {**head, "choices": [], "usage": u}) if stream_usage(body)
                        else None)
-        handles = self.submit(ids, p, head["id"])
+        deadlines = self.deadlines(body)
+        handles = self.submit(prompts, p, head["id"], request.state.tenant, deadlines,
+                              getattr(request.state, "reservation", None))
+        n_prompt = sum(len(ids) for ids in prompts)
         if stream:
-            return self.stream(handles, len(ids), make_chunk, usage_chunk)
+            return self.stream(handles, n_prompt, make_chunk, usage_chunk)
         return await self.collect(request, handles, make_final)
+
+    def speculation(self, handles):
+        """The response's ``speculation`` field, when this server exposes it."""
+        return {"speculation": spec_stats(handles)} if self.options.speculation_stats else {}
 
 
 class _PromptLog:
@@ -173,25 +221,30 @@ class _PromptLog:
 def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = "pyspec",
                prompt_log: Optional[str] = None, prompt_log_ratio: float = 0.0, tracer=None,
                shadow_draft: Optional[str] = None, shadow_ratio: float = 0.1,
-               max_body_bytes: int = 16 << 20):
+               max_body_bytes: int = 16 << 20, options: Optional[ServeOptions] = None):
     """The ASGI app serving ``llm`` (a :class:`pyspec.LLM`). ``prompt_log``: append a sampled
     share of served prompts to this JSONL file (``pyspec eval-draft --prompts`` replays it).
     ``tracer``: an OpenTelemetry tracer (see :mod:`pyspec.serve.tracing`); None: no tracing.
     ``shadow_draft``: a candidate drafter run on ``shadow_ratio`` of the traffic, mirrored, its
     acceptance and speedup exported (:mod:`pyspec.serve.shadow`). ``max_body_bytes``: larger
-    request bodies get a 413 (checked while they arrive, not after buffering them)."""
+    request bodies get a 413 (checked while they arrive, not after buffering them).
+    ``options``: access, limits, deadlines and failure handling (:class:`ServeOptions`)."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import PlainTextResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     from pyspec.serve.quality import QualityGate
 
+    options = options or ServeOptions()
+    if not isinstance(options, ServeOptions):
+        raise ValueError(f"options must be a ServeOptions; got {type(options).__name__}")
     state = {"config": config or ServerConfig()}
-    reader = RequestReader(llm, state, model_name, max_body_bytes)
+    reader = RequestReader(llm, state, model_name, max_body_bytes, options.body_timeout)
     metrics = Metrics()
     gate = QualityGate(metrics, state)
-    loop_ = EngineLoop(llm, metrics, gate, tracer)
+    loop_ = EngineLoop(llm, metrics, gate, tracer, on_failure=options.on_engine_failure,
+                       max_restarts=options.max_engine_restarts)
     shadow = None
     if shadow_draft:
         from pyspec.serve.shadow import Shadow
@@ -199,7 +252,8 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
         shadow = Shadow(llm, shadow_draft, shadow_ratio, metrics)
     loop_.shadow = shadow
     set_memory_gauges(metrics, llm, shadow)
-    responder = _Responder(loop_, llm.tokenizer, gate, shadow)
+    admission = Admission(loop_, state, metrics, options.max_waiting_requests)
+    responder = _Responder(loop_, llm.tokenizer, gate, shadow, admission, options)
     log_prompt = _PromptLog(prompt_log, prompt_log_ratio)
 
     @asynccontextmanager
@@ -212,12 +266,18 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
         if shadow is not None:
             shadow.stop()
 
-    app = FastAPI(title="pyspec", lifespan=lifespan)
+    docs = {} if options.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="pyspec", lifespan=lifespan, **docs)
+    # Outermost first: access, then the admission gate, then the routes.
+    app.add_middleware(AdmissionGate, admission=admission)
+    app.add_middleware(Guard, policy=options.access, state=state, metrics=metrics)
     app.state.engine_loop = loop_
     app.state.metrics = metrics
     app.state.config = state
     app.state.quality_gate = gate
     app.state.shadow = shadow
+    app.state.admission = admission
+    app.state.draining = False  # set on SIGTERM: /ready answers 503, new requests get a 503
 
     @app.exception_handler(RequestError)
     async def _on_request_error(request, exc: RequestError):
@@ -238,13 +298,23 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
         return error_response(RequestError(exc.status_code, msg, None, code, kind),
                               headers=exc.headers)
 
+    def check_draining():
+        if app.state.draining:
+            e = RequestError(503, "the server is shutting down; retry on another replica", None,
+                             "shutting_down", "server_error")
+            e.headers = {"Retry-After": "1", "Connection": "close"}
+            raise e
+
     @app.post("/v1/completions")
     async def completions(request: Request):
+        check_draining()
         body = await reader.read_json(request)
         rid = "cmpl-" + uuid.uuid4().hex
-        ids = await reader.prompt(body)
-        p = reader.params(body, request.headers.get("x-tenant"), rid)
-        reader.check_prompt(ids, p)
+        prompts = await reader.prompts(body)
+        p = reader.params(body, request.state.tenant, rid)
+        reader.check_samples(len(prompts), p)
+        for ids in prompts:
+            reader.check_prompt(ids, p)
         log_prompt("completions", reader.prompt_text(body))
         created = int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
@@ -254,21 +324,23 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
                                          "logprobs": None}]}
 
         def final(results, handles):
+            n_prompt = sum(len(ids) for ids in prompts)
             return {**head,
                     "choices": [{"index": i, "text": r[0], "finish_reason": r[2], "logprobs": None}
                                 for i, r in enumerate(results)],
-                    "usage": usage(len(ids), results), "speculation": spec_stats(handles)}
+                    "usage": usage(n_prompt, results), **responder.speculation(handles)}
 
-        return await responder.respond(request, body, head, ids, p, chunk, final)
+        return await responder.respond(request, body, head, prompts, p, chunk, final)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
+        check_draining()
         body = await reader.read_json(request)
         rid = "chatcmpl-" + uuid.uuid4().hex
         ids = await reader.chat_prompt(body)
         # OpenAI's chat API has no max_tokens default: the reply may fill the context.
-        p = reader.params(body, request.headers.get("x-tenant"), rid,
-                          max(1, reader.ctx_limit - len(ids)))
+        p = reader.params(body, request.state.tenant, rid, max(1, reader.ctx_limit - len(ids)))
+        reader.check_samples(1, p)
         reader.check_prompt(ids, p, "messages")
         log_prompt("chat", body.get("messages"))
         created = int(time.time())
@@ -288,18 +360,45 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
                     "choices": [{"index": i, "message": {"role": "assistant", "content": r[0]},
                                  "finish_reason": r[2], "logprobs": None}
                                 for i, r in enumerate(results)],
-                    "usage": usage(len(ids), results), "speculation": spec_stats(handles)}
+                    "usage": usage(len(ids), results), **responder.speculation(handles)}
 
-        return await responder.respond(request, body, head, ids, p, chunk, final)
+        return await responder.respond(request, body, head, [ids], p, chunk, final)
+
+    model_card = {"id": model_name, "object": "model", "created": 0, "owned_by": "pyspec"}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model",
-                                            "created": 0, "owned_by": "pyspec"}]}
+        return {"object": "list", "data": [model_card]}
 
-    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name:
+            raise RequestError(404, f"the model '{model_id}' does not exist; this server serves "
+                                    f"'{model_name}'", "model", "model_not_found")
+        return model_card
+
+    @app.api_route("/health", methods=["GET", "HEAD"], include_in_schema=False)  # HEAD: probes
     async def health():
-        return {"status": "ok"}
+        """Liveness: the engine thread serves (an orchestrator restarts the server if not)."""
+        if loop_.healthy:
+            return {"status": "ok"}
+        return JSONResponse({"status": "unhealthy", "error": loop_.failure or "engine stopped"},
+                            status_code=503)
+
+    @app.api_route("/ready", methods=["GET", "HEAD"], include_in_schema=False)
+    async def ready():
+        """Readiness: the server takes new requests (healthy, not draining, queue not full)."""
+        why = None
+        if not loop_.healthy:
+            why = f"engine down: {loop_.failure or 'engine stopped'}"
+        elif app.state.draining:
+            why = "shutting down"
+        elif options.max_waiting_requests is not None and \
+                loop_.waiting() >= options.max_waiting_requests:
+            why = "queue full"
+        if why is None:
+            return {"status": "ready"}
+        return JSONResponse({"status": "not ready", "reason": why}, status_code=503)
 
     @app.get("/metrics")
     async def prom():

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
+from typing import Optional, Tuple
 
 from pyspec.cli_flags import add_model_flags
 
@@ -24,17 +26,49 @@ def build(args):
         draft = with_tree_width(draft, spec.tree_width)
     sc = pyspec.SpecConfig(num_speculative_tokens=spec.gamma, adaptive=spec.adaptive,
                            fallback_on_alpha_below=spec.fallback_on_alpha_below)
+    options = serve_options(args)  # (checked before the model loads)
     llm = pyspec.LLM(model, draft, sc, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens,
                      device=getattr(args, "device", "cpu"),
-                     packed_weights=getattr(args, "packed_weights", "auto"))
+                     packed_weights=getattr(args, "packed_weights", "auto"),
+                     max_num_seqs=args.max_num_seqs,
+                     max_num_batched_tokens=args.max_num_batched_tokens,
+                     max_prefill_chunk=args.max_prefill_chunk)
     from pyspec.serve.tracing import tracer_from_env
 
     app = create_app(llm, cfg, model_name=args.served_model_name,
                      prompt_log=args.prompt_log, prompt_log_ratio=args.prompt_log_ratio,
                      tracer=tracer_from_env(args.otlp_endpoint), shadow_draft=args.shadow_draft,
                      shadow_ratio=args.shadow_ratio,
-                     max_body_bytes=int(args.max_body_mb * (1 << 20)))
+                     max_body_bytes=int(args.max_body_mb * (1 << 20)), options=options)
     return llm, app
+
+
+def _list(v: Optional[str]) -> Tuple[str, ...]:
+    return tuple(x.strip() for x in (v or "").split(",") if x.strip())
+
+
+def serve_options(args):
+    """The :class:`ServeOptions` of ``pyspec serve``'s flags. The API key comes from
+    ``--api-key`` or ``PYSPEC_API_KEY``; the Host check defaults to the loopback names when the
+    server listens on a loopback address (a web page cannot then reach it through a rebinding DNS
+    name), to none otherwise."""
+    from pyspec.serve.guard import LOOPBACK_HOSTS, AccessPolicy, host_name
+    from pyspec.serve.options import ServeOptions
+
+    key = args.api_key if args.api_key is not None else os.environ.get("PYSPEC_API_KEY") or None
+    hosts = _list(args.allowed_hosts)
+    if not hosts:
+        hosts = LOOPBACK_HOSTS if host_name(args.host) in LOOPBACK_HOSTS else None
+    else:
+        hosts = tuple(host_name(h) if h != "*" else h for h in hosts)
+    public = tuple("/" + p.lstrip("/") for p in _list(args.public_endpoints))
+    access = AccessPolicy(api_keys=(key,) if key else (), public_paths=public,
+                          allowed_origins=_list(args.allowed_origins), allowed_hosts=hosts)
+    return ServeOptions(access=access, max_waiting_requests=args.max_waiting_requests,
+                        request_timeout=args.request_timeout, queue_timeout=args.queue_timeout,
+                        body_timeout=args.body_timeout, speculation_stats=args.speculation_stats,
+                        docs=args.enable_docs, on_engine_failure=args.on_engine_failure,
+                        max_engine_restarts=args.max_engine_restarts)
 
 
 def with_tree_width(draft: str, width: int) -> str:
@@ -100,10 +134,32 @@ def check_prompt_log(args) -> None:
                          f"got {r}")
 
 
+def check_server_flags(args) -> None:
+    """The operational flags, checked before anything loads (one error line each)."""
+    serve_options(args)
+    for flag in ("header_timeout", "keep_alive_timeout", "drain_timeout"):
+        v = getattr(args, flag)
+        if not (math.isfinite(v) and 0 < v < 1e6):
+            raise ValueError(f"--{flag.replace('_', '-')} must be a number of seconds > 0; "
+                             f"got {v}")
+    for flag, lo in (("max_num_seqs", 1), ("max_num_batched_tokens", 1),
+                     ("max_prefill_chunk", 0), ("max_engine_restarts", 0)):
+        if getattr(args, flag) < lo:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= {lo}; got "
+                             f"{getattr(args, flag)}")
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ValueError("TLS needs both --ssl-keyfile and --ssl-certfile")
+    for flag in ("ssl_keyfile", "ssl_certfile"):
+        path = getattr(args, flag)
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"--{flag.replace('_', '-')}: no such file {path!r}")
+
+
 def cmd_serve(args) -> int:
-    import uvicorn
+    from pyspec.serve.http import run_server
 
     check_prompt_log(args)
+    check_server_flags(args)
     if not (math.isfinite(args.max_body_mb) and args.max_body_mb * (1 << 20) >= 1):
         raise ValueError(f"--max-body-mb must be a number > 0; got {args.max_body_mb}")
     if not 0 <= args.port <= 65535:
@@ -112,10 +168,13 @@ def cmd_serve(args) -> int:
     llm, app = build(args)
     if args.config:
         signal.signal(signal.SIGHUP, lambda *_: reload_config(app, args.config))
+    scheme = "https" if args.ssl_certfile else "http"
     print(f"serving {llm.model_path} as '{args.served_model_name}' with drafter "
-          f"{llm.drafter_name} on http://{args.host}:{args.port}", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    return 0
+          f"{llm.drafter_name} on {scheme}://{args.host}:{args.port}", flush=True)
+    return run_server(app, host=args.host, port=args.port, header_timeout=args.header_timeout,
+                      keep_alive_timeout=args.keep_alive_timeout,
+                      drain_timeout=args.drain_timeout, ssl_keyfile=args.ssl_keyfile,
+                      ssl_certfile=args.ssl_certfile)
 
 
 def add_parser(sub):
@@ -141,5 +200,53 @@ def add_parser(sub):
     p.add_argument("--otlp-endpoint", default=None,
                    help="export OpenTelemetry traces here (default: OTEL_EXPORTER_OTLP_ENDPOINT; "
                         "unset = no tracing)")
+    g = p.add_argument_group("engine limits")
+    g.add_argument("--max-num-seqs", type=int, default=64,
+                   help="requests holding KV (running) at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens run per engine step")
+    g.add_argument("--max-prefill-chunk", type=int, default=512,
+                   help="most prompt tokens of one request per step, so short requests and "
+                        "decoding go on between a long prompt's chunks (0: no limit)")
+    g = p.add_argument_group("admission and deadlines")
+    g.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="queued requests past which new ones get 503 + Retry-After (default: "
+                        "no limit)")
+    g.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may take (and the most its 'timeout' field may "
+                        "ask); past it: 504")
+    g.add_argument("--queue-timeout", type=float, default=None,
+                   help="seconds a request may wait for its first token; past it: 503")
+    g.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection has to send a request's headers")
+    g.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a client has to send a request's body (past it: 408)")
+    g.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                   help="seconds an idle keep-alive connection stays open")
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM: seconds running requests may finish in; then they get 503")
+    g.add_argument("--on-engine-failure", choices=["restart", "exit"], default="restart",
+                   help="after an engine failure: abort everything and serve on (at most "
+                        "--max-engine-restarts times), or exit with status 3")
+    g.add_argument("--max-engine-restarts", type=int, default=3)
+    g = p.add_argument_group("access")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (default: $PYSPEC_API_KEY; tenant "
+                        "keys go in the config)")
+    g.add_argument("--public-endpoints", default="/health,/ready",
+                   help="comma-separated paths served without a key (e.g. add /metrics)")
+    g.add_argument("--allowed-origins", default="",
+                   help="comma-separated browser origins allowed (CORS), or *; default none: "
+                        "requests from web pages are refused")
+    g.add_argument("--allowed-hosts", default="",
+                   help="comma-separated Host names answered, or *; default: localhost names "
+                        "when --host is a loopback address, any otherwise")
+    g.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM)")
+    g.add_argument("--ssl-certfile", default=None, help="TLS certificate chain (PEM)")
+    g.add_argument("--enable-docs", action="store_true",
+                   help="serve /docs, /redoc and /openapi.json")
+    g.add_argument("--speculation-stats", action="store_true",
+                   help="add each response's 'speculation' field (acceptance statistics; off by "
+                        "default: they can reveal what other clients sent)")
     p.set_defaults(func=cmd_serve)
     return p

@@ -11,25 +11,30 @@
       quality_gate:
         kl_threshold: 0.05
         rollback_on_violation: true
-    tenants:                    # optional: per-tenant overrides (header X-Tenant)
+    tenants:                    # optional: per-tenant settings
       batch-jobs:
         speculative: {enabled_ratio: 0.0}
+        api_keys: ["..."]       # its keys (Bearer); with any key configured, keys name tenants
+        max_concurrency: 8      # requests (samples) in flight at once; past it: 429
+        tokens_per_minute: 60000  # prompt + max_tokens of its requests per minute; past it: 429
 
 Everything under ``speculative`` is optional (defaults below). Tenant overrides may set
 ``enabled_ratio`` (the other settings belong to the shared engine: model, drafter, draft length
-bounds and adaptivity are the same for every tenant).
+bounds and adaptivity are the same for every tenant). A tenant is named by its API key when keys
+are on (``--api-key`` or any ``api_keys`` here), else by the ``X-Tenant`` header.
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 SPEC_KEYS = {"enabled_ratio", "draft_model", "target_model", "gamma", "tree_width", "adaptive",
              "fallback_on_alpha_below", "quality_gate"}
 GATE_KEYS = {"kl_threshold", "rollback_on_violation", "sample_ratio"}
 TENANT_KEYS = {"enabled_ratio"}
+TENANT_SECTION_KEYS = {"speculative", "api_keys", "max_concurrency", "tokens_per_minute"}
 
 
 class ConfigError(ValueError):
@@ -68,12 +73,30 @@ class SpecSettings:
 
 
 @dataclass
+class TenantLimits:
+    api_keys: Tuple[str, ...] = ()
+    max_concurrency: Optional[int] = None
+    tokens_per_minute: Optional[int] = None
+
+
+@dataclass
 class ServerConfig:
     speculative: SpecSettings = field(default_factory=SpecSettings)
     tenants: Dict[str, SpecSettings] = field(default_factory=dict)
+    limits: Dict[str, TenantLimits] = field(default_factory=dict)
 
     def for_tenant(self, tenant: Optional[str]) -> SpecSettings:
         return self.tenants.get(tenant or "", self.speculative)
+
+    def limits_for(self, tenant: Optional[str]) -> TenantLimits:
+        return self.limits.get(tenant or "", _NO_LIMITS)
+
+    def tenant_keys(self) -> Dict[str, str]:
+        """API key -> tenant name."""
+        return {k: name for name, lim in self.limits.items() for k in lim.api_keys}
+
+
+_NO_LIMITS = TenantLimits()
 
 
 def _num(v, key, lo, hi, integer=False):
@@ -140,16 +163,36 @@ def parse_config(d: Any) -> ServerConfig:
     if unknown:
         raise ConfigError(f"unknown key {sorted(unknown)[0]}; allowed: speculative, tenants")
     spec = _spec(d.get("speculative") or {}, "speculative", SpecSettings(), SPEC_KEYS)
-    tenants = {}
+    tenants, limits, owner = {}, {}, {}
     t = d.get("tenants") or {}
     if not isinstance(t, dict):
         raise ConfigError("tenants must be a mapping of tenant name -> overrides")
     for name, over in t.items():
-        if not isinstance(over, dict) or set(over) - {"speculative"}:
-            raise ConfigError(f"tenants.{name} may only hold 'speculative'")
-        tenants[str(name)] = _spec(over.get("speculative") or {}, f"tenants.{name}.speculative",
-                                   spec, TENANT_KEYS)
-    return ServerConfig(spec, tenants)
+        name = str(name)
+        if not isinstance(over, dict) or set(over) - TENANT_SECTION_KEYS:
+            raise ConfigError(f"tenants.{name} may only hold {sorted(TENANT_SECTION_KEYS)}")
+        tenants[name] = _spec(over.get("speculative") or {}, f"tenants.{name}.speculative",
+                              spec, TENANT_KEYS)
+        keys = over.get("api_keys") or []
+        if not isinstance(keys, list) or not all(
+                isinstance(k, str) and len(k) >= 8 and k == k.strip() for k in keys):
+            raise ConfigError(f"tenants.{name}.api_keys must be a list of strings of at least 8 "
+                              "characters without surrounding spaces")
+        for k in keys:
+            if k in owner:
+                raise ConfigError(f"tenants.{name}.api_keys: a key is also tenants.{owner[k]}'s "
+                                  "(a key names one tenant)")
+            owner[k] = name
+        lim = TenantLimits(api_keys=tuple(keys))
+        if over.get("max_concurrency") is not None:
+            lim.max_concurrency = _num(over["max_concurrency"], f"tenants.{name}.max_concurrency",
+                                       1, 1 << 20, integer=True)
+        if over.get("tokens_per_minute") is not None:
+            lim.tokens_per_minute = _num(over["tokens_per_minute"],
+                                         f"tenants.{name}.tokens_per_minute", 1, 1 << 40,
+                                         integer=True)
+        limits[name] = lim
+    return ServerConfig(spec, tenants, limits)
 
 
 def load_config(path: Optional[str]) -> ServerConfig:

@@ -73,6 +73,19 @@ class Metrics:
                                         buckets=TOKEN_BUCKETS, registry=r)
         self.requests = Counter("pyspec_requests", "Finished requests by finish reason",
                                 ["finish_reason"], registry=r)
+        self.rejected = Counter("pyspec_requests_rejected",
+                                "Requests refused before reaching the engine, by reason (queue_full, "
+                                "tenant_concurrency, tenant_rate, unauthorized, origin, host, "
+                                "unavailable) or ended by a deadline (timeout, queue_timeout, "
+                                "shutdown)", ["reason"], registry=r)
+        self.engine_healthy = Gauge("pyspec_engine_healthy",
+                                    "1 while the engine thread serves, 0 after it failed",
+                                    registry=r)
+        self.engine_failures = Counter("pyspec_engine_failures",
+                                       "Engine failures (the thread's loop ended by an error)",
+                                       registry=r)
+        self.engine_restarts = Counter("pyspec_engine_restarts",
+                                       "Engine restarts after a failure", registry=r)
         self._last = None
 
     def after_step(self, engine) -> None:

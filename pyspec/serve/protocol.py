@@ -23,6 +23,7 @@ class RequestError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = (status, message, param,
                                                                        code, kind)
+        self.headers: Optional[dict] = None  # extra response headers (Retry-After)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
@@ -34,9 +35,17 @@ def error_response(e: RequestError, headers=None):
     client text holding a lone surrogate (a model name, a chat role), which has no UTF-8."""
     from fastapi.responses import Response
 
+    if e.headers:
+        headers = {**(headers or {}), **e.headers}
     return Response(json.dumps(e.body(), ensure_ascii=True, separators=(",", ":")),
                     status_code=e.status, headers=headers, media_type="application/json")
 
+
+# Prompts one completion request may hold (a list of prompts).
+MAX_PROMPTS = 64
+# Chat roles served, and the role the chat template sees for each ("developer" is OpenAI's newer
+# name for the system message). Tool and function messages have no meaning without tool calls.
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 # Request bodies up to this size are parsed on the event loop; larger ones in a worker thread
 # (json.loads of megabytes takes long enough to stall every other client's stream).
@@ -148,6 +157,45 @@ def chat_chars(msgs, overhead) -> int:
     return chars
 
 
+def chat_messages(msgs) -> List[dict]:
+    """OpenAI chat ``messages`` as the chat template takes them: ``{"role", "content"}`` with a
+    known role (:data:`CHAT_ROLES`) and text content (a string, or a list of text parts, joined
+    by newlines); anything else is a 400 naming the message."""
+    if not isinstance(msgs, list) or not msgs:
+        raise RequestError(400, "'messages' must be a non-empty list of {\"role\", \"content\"} "
+                                "objects", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise RequestError(400, f"messages[{i}] must be an object with 'role' and "
+                                    "'content'", "messages")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise RequestError(400, f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}; got "
+                                    f"{json.dumps(role)[:40]}", "messages")
+        c = m.get("content")
+        if isinstance(c, list):
+            texts = []
+            for j, part in enumerate(c):
+                if not (isinstance(part, dict) and part.get("type") == "text" and
+                        isinstance(part.get("text"), str)):
+                    kind = part.get("type") if isinstance(part, dict) else None
+                    raise RequestError(400, f"messages[{i}].content[{j}] must be a text part "
+                                            "{\"type\": \"text\", \"text\": ...}"
+                                            + (f"; this server does not take {kind!r} parts"
+                                               if isinstance(kind, str) and kind != "text"
+                                               else ""), "messages")
+                texts.append(part["text"])
+            c = "\n".join(texts)
+        elif c is None and role == "assistant":
+            c = ""
+        if not isinstance(c, str):
+            raise RequestError(400, f"messages[{i}].content must be a string or a list of text "
+                                    "parts", "messages")
+        out.append({"role": CHAT_ROLES[role], "content": c})
+    return out
+
+
 def stream_usage(body) -> bool:
     """Whether a streamed response ends with a usage chunk (``stream_options.include_usage``)."""
     so = body.get("stream_options")
@@ -188,15 +236,18 @@ class RequestReader:
         state: the server's ``{"config": ServerConfig}`` (replaced on a reload).
         model_name: the name requests must use (or leave out).
         max_body_bytes: larger bodies get a 413 while they arrive.
+        body_timeout: seconds a body may take to arrive; slower ones get a 408.
     """
 
-    def __init__(self, llm, state: dict, model_name: str, max_body_bytes: int):
+    def __init__(self, llm, state: dict, model_name: str, max_body_bytes: int,
+                 body_timeout: float = 30.0):
         if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be an int >= 1; got {max_body_bytes!r}")
         self.llm = llm
         self.state = state
         self.model_name = model_name
         self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
         self.ctx_limit = context_tokens(llm)
         self.chat_overhead = chat_overhead(llm.tokenizer)
 
@@ -209,15 +260,25 @@ class RequestReader:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise too_big  # refused before any of it is read
-        chunks, size = [], 0
-        try:
+        chunks = []
+
+        async def read():
+            size = 0
             async for chunk in request.stream():  # chunked bodies have no Content-Length
                 size += len(chunk)
                 if size > limit:
                     raise too_big
                 chunks.append(chunk)
+
+        try:
+            await asyncio.wait_for(read(), self.body_timeout)
         except ClientDisconnect:  # gone before its body arrived: nobody reads the answer
             raise RequestError(499, "the client closed the connection") from None
+        except asyncio.TimeoutError:
+            e = RequestError(408, f"the request body did not arrive within {self.body_timeout:g} "
+                                  "s", None, "request_timeout")
+            e.headers = {"Connection": "close"}
+            raise e from None
         raw = b"".join(chunks)
         if len(raw) > PARSE_INLINE_BYTES:
             body = await asyncio.to_thread(parse_json, raw)
@@ -268,7 +329,7 @@ class RequestReader:
         p = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                            top_k=top_k, min_p=min_p, seed=seed, stop=stop, n=n,
                            ignore_eos=g(body, "ignore_eos", bool, False, None, "true or false"),
-                           speculative=settings.speculates(rid))
+                           speculative=settings.speculates(rid), learn_partition=tenant or None)
         try:
             return self.llm._params(p)  # validates
         except ValueError as e:  # its message starts with the field's name
@@ -292,32 +353,52 @@ class RequestReader:
 
     @staticmethod
     def prompt_text(body: dict) -> Optional[str]:
-        """A completion request's ``prompt`` when it is text (a string, or a list of one), else
-        None."""
+        """A completion request's (first) ``prompt`` when it is text, else None."""
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             prompt = prompt[0]
         return prompt if isinstance(prompt, str) else None
 
-    async def prompt(self, body: dict) -> List[int]:
-        """The token ids of a completion request's ``prompt`` (a string or a list of ids)."""
-        text = self.prompt_text(body)
-        if text is not None:
-            if not text:
-                raise RequestError(400, "'prompt' is empty", "prompt")
-            return await self.tokenize(self.llm.tokenizer.encode, text, len(text), "prompt")
+    async def prompts(self, body: dict) -> List[List[int]]:
+        """The token ids of a completion request's prompts: ``prompt`` is a string, a list of
+        token ids, or a list of either (several prompts; their choices come in prompt order,
+        ``n`` each)."""
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)
-        raise RequestError(400, "'prompt' must be a string or a list of token ids (one "
-                                "prompt per request)", "prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(x, (str, list))
+                                                       for x in prompt):
+            items = prompt
+        else:
+            items = [prompt]
+        if len(items) > MAX_PROMPTS:
+            raise RequestError(400, f"'prompt' holds {len(items)} prompts; at most {MAX_PROMPTS} "
+                                    "per request", "prompt")
+        out = []
+        for x in items:
+            if isinstance(x, str):
+                if not x:
+                    raise RequestError(400, "'prompt' is empty", "prompt")
+                out.append(await self.tokenize(self.llm.tokenizer.encode, x, len(x), "prompt"))
+            elif isinstance(x, list) and x and all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in x):
+                out.append(list(x))
+            else:
+                raise RequestError(400, "'prompt' must be a string, a list of token ids, or a "
+                                        "list of strings or of token-id lists", "prompt")
+        return out
+
+    def check_samples(self, prompts: int, p: SamplingParams) -> None:
+        """A request may not ask for more samples (prompts x n) than the engine runs at once."""
+        most = self.llm.engine.max_num_seqs
+        if prompts * p.n > most:
+            raise RequestError(400, f"the request asks for {prompts * p.n} samples "
+                                    f"({prompts} prompts x n={p.n}); this server runs at most "
+                                    f"{most} at once (--max-num-seqs)", "n")
 
     async def chat_prompt(self, body: dict) -> List[int]:
         """The token ids of a chat request's ``messages`` rendered by the chat template."""
-        msgs = body.get("messages")
+        msgs = chat_messages(body.get("messages"))
         limit = self.ctx_limit
-        if isinstance(msgs, list) and len(msgs) > limit:  # each renders to a token or more
+        if len(msgs) > limit:  # each renders to a token or more
             raise RequestError(400, f"this model's maximum context length is {limit} "
                                     f"tokens; the request has {len(msgs)} messages",
                                "messages", "context_length_exceeded")

@@ -23,11 +23,20 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _start(app):
+def _start(app, **server_kwargs):
+    """Serve ``app`` on a free port in a thread: a plain uvicorn server, or with
+    ``server_kwargs`` pyspec's own (:func:`pyspec.serve.http.make_server`: header and drain
+    deadlines)."""
     import uvicorn
 
     port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    if server_kwargs:
+        from pyspec.serve.http import make_server
+
+        srv = make_server(app, host="127.0.0.1", port=port, **server_kwargs)
+    else:
+        srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                            log_level="warning"))
     th = threading.Thread(target=srv.run, daemon=True)
     th.start()
     for _ in range(200):

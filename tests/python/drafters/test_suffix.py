@@ -232,6 +232,43 @@ def test_learning_from_finished_requests():
     assert bg.learned_tokens == 12
 
 
+def test_learned_text_is_kept_per_partition():
+    """A request drafts only from its own partition's learned text: the same prompt sent again in
+    another partition (another tenant) is not drafted from the first one's answer, so acceptance
+    cannot reveal what another tenant asked; within the partition it is. Outputs stay equal to
+    plain decoding either way."""
+    from pyspec.drafters import suffix
+    from pyspec.drafters.suffix import index_of
+    from pyspec.engine import Engine, SamplingParams
+    from pyspec.models.llama import LlamaForCausalLM
+    from pyspec.runner import ModelRunner
+    from helpers import default_prompt, tiny_config
+
+    model = LlamaForCausalLM.random(tiny_config(), seed=0)
+    prompt = default_prompt(length=30, seed=3)
+    d = SuffixDrafter(index_of([]), learn=1000, rebuild_tokens=1, background=False)
+    eng = Engine(ModelRunner(model, num_blocks=64, block_size=8), drafter=d, adaptive=False)
+
+    def run(part):
+        return eng.generate([prompt], SamplingParams(max_tokens=40, learn_partition=part))[0]
+
+    first = run("alice")
+    assert d.learned_tokens_of("alice") == len(prompt) + 40 and d.learned_tokens == 0
+    other = run("bob")  # the same prompt, another tenant: nothing learned to draft from
+    shared = run(None)
+    again = run("alice")
+    assert other.stats.accepted_tokens == 0 and shared.stats.accepted_tokens == 0
+    assert again.stats.accepted_tokens >= 30
+    assert first.token_ids == other.token_ids == shared.token_ids == again.token_ids
+    # At most MAX_PARTITIONS are kept, the least recently used dropped.
+    small = SuffixDrafter(index_of([]), learn=100, rebuild_tokens=1, background=False)
+    for k in range(suffix.MAX_PARTITIONS + 1):
+        small.learn(k, [1, 2, 3], partition=f"t{k}")
+    assert small.learned_tokens_of("t0") == 0 and small.learned_tokens_of("t1") == 3
+    with pytest.raises(ValueError, match="learn_partition"):
+        eng.add_request(prompt, SamplingParams(learn_partition=5))
+
+
 def test_exit_during_a_background_build_is_clean(tmp_path):
     """The interpreter exiting while a learned index is being built waits for it and exits 0 (a
     daemon build thread aborted the process: "terminate called without an active exception")."""

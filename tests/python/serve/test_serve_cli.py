@@ -17,6 +17,18 @@ from models_support import write_tiny_model  # noqa: E402
     (["--prompt-log", "P", "--prompt-log-ratio", "nan"], r"must be in \(0, 1\]"),
     (["--port", "70000"], r"--port must be in \[0, 65535\]"),
     (["--max-body-mb", "0"], "--max-body-mb must be a number > 0"),
+    (["--max-waiting-requests", "0"], "max_waiting_requests must be an int >= 1"),
+    (["--request-timeout", "-1"], "request_timeout must be a number of seconds > 0"),
+    (["--queue-timeout", "inf"], "queue_timeout must be a number of seconds > 0"),
+    (["--body-timeout", "0"], "body_timeout must be a number of seconds > 0"),
+    (["--header-timeout", "nan"], "--header-timeout must be a number of seconds > 0"),
+    (["--drain-timeout", "0"], "--drain-timeout must be a number of seconds > 0"),
+    (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+    (["--max-prefill-chunk", "-1"], "--max-prefill-chunk must be >= 0"),
+    (["--api-key", "short"], "at least 8 characters"),
+    (["--allowed-origins", "evil.example"], "scheme://host"),
+    (["--ssl-keyfile", "P"], "both --ssl-keyfile and --ssl-certfile"),
+    (["--ssl-keyfile", "P", "--ssl-certfile", "P"], "no such file"),
 ])
 def test_serve_cli_refuses_bad_options_before_loading(argv, message, tmp_path, capsys,
                                                       monkeypatch):
@@ -35,6 +47,33 @@ def test_serve_cli_refuses_bad_options_before_loading(argv, message, tmp_path, c
     err = capsys.readouterr().err
     assert err.startswith("pyspec: error:") and re.search(message, err), err
     assert not (tmp_path / "p.jsonl").exists()
+
+
+def test_serve_options_from_flags(monkeypatch):
+    """The Host check follows --host (loopback names on a loopback address, none otherwise,
+    --allowed-hosts when given); the key comes from --api-key or PYSPEC_API_KEY."""
+    import argparse
+
+    from pyspec.serve import cli as serve_cli
+
+    ap = argparse.ArgumentParser()
+    serve_cli.add_parser(ap.add_subparsers())
+    monkeypatch.delenv("PYSPEC_API_KEY", raising=False)
+    o = serve_cli.serve_options(ap.parse_args(["serve"]))
+    assert o.access.allowed_hosts == ("localhost", "127.0.0.1", "::1")
+    assert o.access.api_keys == () and o.access.allowed_origins == ()
+    assert o.access.public_paths == ("/health", "/ready") and not o.speculation_stats
+    o = serve_cli.serve_options(ap.parse_args(["serve", "--host", "0.0.0.0"]))
+    assert o.access.allowed_hosts is None
+    o = serve_cli.serve_options(ap.parse_args(["serve", "--host", "0.0.0.0", "--allowed-hosts",
+                                               "Llm.Example:443,other", "--public-endpoints",
+                                               "health,/metrics"]))
+    assert o.access.allowed_hosts == ("llm.example", "other")
+    assert o.access.public_paths == ("/health", "/metrics")
+    monkeypatch.setenv("PYSPEC_API_KEY", "env-key-123")
+    assert serve_cli.serve_options(ap.parse_args(["serve"])).access.api_keys == ("env-key-123",)
+    o = serve_cli.serve_options(ap.parse_args(["serve", "--api-key", "flag-key-123"]))
+    assert o.access.api_keys == ("flag-key-123",)
 
 
 def test_serve_cli_prompt_log_ratio_defaults():

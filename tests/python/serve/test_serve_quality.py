@@ -10,6 +10,7 @@ import torch  # noqa: E402
 
 import pyspec  # noqa: E402
 from pyspec.serve.app import create_app  # noqa: E402
+from pyspec.serve.options import ServeOptions  # noqa: E402
 from pyspec.serve.config import parse_config  # noqa: E402
 from serve_support import _start, metric  # noqa: E402
 
@@ -17,7 +18,8 @@ from serve_support import _start, metric  # noqa: E402
 def test_quality_gate_scores_and_rolls_back(server, monkeypatch):
     llm = pyspec.LLM(server["path"], draft="ngram", kv_cache_tokens=4096)
     app = create_app(llm, parse_config({"speculative": {"enabled_ratio": 1.0, "quality_gate": {
-        "kl_threshold": 0.05, "rollback_on_violation": True, "sample_ratio": 1.0}}}))
+        "kl_threshold": 0.05, "rollback_on_violation": True, "sample_ratio": 1.0}}}),
+        options=ServeOptions(speculation_stats=True))
     srv, th, base = _start(app)
     try:
         body = {"model": "pyspec", "prompt": "abc abc abc abc", "max_tokens": 24,

@@ -12,6 +12,7 @@ import httpx  # noqa: E402
 
 import pyspec  # noqa: E402
 from pyspec.serve.app import create_app  # noqa: E402
+from pyspec.serve.options import ServeOptions  # noqa: E402
 from serve_support import _start, alone, metric  # noqa: E402
 
 
@@ -23,7 +24,8 @@ def test_shadow_mode_mirrors_without_touching_responses(server, tmp_path):
     cand = str(tmp_path / "cand")
     shutil.copytree(server["path"], cand)
     llm = pyspec.LLM(server["path"], draft="none", kv_cache_tokens=4096)
-    app = create_app(llm, shadow_draft=cand, shadow_ratio=1.0)
+    app = create_app(llm, shadow_draft=cand, shadow_ratio=1.0,
+                     options=ServeOptions(speculation_stats=True))
     srv, th, base = _start(app)
     try:
         texts = []
@@ -45,7 +47,24 @@ def test_shadow_mode_mirrors_without_touching_responses(server, tmp_path):
         assert drafted > 0
         assert metric(base, 'pyspec_shadow_num_accepted_tokens_total{drafter="candidate"}') == drafted
         assert metric(base, 'pyspec_shadow_acceptance_length{drafter="candidate"}') > 1.5
-        assert metric(base, 'pyspec_shadow_speedup{drafter="candidate"}') > 0
+        # The speedup gauge is the EWMA (weight 0.1) of live / shadow decode time per token over
+        # the paired requests. Its value is a timing; what it is computed from is not: one more
+        # pair with the live request 3x slower per token moves it exactly that way.
+        sh = app.state.shadow
+        for _ in range(200):  # the live and shadow halves of the three requests paired up
+            with sh._lock:
+                if not sh._live_tpot and not sh._shadow_tpot:
+                    break
+            time.sleep(0.05)
+        with sh._lock:
+            assert not sh._live_tpot and not sh._shadow_tpot
+            s0 = sh._speedup
+            assert s0 is not None and s0 > 0
+            assert metric(base, 'pyspec_shadow_speedup{drafter="candidate"}') == s0
+            sh._shadow_tpot["probe"] = 0.01
+        sh.live_done("probe", 0.03)
+        want = 0.9 * s0 + 0.1 * 3.0
+        assert abs(metric(base, 'pyspec_shadow_speedup{drafter="candidate"}') - want) <= 1e-9 * want
         # Memory: at ratio 1 the shadow's pool is the live pool's size, plus the candidate draft
         # model's own pool; the candidate's weights are its own (loaded from its folder).
         live_pool = 2 * llm.runner.kv.k.numel() * llm.runner.kv.k.element_size()
@@ -62,7 +81,8 @@ def _shadow_server(server, tmp_path):
     cand = str(tmp_path / "cand")
     shutil.copytree(server["path"], cand)
     llm = pyspec.LLM(server["path"], draft="none", kv_cache_tokens=4096)
-    app = create_app(llm, shadow_draft=cand, shadow_ratio=1.0)
+    app = create_app(llm, shadow_draft=cand, shadow_ratio=1.0,
+                     options=ServeOptions(speculation_stats=True))
     srv, th, base = _start(app)
     return llm, app, srv, th, base
 
