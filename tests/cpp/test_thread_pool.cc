@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <numeric>
@@ -77,15 +78,22 @@ TEST(ThreadPool, SpinWindowIsClampedAndChangeable) {
 }
 
 TEST(ThreadPool, PollingWorkersStopPromptly) {
-  // Destroying a pool whose workers are polling (a 100 ms window) must not wait out the window.
-  const auto t0 = std::chrono::steady_clock::now();
-  {
-    ThreadPool pool(3, 100000);
-    std::atomic<int64_t> sum{0};
-    pool.ParallelFor(64, 1, [&](int64_t b, int64_t e) { sum += e - b; });
-    EXPECT_EQ(sum.load(), 64);
+  // Destroying a pool whose workers are polling (a 100 ms window, the most set_spin_us allows)
+  // must not wait out the window. A pool that does takes >= 100 ms every time; a loaded machine
+  // may delay one teardown that long, not three in a row: the best of three must be under it.
+  auto best = std::chrono::steady_clock::duration::max();
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    const auto t0 = std::chrono::steady_clock::now();
+    {
+      ThreadPool pool(3, 100000);
+      ASSERT_EQ(pool.spin_us(), 100000);
+      std::atomic<int64_t> sum{0};
+      pool.ParallelFor(64, 1, [&](int64_t b, int64_t e) { sum += e - b; });
+      EXPECT_EQ(sum.load(), 64);
+    }
+    best = std::min(best, std::chrono::steady_clock::now() - t0);
   }
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(80));
+  EXPECT_LT(best, std::chrono::milliseconds(100));
 }
 
 }  // namespace

@@ -154,3 +154,43 @@ class SomeSteps(Drafter):
         out = self.inner.propose(reqs)
         return [d if self.draft_source(r.context) is not None else Draft([r.context[-1]], [-1])
                 for r, d in zip(reqs, out)]
+
+
+class RightForK(Drafter):
+    """Drafts the target's own greedy continuation for the first ``k`` tokens of every draft, then
+    one wrong token (so a greedy target accepts exactly ``min(k, draft length)`` of each draft).
+    ``k`` is ``ks[request_id % len(ks)]``; ``model`` (the target) may be set after construction.
+    ``log[request_id]`` lists, per draft proposed, how many of its tokens were right."""
+
+    name = "right-for-k"
+
+    def __init__(self, ks, model=None, max_depth: int = 4):
+        self.ks = list(ks)
+        self.model = model
+        self.max_draft_depth = max_depth
+        self.log = {}
+
+    def expected_per_position(self, request_ids=None):
+        """Per-position acceptance counts the log implies: [drafts with >= j right tokens]."""
+        rights = [c for rid, cs in self.log.items()
+                  if request_ids is None or rid in request_ids for c in cs]
+        depth = max(rights, default=0)
+        return [sum(c >= j for c in rights) for j in range(1, depth + 1)]
+
+    def propose(self, reqs):
+        from pyspec.runner import ModelRunner
+
+        out = []
+        for r in reqs:
+            k = self.ks[r.request_id % len(self.ks)]
+            n = min(r.budget, r.depth_limit, k + 1)
+            if n < 1:
+                out.append(Draft([r.context[-1]], [-1]))
+                continue
+            ctx = list(r.context)
+            runner = ModelRunner(self.model, num_blocks=len(ctx) // 8 + 4, block_size=8)
+            greedy = decode_one(runner, ctx, k + 1).tokens
+            chain = greedy[:k] + [(greedy[k] + 1) % self.model.cfg.vocab_size]
+            self.log.setdefault(r.request_id, []).append(min(k, n))
+            out.append(Draft([r.context[-1]] + chain[:n], list(range(-1, n))))
+        return out

@@ -65,3 +65,53 @@ def test_apply_outputs_cuts_at_stop_strings_and_aborts_the_engine_request(tmp_pa
     assert [d.request_id for d in later] == [2] and eng.aborted == [1]
     assert (later[0].text, later[0].finish_reason, plain.text) == ("\ncd", "length", "ab\ncd")
     assert plain.time_to_first_token is not None and plain.time_to_first_token >= 0
+
+
+def _multichar_tokenizer(tmp_path):
+    """A byte-level BPE whose merges make "the cat sat" three tokens: "the", " cat", " sat"."""
+    from models_support import write_byte_bpe
+
+    from pyspec.tokenizer import Tokenizer
+
+    merges = [("t", "h"), ("th", "e"), ("Ġ", "c"), ("Ġc", "a"), ("Ġca", "t"), ("Ġ", "s"),
+              ("Ġs", "a"), ("Ġsa", "t")]
+    tok = Tokenizer.from_pretrained(write_byte_bpe(str(tmp_path / "tok"), merges=merges))
+    ids = tok.encode("the cat sat", add_special_tokens=False)
+    assert [tok.decode([i]) for i in ids] == ["the", " cat", " sat"]
+    return tok, ids
+
+
+# (stop strings, text kept, tokens kept): each stop string ends inside a multi-character token.
+STOPS_INSIDE_TOKENS = [
+    (["h"], "t", 1),  # inside the first token
+    (["ca"], "the ", 2),  # from the start of " cat" into it
+    (["e c"], "th", 2),  # across "the" | " cat", ending inside " cat"
+    (["at s"], "the c", 3),  # across " cat" | " sat", ending inside " sat"
+    (["sat", "at"], "the c", 2),  # two stop strings: the earliest occurrence wins
+    (["e ca"], "th", 2),
+]
+
+
+def test_stop_string_ending_inside_a_multi_character_token(tmp_path):
+    """A stop string that ends inside a token cuts the text exactly where the stop string begins
+    (not at a token boundary), keeps the tokens up to the one that completed it, and never streams
+    a character past the cut, whether the tokens come one per step or in one speculative step."""
+    from pyspec.outputs import OutputTracker
+    from pyspec.params import SamplingParams
+
+    tok, ids = _multichar_tokenizer(tmp_path)
+    for stops, text, n_tokens in STOPS_INSIDE_TOKENS:
+        assert min("the cat sat".find(s) for s in stops) == len(text)  # the table is right
+        for split in ([1, 1, 1], [3], [2, 1], [1, 2]):
+            t = OutputTracker(tok, SamplingParams(stop=stops))
+            streamed, tokens, at = "", [], 0
+            for k in split:
+                delta, new, stopped = t.push(ids[at:at + k], at + k == len(ids), "length")
+                at += k
+                streamed += delta
+                tokens += new
+                if stopped:
+                    break
+            assert t.finished and t.reason == "stop", (stops, split)
+            assert t.text == streamed == text, (stops, split, t.text, streamed)
+            assert tokens == t.tokens == ids[:n_tokens], (stops, split, tokens)

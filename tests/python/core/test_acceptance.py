@@ -20,6 +20,9 @@ Statistical design (fixed seeds; Pearson chi-square; cells with expected count <
   The same harness with the op's deliberately wrong mode (debug_skip_residual: the recovered token
   is sampled from the unmodified target row instead of the residual) must fail at p < 1e-6, which
   shows the test has the power to see a broken sampler.
+* Depth 3 (the end of this file): the joint of the first three tokens on tiny vocabularies, and
+  subtler breaks (residual or draft row not renormalised after a rejected sibling, a uniform
+  reused between two decisions) of a numpy twin of the op, which must fail that same test.
 """
 
 import numpy as np
@@ -222,8 +225,7 @@ def test_stochastic_acceptance_is_lossless(case, device):
         assert mean_acc > 0.2, (name, mean_acc)  # the trees are actually exercised
 
 
-WRONG_CASES = [c for c in LOSSLESS_CASES if c[0] in (
-    "chain1-v50-sampled", "w4d3-v8-sampled", "w4d3-v10-deterministic", "chain4-v16-deterministic")]
+WRONG_CASES = LOSSLESS_CASES  # every configuration; subtler breaks: the three-token tests below
 
 
 @pytest.mark.parametrize("device", devices())
@@ -652,3 +654,249 @@ def test_wrappers_refuse_values_a_cast_would_wrap():
                     ({"top_k": -2 ** 40}, "top_k"), ({"temperature": 1e300}, "temperature")):
         with pytest.raises(ValueError, match=key):
             sampling.apply_sampling_filters(logits, **kw)
+
+
+# ---- depth 3: the joint of the first three tokens, and the power of the test ---------------------
+#
+# The first-two-token joint above never compares a decision at depth >= 2 (the third token of a
+# round: the child tests and residuals carried two levels down, after rejections higher up, and
+# the Philox draws of position offset + 2) against a distribution. Here the first three tokens
+# (t1, t2, t3) are tested on a tiny vocabulary (V^3 cells), with the same rule as above for tokens
+# a round did not emit: they are drawn by the test from the target, as plain decoding would.
+# Under a lossless sampler P(t1, t2, t3) = T[r0, t1] * T[t1, t2] * T[t2, t3].
+#
+# Power: `reference_walk` is a numpy twin of the op's walk (accept_walk.cc), checked to give the
+# op's results bit for bit when it is fed the op's Philox draws. Its deliberately broken variants
+# (a residual not renormalised after a rejected sibling, a draft row not renormalised after a
+# sibling is removed, a random draw reused between two decisions) must fail the same three-token
+# test that the op and the faithful twin pass.
+
+DEPTH3_ROUNDS = 200_000
+
+
+def first_three(emitted, num_acc, t64, rng):
+    """(t1, t2, t3) per round: the round's tokens, continued by plain sampling from the target
+    where the round emitted fewer than three."""
+    cdf = np.cumsum(t64, axis=1)
+    vocab = t64.shape[0]
+
+    def fresh(prev):
+        u = rng.random(len(prev))
+        return np.minimum((cdf[prev] < u[:, None]).sum(1), vocab - 1)
+
+    t1 = emitted[:, 0].astype(np.int64)
+    t2 = np.where(num_acc >= 1, emitted[:, 1], fresh(t1)).astype(np.int64)
+    e2 = emitted[:, 2] if emitted.shape[1] > 2 else np.zeros_like(t1)
+    t3 = np.where(num_acc >= 2, e2, fresh(t2)).astype(np.int64)
+    return t1, t2, t3
+
+
+def joint3_pvalue(emitted, num_acc, t64, root, rng):
+    vocab = t64.shape[0]
+    t1, t2, t3 = first_three(emitted, num_acc, t64, rng)
+    counts = np.bincount((t1 * vocab + t2) * vocab + t3, minlength=vocab ** 3)
+    expected = (t64[root][:, None, None] * t64[:, :, None] * t64[None, :, :]) * len(t1)
+    return chi2_pvalue(counts, expected)
+
+
+def _sample_rows(w, u):
+    """SampleIndex of accept_walk.cc, vectorised: the first token whose running sum of the
+    (unnormalised, non-negative) weights exceeds u * total; the last positive one if none does."""
+    total = w.sum(1)
+    cum = np.cumsum(w, axis=1)
+    hit = (cum > (u * total)[:, None]) & (w > 0)
+    first = np.argmax(hit, axis=1)
+    last_pos = w.shape[1] - 1 - np.argmax((w > 0)[:, ::-1], axis=1)
+    return np.where(hit.any(1), first, last_pos)
+
+
+BUGS = (None, "residual-not-renormalised", "draft-not-renormalised", "draw-reused-by-siblings",
+        "draw-reused-across-positions", "child-test-draw-reused-for-recovery")
+
+
+def reference_walk(parents, tok, t32, q32, mode, draws, bug=None):
+    """The op's walk on every round at once: emitted tokens [R, depth + 1] (-1 padded) and the
+    accepted counts [R]. ``draws[r, d, 0]`` is the uniform of the token sampled at depth d (stream
+    kDrawSample), ``draws[r, d, 1 + j]`` the one of the test of child j there (kDrawChildTest).
+
+    ``bug`` selects a deliberately wrong variant:
+      residual-not-renormalised: after a rejected sibling the residual max(p - q, 0) is used as if
+          it still summed to 1 by the next sibling's test and the next residual (the recovered
+          token is still drawn from its weights);
+      draft-not-renormalised: the draft row without the rejected sibling is used as if it still
+          summed to 1;
+      draw-reused-by-siblings: every child test at a node uses child 0's draw;
+      draw-reused-across-positions: the position is not advanced after an accepted child, so every
+          depth reuses depth 0's draws;
+      child-test-draw-reused-for-recovery: the recovered token after rejections is drawn with the
+          last child test's uniform instead of its own.
+    """
+    assert bug in BUGS
+    rounds, n = tok.shape
+    kids = children_of(parents)
+    depth_of = [0] * n
+    for v in range(1, n):
+        depth_of[v] = depth_of[parents[v]] + 1
+    width = max(depth_of) + 1
+    emitted = np.full((rounds, width), -1, dtype=np.int64)
+    num_acc = np.zeros(rounds, dtype=np.int64)
+    node = np.zeros(rounds, dtype=np.int64)
+    active = np.ones(rounds, dtype=bool)
+    for d in range(width):
+        dd = 0 if bug == "draw-reused-across-positions" else d
+        for v in [v for v in range(n) if depth_of[v] == d]:
+            idx = np.nonzero(active & (node == v))[0]
+            if idx.size == 0:
+                continue
+            p = t32[tok[idx, v]].astype(np.float64)
+            ks = kids[v]
+            if mode != "sampled" or not ks:  # target-only walk, or a leaf: sample the target
+                t = _sample_rows(p, draws[idx, dd, 0])
+                emitted[idx, d] = t
+                nxt = np.full(idx.size, -1)
+                for c in reversed(ks):  # the first child holding t
+                    nxt = np.where(tok[idx, c] == t, c, nxt)
+                moved = nxt >= 0
+                node[idx[moved]] = nxt[moved]
+                num_acc[idx[moved]] += 1
+                active[idx[~moved]] = False
+                continue
+            q = q32[tok[idx, v]].astype(np.float64)
+            pm, qm = p.sum(1), q.sum(1)
+            undecided = np.ones(idx.size, dtype=bool)
+            nxt = np.full(idx.size, -1)
+            last_u = np.zeros(idx.size)
+            rows = np.arange(idx.size)
+            for j, c in enumerate(ks):
+                x = tok[idx, c]
+                u = draws[idx, dd, 1 + (0 if bug == "draw-reused-by-siblings" else j)]
+                last_u = np.where(undecided, u, last_u)
+                px = p[rows, x] / pm
+                qx = q[rows, x] / qm
+                acc = undecided & (u * qx < px)
+                nxt[acc] = c
+                rej = undecided & ~acc
+                undecided = rej
+                if not rej.any():
+                    break
+                r = rows[rej]
+                resid = np.maximum(p[r] / pm[r, None] - q[r] / qm[r, None], 0.0)
+                rmass = resid.sum(1)
+                qn = q[r].copy()
+                qmn = qn.sum(1) - qn[np.arange(r.size), x[r]]
+                qn[np.arange(r.size), x[r]] = 0.0
+                q[r] = qn
+                qm[r] = 1.0 if bug == "draft-not-renormalised" else qmn
+                keep = rmass > 1e-9  # kEmptyMass: an empty residual keeps the current p
+                p[r[keep]] = resid[keep]
+                pm[r[keep]] = 1.0 if bug == "residual-not-renormalised" else rmass[keep]
+            moved = nxt >= 0
+            emitted[idx[moved], d] = tok[idx[moved], nxt[moved]]
+            node[idx[moved]] = nxt[moved]
+            num_acc[idx[moved]] += 1
+            stop = ~moved  # every child rejected: the recovered token, from the residual
+            u = draws[idx[stop], dd, 0]
+            if bug == "child-test-draw-reused-for-recovery":
+                u = last_u[stop]
+            emitted[idx[stop], d] = _sample_rows(p[stop], u)
+            active[idx[stop]] = False
+    return emitted, num_acc
+
+
+def philox_draws(seeds, offset, width, kids):
+    """The op's uniforms for rounds with `seeds`: [R, width, 1 + kids]."""
+    out = np.empty((len(seeds), width, 1 + kids))
+    for r, s in enumerate(seeds):
+        for d in range(width):
+            out[r, d, 0] = _C.philox_uniform(int(s), offset + d, 0, 0)
+            for j in range(kids):
+                out[r, d, 1 + j] = _C.philox_uniform(int(s), offset + d, 1, j)
+    return out
+
+
+DEPTH3_CASES = [
+    # (id, parents, vocab, mode): every path reaches depth >= 2, so t3 can come from the round.
+    ("chain3-v5-sampled", chain(3), 5, "sampled"),
+    ("chain4-v6-sampled", chain(4), 6, "sampled"),
+    ("w2d3-v6-sampled", kary(2, 3), 6, "sampled"),
+    ("w3d3-v5-sampled", kary(3, 3), 5, "sampled"),
+    ("ragged-v6-sampled", RAGGED, 6, "sampled"),
+    ("w2d3-v6-deterministic", kary(2, 3), 6, "deterministic"),
+]
+
+
+def depth3_setup(case):
+    name, parents, vocab, mode = case
+    seed = 101 + DEPTH3_CASES.index(case)
+    width = max(len(k) for k in children_of(parents))
+    t32, t64, q32, q64 = make_chains(seed, vocab, width)
+    rng = np.random.default_rng(seed + 1)
+    root = int(rng.integers(vocab))
+    tok = draw_tokens(parents, DEPTH3_ROUNDS, q64, root, mode, rng)
+    return parents, mode, seed, t32, t64, q32, root, tok, rng
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("case", DEPTH3_CASES, ids=[c[0] for c in DEPTH3_CASES])
+def test_acceptance_is_lossless_on_the_first_three_tokens(case, device):
+    parents, mode, seed, t32, t64, q32, root, tok, rng = depth3_setup(case)
+    emitted, num_acc = run_rounds(parents, tok, t32, q32, mode, seed_base=seed * 1_000_003,
+                                  device=device)
+    p = joint3_pvalue(emitted, num_acc, t64, root, rng)
+    assert p > 1e-3, (case[0], p)
+    # Depth >= 2 is really decided inside the rounds, often enough to matter.
+    assert (num_acc >= 2).mean() > 0.15, (case[0], (num_acc >= 2).mean())
+
+
+@pytest.mark.parametrize("case", DEPTH3_CASES, ids=[c[0] for c in DEPTH3_CASES])
+def test_reference_walk_is_the_op(case):
+    """The numpy twin, fed the op's Philox draws, gives the op's tokens and counts bit for bit:
+    its broken variants below are breaks of the real algorithm."""
+    parents, mode, seed, t32, _, q32, _, tok, _ = depth3_setup(case)
+    rounds = 3000
+    seeds = np.arange(rounds) + 77
+    op_e, op_n = run_rounds(parents, tok[:rounds], t32, q32, mode, seed_base=77)
+    width = op_e.shape[1]
+    draws = philox_draws(seeds, 3, width, max(len(k) for k in children_of(parents)))
+    ref_e, ref_n = reference_walk(parents, tok[:rounds], t32, q32, mode, draws)
+    assert np.array_equal(ref_n, op_n)
+    assert np.array_equal(ref_e, op_e)
+    assert len(set(op_n.tolist())) >= 3  # rejections at several depths happened
+
+
+# Which break each configuration can see (a chain has no siblings; a deterministic tree has no
+# child tests or residuals).
+POWER_CASES = [
+    ("chain3-v5-sampled", "draw-reused-across-positions"),
+    ("chain4-v6-sampled", "draw-reused-across-positions"),
+    ("chain4-v6-sampled", "child-test-draw-reused-for-recovery"),
+    ("w3d3-v5-sampled", "residual-not-renormalised"),
+    ("w3d3-v5-sampled", "draft-not-renormalised"),
+    ("w3d3-v5-sampled", "draw-reused-by-siblings"),
+    ("w2d3-v6-sampled", "draw-reused-by-siblings"),
+    ("w2d3-v6-sampled", "draw-reused-across-positions"),
+    ("ragged-v6-sampled", "draft-not-renormalised"),
+    ("ragged-v6-sampled", "draw-reused-by-siblings"),
+    ("ragged-v6-sampled", "child-test-draw-reused-for-recovery"),
+    ("w2d3-v6-deterministic", "draw-reused-across-positions"),
+]
+
+
+@pytest.mark.parametrize("name, bug", POWER_CASES, ids=[f"{n}-{b}" for n, b in POWER_CASES])
+def test_three_token_test_rejects_subtly_broken_samplers(name, bug):
+    """The faithful twin passes the three-token test; each broken variant fails it (p < 1e-6) on
+    the same rounds (same trees, same uniforms)."""
+    case = next(c for c in DEPTH3_CASES if c[0] == name)
+    parents, mode, seed, t32, t64, q32, root, tok, rng = depth3_setup(case)
+    width = max(len(k) for k in children_of(parents))
+    levels = _C.tree_batch_max_depth(torch.tensor(parents, dtype=torch.int32),
+                                      torch.tensor([0, len(parents)])) + 1
+    draws = np.random.default_rng(seed + 2).random((DEPTH3_ROUNDS, levels, 1 + width))
+    state = rng.bit_generator.state
+    good_e, good_n = reference_walk(parents, tok, t32, q32, mode, draws)
+    p_good = joint3_pvalue(good_e, good_n, t64, root, rng)
+    rng.bit_generator.state = state
+    bad_e, bad_n = reference_walk(parents, tok, t32, q32, mode, draws, bug=bug)
+    p_bad = joint3_pvalue(bad_e, bad_n, t64, root, rng)
+    assert p_good > 1e-3, (name, p_good)
+    assert p_bad < 1e-6, (name, bug, p_bad)

@@ -121,3 +121,41 @@ def test_draft_bytes_counts_what_drafters_hold_beyond_the_target(model, tmp_path
     eagle.embed_w = model.embed.clone()
     assert _draft_bytes(Engine(runner, drafter=eagle)) == want_eagle + nbytes([model.embed])
     assert _draft_bytes(Engine(runner, drafter="ngram")) == 0
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa", "eagle-fused"])
+@pytest.mark.parametrize("num_blocks", [64, 14])  # 14 blocks of 8: requests get preempted
+def test_seeded_sampling_with_heads_is_plain_sampling(model, tmp_path, kind, num_blocks):
+    """EAGLE and Medusa heads draft deterministic (top-k) trees, which the target-only walk
+    verifies with the draws plain decoding uses at each position (docs/architecture.md): a seeded
+    sampled run with a head is plain seeded sampling token for token, in a batch, on a rerun, and
+    when requests are preempted and recomputed (a pool too small for the batch)."""
+    from drafters_support import _drafter
+
+    ps = prompts()
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=[1.0, 0.7, 1.3][i % 3],
+                             top_k=[0, 8, 0][i % 3], top_p=[1.0, 1.0, 0.9][i % 3], seed=500 + i)
+              for i in range(len(ps))]
+
+    def run(drafter_kind, blocks):
+        runner = ModelRunner(model, num_blocks=blocks, block_size=8)
+        d = None if drafter_kind == "none" else _drafter(
+            drafter_kind, runner, model, str(tmp_path / f"{drafter_kind}-{blocks}"))
+        eng = Engine(runner, drafter=d, max_num_seqs=8, max_num_batched_tokens=80,
+                     max_prefill_chunk=16, adaptive=False)
+        res = eng.generate(ps, params)
+        return [r.token_ids for r in res], res, eng
+
+    plain, _, _ = run("none", 64)
+    first, res, eng = run(kind, num_blocks)
+    again, _, _ = run(kind, num_blocks)
+    assert first == again  # a seeded run is reproducible
+    for i, (a, b) in enumerate(zip(first, plain)):
+        assert a == b, f"{kind}: request {i} differs from plain seeded sampling"
+    assert all(len(t) == MAX_TOKENS for t in first)
+    assert not any(r.stats.fallbacks.get("drafter_error") for r in res)
+    assert sum(r.stats.draft_tokens for r in res) > 0
+    assert sum(r.stats.accepted_tokens for r in res) > 0  # positions decided inside the trees
+    if num_blocks == 14:
+        assert eng.scheduler.num_preemptions > 0
+        assert sum(r.stats.preemptions for r in res) == eng.scheduler.num_preemptions

@@ -5,7 +5,9 @@ verified by rejection sampling) equals the target's exact distribution, by a chi
 drawn from the target instead of the residual) must fail it.
 
 The exact distribution is computed from the target alone: p(t1, t2) = p(t1 | prompt) *
-p(t2 | prompt, t1), both after the same temperature / top-k / top-p filters.
+p(t2 | prompt, t1), both after the same temperature / top-k / top-p filters. A slow test does the
+same for the first three tokens (the third decided deep in a chain, or in a later step at whatever
+position the first one reached).
 """
 
 import dataclasses
@@ -101,6 +103,60 @@ def test_broken_acceptance_rule_is_detected(models):
     params = SamplingParams(max_tokens=3, temperature=1.0)
     probs = exact_joint(target, params)
     counts, _, _ = sample_joint(target, draft, params, 20_000, broken=True)
+    p = chi_square_p(counts, probs)
+    assert p < 1e-6, f"the broken rule went undetected (p = {p:.2e})"
+
+
+def exact_joint3(target, params):
+    """p(t1, t2, t3) of plain sampling after PROMPT, [V, V, V] float64, from the target alone."""
+    runner = ModelRunner(target, num_blocks=64, block_size=8)
+    n = len(PROMPT) + 2
+    seqs = [SeqStep(PROMPT + [a, b], 0, [0], None, "all") for a in range(VOCAB)
+            for b in range(VOCAB)]
+    seqs = [dataclasses.replace(s, block_table=[i]) for i, s in enumerate(seqs)]
+    out = runner.step(seqs)
+    probs = apply_sampling_filters(out.logits, params.temperature, params.top_k,
+                                   params.top_p).double().numpy().reshape(VOCAB, VOCAB, n, VOCAB)
+    p1 = probs[0, 0, n - 3]  # after the prompt
+    p2 = probs[:, 0, n - 2]  # [t1, t2]
+    p3 = probs[:, :, n - 1]  # [t1, t2, t3]
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def sample_joint3(target, draft, params, n, gamma, broken=False):
+    runner = ModelRunner(target, num_blocks=4 * 1024, block_size=4)
+    eng = Engine(runner, drafter=ModelDrafter(draft, runner, max_depth=gamma), adaptive=False,
+                 gamma=gamma, initial_draft_tokens=gamma, max_num_seqs=1024,
+                 max_num_batched_tokens=8192, spec_token_budget=0, spec_disable_batch_size=0,
+                 enable_prefix_cache=True)
+    eng.debug_skip_residual = broken
+    counts = np.zeros((VOCAB, VOCAB, VOCAB))
+    accepted = set()
+    batch = 1000
+    for start in range(0, n, batch):
+        ps = [dataclasses.replace(params, seed=10_000_019 + start + i) for i in range(batch)]
+        for r in eng.generate([PROMPT] * batch, ps):
+            counts[tuple(r.token_ids[:3])] += 1
+            accepted.add(r.stats.accepted_tokens)
+    return counts, accepted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gamma", [2, 3])
+def test_sampled_speculation_is_lossless_on_the_first_three_tokens(models, gamma):
+    """The first three tokens through the engine (a sampled draft chain of 2 or 3 tokens per step):
+    the third token is decided at depth 2 of the first step's chain, or in a later step that starts
+    at whatever position the first one reached (the Philox counter of a later step, after
+    rejections); the joint of all three must be the target's (216 cells). The broken rule must
+    fail the same test."""
+    target, draft = models
+    params = SamplingParams(max_tokens=3, temperature=1.0)
+    probs = exact_joint3(target, params)
+    counts, accepted = sample_joint3(target, draft, params, 30_000, gamma)
+    assert {0, 1, 2} <= accepted  # third tokens both from inside a step and from a later step
+    p = chi_square_p(counts, probs)
+    assert p > 1e-3, f"speculative sampling differs from the target (chi-square p = {p:.2e})"
+    counts, _ = sample_joint3(target, draft, params, 10_000, gamma, broken=True)
     p = chi_square_p(counts, probs)
     assert p < 1e-6, f"the broken rule went undetected (p = {p:.2e})"
 

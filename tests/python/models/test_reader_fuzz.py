@@ -277,7 +277,8 @@ def test_safetensors_duplicate_names_and_claimed_layers(tmp_path):
     with pytest.raises(ValueError, match=r"missing tensors: \['model.layers.1.input_layernorm."
                                          r"weight', .*\] \(\+19327352809 more\)"):
         load_weights(str(tmp_path), cfg, torch.float32)
-    assert time.perf_counter() - t0 < 2 and _peak_mb() - peak < 100
+    # No list of 2^31 names is built: bounded memory, and no hang (a generous guard).
+    assert time.perf_counter() - t0 < 30 and _peak_mb() - peak < 100
 
 
 @pytest.mark.parametrize("index", [
