@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <random>
@@ -92,14 +93,26 @@ void Check(const Case& cs, const LinearKernels* kernels, ThreadPool* pool = null
   }
 }
 
+// Whether the environment says this ISA must be there (PYSPEC_EXPECT_ISAS=generic,avx2,avx512,
+// set by .ci/run for the machines CI runs on): then a missing build fails instead of skipping.
+bool IsaExpected(const std::string& isa) {
+  const char* env = std::getenv("PYSPEC_EXPECT_ISAS");
+  if (env == nullptr) return false;
+  const std::string list = std::string(",") + env + ",";
+  return list.find("," + isa + ",") != std::string::npos;
+}
+
 // Every build of the kernel this CPU runs, each through its own LinearKernels (nothing
-// process-wide): an ISA the CPU lacks is a visible skip.
+// process-wide): an ISA the CPU lacks is a visible skip, or a failure where it is expected.
 class LinearIsaTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     try {
       kernels_.emplace(GetParam());
     } catch (const ValueError& e) {
+      if (IsaExpected(GetParam())) {
+        FAIL() << "PYSPEC_EXPECT_ISAS names " << GetParam() << ", but: " << e.what();
+      }
       GTEST_SKIP() << "no " << GetParam() << " kernel on this CPU: " << e.what();
     }
   }
@@ -226,6 +239,7 @@ TEST(LinearKernels, RoutesAndNames) {
   try {
     w.emplace("avx512");
   } catch (const ValueError&) {
+    if (IsaExpected("avx512")) FAIL() << "PYSPEC_EXPECT_ISAS names avx512, but it is missing";
     GTEST_SKIP() << "no AVX-512 kernel on this CPU (the generic routes were checked)";
   }
   EXPECT_EQ(w->Kernel(DType::kFloat32), "avx512");

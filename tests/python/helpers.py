@@ -9,6 +9,18 @@ def devices():
     return ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
+def missing_isa(isa: str, why: str) -> None:
+    """A kernel build (ISA) this CPU lacks: a visible skip, or a failure where the environment
+    says the ISA must be there (``PYSPEC_EXPECT_ISAS=generic,avx2,avx512``, set by .ci/run for
+    the machines CI runs on), so a path never drops out of the tests unnoticed."""
+    import os
+
+    expected = {x.strip() for x in os.environ.get("PYSPEC_EXPECT_ISAS", "").split(",") if x}
+    if isa in expected:
+        pytest.fail(f"PYSPEC_EXPECT_ISAS names {isa}, but this CPU has no {isa} build: {why}")
+    pytest.skip(f"no {isa} build on this CPU: {why}")
+
+
 def require_module(name: str) -> None:
     """Skip when an optional test dependency is not installed — except under CI (CI=true), where
     a missing dependency would silently turn real checks into skips, so it fails instead. Callable

@@ -15,10 +15,12 @@ _ISAS = ("generic", "avx2", "avx512", "amx")
 def kernels(request):
     """Each build of the kernel through its own LinearKernels; one this CPU lacks is a visible
     skip, not a silently shorter list."""
+    from helpers import missing_isa
+
     try:
         return _C.LinearKernels(request.param)
     except ValueError as e:
-        pytest.skip(f"no {request.param} kernel on this CPU: {e}")
+        missing_isa(request.param, str(e))
 
 
 def _ref(x, w, b):
@@ -196,7 +198,9 @@ def test_amx_kernel_where_the_cpu_has_it():
     except ValueError as e:
         assert "no AMX-BF16" in str(e)
         assert _C.LinearKernels().kernel("bfloat16") != "amx-bf16"
-        pytest.skip(f"this CPU has no AMX-BF16: {e}")
+        from helpers import missing_isa
+
+        missing_isa("amx", str(e))
     assert amx_k.isa == "amx" and amx_k.kernel("bfloat16") == "amx-bf16"
     assert amx_k.kernel("float32") == "avx512"  # AMX is for bfloat16 only
     g = torch.Generator().manual_seed(7)
