@@ -629,3 +629,25 @@ def test_model_by_id(server):
     assert r.status_code == 200 and r.json()["id"] == "pyspec"
     r = httpx.get(base + "/v1/models/gpt-4")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_tls(serve, tmp_path):
+    """--ssl-keyfile / --ssl-certfile: the server speaks HTTPS (a self-signed certificate)."""
+    import shutil
+    import ssl
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed (it makes the test certificate)")
+    import subprocess
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
+                    str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    app, base = serve(server_kwargs={"ssl_keyfile": str(key), "ssl_certfile": str(cert)})
+    https = base.replace("http://", "https://")
+    ctx = ssl.create_default_context(cafile=str(cert))
+    r = httpx.post(https + "/v1/completions", json=SHORT, verify=ctx, timeout=30)
+    assert r.status_code == 200, r.text
+    with pytest.raises(httpx.HTTPError):  # plain HTTP to a TLS port gets no answer
+        httpx.get(base + "/health", timeout=5)
