@@ -202,7 +202,7 @@ def test_cli_prints_one_line(tmp_path, capsys):
 def test_cli_process_prints_no_traceback(tmp_path):
     path = _write(str(tmp_path), {"rope_theta": -5})
     r = subprocess.run([sys.executable, "-m", "pyspec", "generate", "--model", str(tmp_path), "hi"],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode == 2, r.stderr
     assert r.stderr == f"pyspec: error: {path}: rope_theta must be a finite number > 0; got -5\n"
 

@@ -220,7 +220,8 @@ def test_queue_limit_answers_503_at_once_and_admitted_requests_complete(serve, m
     ok = [r for r in results if r[0] == 200]
     refused = [r for r in results if r[0] == 503]
     assert len(ok) + len(refused) == 12, [r[0] for r in results]
-    assert len(ok) >= 4 and refused, [r[0] for r in results]
+    # At least the queue's two are admitted (more if the engine took some before the rest came).
+    assert len(ok) >= 2 and refused, [r[0] for r in results]
     assert all(r[2] == "1" and r[3]["error"]["code"] == "queue_full" for r in refused)
     assert max(r[1] for r in refused) < min(r[1] for r in ok)
     assert all(r[3]["usage"]["completion_tokens"] == 20 for r in ok)
@@ -378,7 +379,8 @@ def test_sigterm_drains_and_exits_cleanly(server, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "pyspec", "serve", "--model", server["path"],
                              "--draft", "none", "--port", str(port), "--drain-timeout", "1",
                              "--kv-cache-tokens", "1024", "--max-num-seqs", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=tmp_path)  # (the installed package, not the checkout)
     base = f"http://127.0.0.1:{port}"
     try:
         _wait(lambda: proc.poll() is not None or _up(base), 60)
@@ -437,7 +439,8 @@ def test_sighup_reloads_the_config_of_a_running_server(server, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "pyspec", "serve", "--model", server["path"],
                              "--draft", "ngram", "--port", str(port), "--config", str(cfg),
                              "--kv-cache-tokens", "1024"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=tmp_path)
     base = f"http://127.0.0.1:{port}"
     url = base + "/v1/completions"
     try:

@@ -46,12 +46,14 @@ def test_config_shape_and_ratio_is_deterministic():
     import os
     import subprocess
     import sys
+    import tempfile
 
     code = ("import json, sys; from pyspec.serve.config import parse_config; "
             "s = parse_config({'speculative': {'enabled_ratio': 0.1}}).speculative; "
             "print(json.dumps([s.speculates(f'req-{i}') for i in range(400)]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONHASHSEED": "12345"}, timeout=120)
+                         env={**os.environ, "PYTHONHASHSEED": "12345"}, timeout=120,
+                         cwd=tempfile.gettempdir())  # the installed package, not the checkout
     assert json.loads(out.stdout) == [s.speculates(i) for i in ids[:400]]
     assert not any(cfg.for_tenant("batch").speculates(i) for i in ids[:100])
     assert cfg.for_tenant("unknown") is s
