@@ -535,17 +535,31 @@ ScheduleOutput Scheduler::Step() {
   for (int64_t id : running_) {
     if (requests_.at(id)->state() == RequestState::kPrefill) prefill_ids.push_back(id);
   }
+  // A short prompt first: with a chunk limit, a waiting request whose prompt fits one chunk is
+  // admitted in a step without the chunks of prompts already prefilling (such a step costs about
+  // as much as its chunk), so its first token does not wait a long prompt's chunk step. At most
+  // every other step leaves those chunks out: a stream of short prompts cannot starve a long one.
+  auto fits_one_chunk = [&](int64_t id) {
+    return requests_.at(id)->num_tokens() - 1 <= config_.max_prefill_chunk;
+  };
+  const bool short_first = config_.max_prefill_chunk > 0 && !prefill_ids.empty() &&
+                           !skipped_prefill_chunks_ && !waiting_.empty() &&
+                           step_preempted_.empty() && fits_one_chunk(waiting_.front()) &&
+                           static_cast<int64_t>(running_.size()) < config_.max_num_seqs;
+  skipped_prefill_chunks_ = short_first;
   for (int64_t id : prefill_ids) {
-    if (budget < 1) break;
+    if (budget < 1 || short_first) break;
     Request& r = *requests_.at(id);
     if (r.state() != RequestState::kPrefill) continue;
     schedule_prefill(r);
   }
 
   // 2b. Admit waiting requests (FCFS) while budget and sequence slots remain; not in a step that
-  // had to preempt (the pool is under pressure, and a victim would be re-admitted at once).
+  // had to preempt (the pool is under pressure, and a victim would be re-admitted at once). In a
+  // short-first step, only prompts that fit one chunk (the next long one waits a step).
   while (budget >= 1 && !waiting_.empty() && step_preempted_.empty() &&
-         static_cast<int64_t>(running_.size()) < config_.max_num_seqs) {
+         static_cast<int64_t>(running_.size()) < config_.max_num_seqs &&
+         !(short_first && !fits_one_chunk(waiting_.front()))) {
     Request& r = *requests_.at(waiting_.front());
     if (!Admit(r)) {
       if (!running_.empty()) break;  // wait for running requests to release KV

@@ -227,6 +227,57 @@ TEST(Scheduler, ChunkedPrefillSplitsLongPrompt) {
   EXPECT_EQ(s.GetRequest(1).finish_reason(), FinishReason::kLength);
 }
 
+TEST(Scheduler, AShortPromptIsNotQueuedBehindALongPromptsChunks) {
+  // A 40-token prompt prefills in chunks of 8; a 3-token prompt arriving meanwhile runs in the
+  // next step without a chunk of the long one, and the long one's chunks go on in the step after
+  // even while more short prompts arrive (at most every other step leaves them out).
+  SchedulerConfig c = SmallConfig();
+  c.max_num_batched_tokens = 64;
+  c.max_prefill_chunk = 8;
+  Scheduler s(c, 64, 4);
+  std::mt19937_64 rng(3);
+  SamplingParams sp;
+  sp.max_tokens = 4;
+  std::vector<int32_t> long_p = Prompt(rng, 40);
+  s.AddRequest(1, long_p, sp);
+  ScheduleOutput out = s.Step();
+  ASSERT_EQ(out.size(), 1);
+  EXPECT_EQ(out.num_scheduled_tokens(), 8);
+  s.Update(RunFake(s, out, nullptr));
+  std::vector<std::vector<int32_t>> shorts;
+  for (int64_t id = 2; id <= 4; ++id) {
+    shorts.push_back(Prompt(rng, 3));
+    s.AddRequest(id, shorts.back(), sp);
+    out = s.Step();
+    std::set<int64_t> ids(out.ids.begin(), out.ids.end());
+    if (id % 2 == 0) {  // a short-first step: the newcomer's prefill, no chunk of the long one
+      EXPECT_TRUE(ids.count(id)) << id;
+      EXPECT_FALSE(ids.count(1)) << id;
+    } else {  // the next: the long prompt's chunk runs (the newcomer rides along)
+      EXPECT_TRUE(ids.count(1)) << id;
+    }
+    s.Update(RunFake(s, out, nullptr));
+    s.CheckInvariants();
+  }
+  Drain(s, nullptr);
+  EXPECT_EQ(s.GetRequest(1).generated, Expected(long_p, sp));
+  for (int64_t id = 2; id <= 4; ++id) {
+    EXPECT_EQ(s.GetRequest(id).generated, Expected(shorts[id - 2], sp));
+  }
+  // Without a chunk limit, arrival order decides (the long prompt's remaining tokens first).
+  c.max_prefill_chunk = 0;
+  c.max_num_batched_tokens = 8;
+  Scheduler plain(c, 64, 4);
+  plain.AddRequest(1, long_p, sp);
+  plain.Update(RunFake(plain, plain.Step(), nullptr));
+  plain.AddRequest(2, Prompt(rng, 3), sp);
+  out = plain.Step();
+  ASSERT_EQ(out.size(), 1);
+  EXPECT_EQ(out.ids[0], 1);
+  plain.Update(RunFake(plain, out, nullptr));
+  Drain(plain, nullptr);
+}
+
 TEST(Scheduler, PrefillChunksShareTheBudgetWithDecodes) {
   SchedulerConfig c = SmallConfig();
   c.max_num_batched_tokens = 10;

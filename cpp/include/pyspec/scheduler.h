@@ -11,7 +11,10 @@
 //   2. Then prefill chunks: requests already in PREFILL (oldest first), then newly admitted ones
 //      from the front of the waiting queue (FCFS; admission allocates the whole prompt through
 //      BlockManager::AddRequest, whose prefix-cache hit skips the cached tokens). A chunk is as
-//      long as the remaining token budget allows (and max_prefill_chunk, if set).
+//      long as the remaining token budget allows (and max_prefill_chunk, if set). With
+//      max_prefill_chunk set, a waiting request whose prompt fits one chunk is admitted in a step
+//      that leaves the other prefill chunks out (at most every other step), so a short prompt's
+//      first token does not wait behind a long prompt's chunks.
 //   If a reservation fails, the newest running request not yet scheduled in this step is preempted
 //   (KV freed, state PREEMPTED, pushed to the front of the waiting queue; it is re-prefilled later
 //   by recompute over prompt + generated tokens) and the reservation is retried. A request that
@@ -331,6 +334,7 @@ class Scheduler {
   std::unordered_set<int64_t> aborted_in_flight_;  // aborted between Step() and Update()
   std::vector<int64_t> step_preempted_;
   bool in_flight_ = false;
+  bool skipped_prefill_chunks_ = false;  // the last step left prefilling requests' chunks out
   std::vector<int64_t> pending_finished_;  // reported by the next Step()
   std::vector<int64_t> pending_freed_;
   int64_t next_arrival_ = 0;
