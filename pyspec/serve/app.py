@@ -71,7 +71,6 @@ class _Responder:
                     sp = replace(p, n=1, seed=None if p.seed is None else sample_seed(p.seed, k))
                     key = f"{req_id}-{len(handles)}"
                     h = Handle(aloop, ids, sp, self.tokenizer)
-                    h.tenant = tenant
                     h.deadline, h.queue_deadline = deadlines
                     h.score = self.gate.wants(key, sp.speculative)
                     if self.shadow is not None and self.shadow.wants(key):

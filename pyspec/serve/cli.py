@@ -136,23 +136,18 @@ def check_prompt_log(args) -> None:
 
 def check_server_flags(args) -> None:
     """The operational flags, checked before anything loads (one error line each)."""
+    from pyspec.serve.http import check_server_settings
+
     serve_options(args)
-    for flag in ("header_timeout", "keep_alive_timeout", "drain_timeout"):
-        v = getattr(args, flag)
-        if not (math.isfinite(v) and 0 < v < 1e6):
-            raise ValueError(f"--{flag.replace('_', '-')} must be a number of seconds > 0; "
-                             f"got {v}")
+    check_server_settings(header_timeout=args.header_timeout,
+                          keep_alive_timeout=args.keep_alive_timeout,
+                          drain_timeout=args.drain_timeout, ssl_keyfile=args.ssl_keyfile,
+                          ssl_certfile=args.ssl_certfile)
     for flag, lo in (("max_num_seqs", 1), ("max_num_batched_tokens", 1),
                      ("max_prefill_chunk", 0), ("max_engine_restarts", 0)):
         if getattr(args, flag) < lo:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= {lo}; got "
                              f"{getattr(args, flag)}")
-    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
-        raise ValueError("TLS needs both --ssl-keyfile and --ssl-certfile")
-    for flag in ("ssl_keyfile", "ssl_certfile"):
-        path = getattr(args, flag)
-        if path is not None and not os.path.isfile(path):
-            raise ValueError(f"--{flag.replace('_', '-')}: no such file {path!r}")
 
 
 def cmd_serve(args) -> int:

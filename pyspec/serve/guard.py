@@ -11,9 +11,10 @@ keys, the ``X-Tenant`` header names it. Routes read it from ``request.state.tena
 from __future__ import annotations
 
 import hmac
-import json
 from dataclasses import dataclass
 from typing import Iterable, Optional, Tuple
+
+from pyspec.serve.protocol import RequestError, error_response
 
 __all__ = ["AccessPolicy", "Guard", "LOOPBACK_HOSTS", "host_name"]
 
@@ -80,16 +81,12 @@ class Guard:
     def __init__(self, app, policy: AccessPolicy, state: dict, metrics=None):
         self.app, self.policy, self.state, self.metrics = app, policy, state, metrics
 
-    async def _refuse(self, send, status: int, message: str, code: str, reason: str,
-                      headers=()) -> None:
+    async def _refuse(self, scope, receive, send, status: int, message: str, code: str,
+                      reason: str, headers=None) -> None:
         if self.metrics is not None:
             self.metrics.rejected.labels(reason=reason).inc()
-        body = json.dumps({"error": {"message": message, "type": "invalid_request_error",
-                                     "param": None, "code": code}}, ensure_ascii=True).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode()), *headers]})
-        await send({"type": "http.response.body", "body": body})
+        await error_response(RequestError(status, message, code=code),
+                             headers)(scope, receive, send)
 
     def _origin_allowed(self, origin: str) -> bool:
         allowed = self.policy.allowed_origins
@@ -105,17 +102,18 @@ class Guard:
         if pol.allowed_hosts is not None and "*" not in pol.allowed_hosts:
             host = host_name(headers.get("host", ""))
             if host not in pol.allowed_hosts:
-                return await self._refuse(send, 421, f"this server does not answer to the host "
-                                          f"{headers.get('host', '')[:100]!r} (allowed: "
-                                          f"{', '.join(pol.allowed_hosts)}; see --allowed-hosts)",
-                                          "host_not_allowed", "host")
+                return await self._refuse(
+                    scope, receive, send, 421, f"this server does not answer to the host "
+                    f"{headers.get('host', '')[:100]!r} (allowed: "
+                    f"{', '.join(pol.allowed_hosts)}; see --allowed-hosts)",
+                    "host_not_allowed", "host")
         origin = headers.get("origin")
         cors = []
         if origin is not None:
             if not self._origin_allowed(origin):
-                return await self._refuse(send, 403, f"requests from the origin "
-                                          f"{origin[:100]!r} are not allowed (see "
-                                          "--allowed-origins)", "origin_not_allowed", "origin")
+                return await self._refuse(
+                    scope, receive, send, 403, f"requests from the origin {origin[:100]!r} are "
+                    "not allowed (see --allowed-origins)", "origin_not_allowed", "origin")
             cors = [(b"access-control-allow-origin", origin.encode("latin-1")),
                     (b"vary", b"Origin")]
             if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
@@ -136,9 +134,10 @@ class Guard:
                 if not ok:
                     what = "no API key was given" if not auth else "the API key is not valid"
                     return await self._refuse(
-                        send, 401, f"{what}: send 'Authorization: Bearer KEY'",
+                        scope, receive, send, 401, f"{what}: send 'Authorization: Bearer KEY'",
                         "invalid_api_key", "unauthorized",
-                        [(b"www-authenticate", b'Bearer realm="pyspec"'), *cors])
+                        {"www-authenticate": 'Bearer realm="pyspec"',
+                         **{k.decode(): v.decode("latin-1") for k, v in cors}})
                 st["tenant"] = tenant
         else:
             st["tenant"] = headers.get("x-tenant")

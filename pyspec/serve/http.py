@@ -17,7 +17,7 @@ import logging
 import threading
 from typing import Optional
 
-__all__ = ["run_server", "make_protocol", "make_server"]
+__all__ = ["run_server", "make_protocol", "make_server", "check_server_settings"]
 
 log = logging.getLogger("pyspec.serve")
 
@@ -65,6 +65,27 @@ def make_protocol(header_timeout: float):
     return Protocol
 
 
+def check_server_settings(*, header_timeout: float, keep_alive_timeout: float,
+                          drain_timeout: float, ssl_keyfile: Optional[str],
+                          ssl_certfile: Optional[str]) -> None:
+    """The HTTP server's deadlines and TLS pair, checked (by ``pyspec serve`` before the model
+    loads, and by :func:`make_server`); errors name the command-line flag."""
+    import math
+    import os
+
+    for name, v in (("header_timeout", header_timeout), ("keep_alive_timeout", keep_alive_timeout),
+                    ("drain_timeout", drain_timeout)):
+        if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                or not 0 < v < 1e6):
+            raise ValueError(f"--{name.replace('_', '-')} must be a number of seconds > 0; "
+                             f"got {v!r}")
+    if (ssl_keyfile is None) != (ssl_certfile is None):
+        raise ValueError("TLS needs both --ssl-keyfile and --ssl-certfile")
+    for name, path in (("ssl_keyfile", ssl_keyfile), ("ssl_certfile", ssl_certfile)):
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"--{name.replace('_', '-')}: no such file {path!r}")
+
+
 def make_server(app, *, host: str, port: int, header_timeout: float = 10.0,
                 keep_alive_timeout: float = 5.0, drain_timeout: float = 30.0,
                 ssl_keyfile: Optional[str] = None, ssl_certfile: Optional[str] = None,
@@ -73,12 +94,9 @@ def make_server(app, *, host: str, port: int, header_timeout: float = 10.0,
     and drain deadlines above."""
     import uvicorn
 
-    for name, v in (("header_timeout", header_timeout), ("keep_alive_timeout", keep_alive_timeout),
-                    ("drain_timeout", drain_timeout)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1e6:
-            raise ValueError(f"{name} must be a number of seconds > 0; got {v!r}")
-    if (ssl_keyfile is None) != (ssl_certfile is None):
-        raise ValueError("TLS needs both --ssl-keyfile and --ssl-certfile")
+    check_server_settings(header_timeout=header_timeout, keep_alive_timeout=keep_alive_timeout,
+                          drain_timeout=drain_timeout, ssl_keyfile=ssl_keyfile,
+                          ssl_certfile=ssl_certfile)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             http=make_protocol(header_timeout),
                             timeout_keep_alive=keep_alive_timeout,
