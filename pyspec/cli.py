@@ -72,12 +72,22 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-tokens must be >= 1; got {args.max_tokens}")
     if args.gamma is not None and not 1 <= args.gamma <= 255:
         raise ValueError(f"--gamma must be in [1, 255]; got {args.gamma}")
-    spec = pyspec.SpecConfig(num_speculative_tokens=args.gamma, adaptive=not args.no_adaptive)
+    from pyspec.drafters.foreign import settings_from_args
+
+    foreign = settings_from_args(args)  # vLLM / SGLang spellings, checked before the model loads
+    fields = foreign.spec_config_fields() if foreign else {}
+    if args.gamma is not None and "num_speculative_tokens" in fields:
+        raise ValueError("give the draft length once: --gamma or the speculative config's "
+                         "token count")
+    if args.gamma is not None:
+        fields["num_speculative_tokens"] = args.gamma
+    draft = foreign.draft if foreign else (args.draft or "default")
+    spec = pyspec.SpecConfig(adaptive=not args.no_adaptive, **fields)
     params = pyspec.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                    top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                                    seed=args.seed, ignore_eos=args.ignore_eos)
     check_sampling_options(params)  # before the model loads (seconds to minutes)
-    llm = pyspec.LLM(args.model, args.draft, spec, dtype=args.dtype, device=args.device,
+    llm = pyspec.LLM(args.model, draft, spec, dtype=args.dtype, device=args.device,
                      packed_weights=args.packed_weights)
     prompt = ([{"role": "user", "content": args.prompt}]
               if not args.no_chat and llm.tokenizer.chat_template else args.prompt)
@@ -157,9 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT,
                    help="the user message (default: a code-rewriting request)")
     p.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--draft", default="default",
+    p.add_argument("--draft", default=None,
                    help="drafter: default (the shipped drafter, else ngram), ngram[:N], none, "
-                        "layer-skip[:L], or a drafter / draft-model folder")
+                        "layer-skip[:L], or a drafter / draft-model folder (default: default)")
     p.add_argument("--gamma", type=int, default=None,
                    help="most draft tokens per step (default: the drafter's)")
     p.add_argument("--no-adaptive", action="store_true",
@@ -176,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", action="store_true",
                    help="also run plain decoding and print both speeds, the speedup and whether "
                         "the outputs are identical")
+    from pyspec.drafters.foreign import add_flags as add_foreign_flags
+
+    add_foreign_flags(p)
     p.set_defaults(func=_cmd_generate)
     p = sub.add_parser("smoke", help="greedy plain vs speculative generation on a tiny random model")
     p.add_argument("--max-tokens", type=int, default=96)

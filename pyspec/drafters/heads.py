@@ -105,21 +105,38 @@ class MedusaDrafter(Drafter):
     needs_hidden = True
 
     def __init__(self, target_runner: ModelRunner, weights: Dict[str, torch.Tensor], num_heads: int,
-                 tree: Optional[List[List[int]]] = None):
+                 tree: Optional[List[List[int]]] = None, num_layers: int = 1):
         m = target_runner.model
         h = m.cfg.hidden_size
         if not isinstance(num_heads, int) or not 1 <= num_heads <= 16:
             raise ValueError(f"num_heads must be an int in [1, 16]; got {num_heads!r}")
+        if not isinstance(num_layers, int) or not 1 <= num_layers <= 8:
+            raise ValueError(f"num_layers must be an int in [1, 8]; got {num_layers!r}")
         self.target = m
         # The heads run on the host (like every drafter): host copies of the target's final norm
         # and lm_head when the target is on a GPU (no copy for a CPU target).
         self.norm_w = m.norm.cpu()
         self.lm_head = m.lm_head.cpu()
-        self.w = torch.stack([_shape(weights, f"heads.{k}.weight", (h, h))
-                              for k in range(num_heads)]).to(m.dtype)
-        self.b = torch.stack([_shape(weights, f"heads.{k}.bias", (h,))
-                              for k in range(num_heads)]).to(m.dtype)
-        tree = [list(p) for p in (tree or DEFAULT_MEDUSA_TREE)]
+        # Residual blocks per head: [layer][head] weights (pyspec's own single-block heads are
+        # named heads.{k}.weight/bias; published ones heads.{k}.{j}.weight/bias).
+        def block(k, j, part, shape):
+            name = (f"heads.{k}.{part}" if num_layers == 1 and f"heads.{k}.{part}" in weights
+                    else f"heads.{k}.{j}.{part}")
+            return _shape(weights, name, shape)
+
+        self.w = [torch.stack([block(k, j, "weight", (h, h)) for k in range(num_heads)]).to(m.dtype)
+                  for j in range(num_layers)]
+        self.b = [torch.stack([block(k, j, "bias", (h,)) for k in range(num_heads)]).to(m.dtype)
+                  for j in range(num_layers)]
+        # Each head's own projection to the vocabulary (the published Medusa layout), or the
+        # target's lm_head for all (pyspec's own heads).
+        self.head_lm = None
+        if any(f"heads.{k}.lm_head.weight" in weights for k in range(num_heads)):
+            self.head_lm = [_shape(weights, f"heads.{k}.lm_head.weight",
+                                   (m.cfg.vocab_size, h)).to(m.dtype) for k in range(num_heads)]
+        # The default tree cut to the heads there are (its paths' prefixes stay in it).
+        tree = [list(p) for p in (tree or [q for q in DEFAULT_MEDUSA_TREE
+                                           if len(q) <= num_heads])]
         if any(len(p) > num_heads or len(p) == 0 for p in tree):
             raise ValueError(f"every Medusa tree path needs 1..{num_heads} ranks (one per head)")
         self.paths = sorted(tree, key=lambda p: (len(p), p))
@@ -154,9 +171,14 @@ class MedusaDrafter(Drafter):
             m = self.target
             h = rms_norm(torch.stack([self._last[r.request_id] for r in have]), self.norm_w,
                          m.cfg.rms_norm_eps)  # [B, H]
-            z = torch.einsum("bh,koh->bko", h, self.w) + self.b  # [B, K, H]
-            hk = h[:, None, :] + F.silu(z)
-            logits = m.linear(hk.reshape(-1, h.shape[-1]), self.lm_head).float()
+            hk = h[:, None, :].expand(-1, self.num_heads, -1)  # [B, K, H]
+            for w, b in zip(self.w, self.b):
+                hk = hk + F.silu(torch.einsum("bkh,koh->bko", hk, w) + b)
+            if self.head_lm is None:
+                logits = m.linear(hk.reshape(-1, h.shape[-1]), self.lm_head).float()
+            else:
+                logits = torch.stack([m.linear(hk[:, k].contiguous(), lm).float()
+                                      for k, lm in enumerate(self.head_lm)], 1).flatten(0, 1)
             top = logits.topk(self.max_rank, dim=-1).indices.view(len(have), self.num_heads, -1)
             for r, t in zip(have, top.tolist()):
                 ranked[r.request_id] = t
@@ -186,7 +208,10 @@ class MedusaDrafter(Drafter):
         return t
 
     def describe(self) -> str:
-        return f"medusa ({self.num_heads} heads, static tree of {len(self.paths)} nodes)"
+        blocks = f", {len(self.w)} blocks each" if len(self.w) > 1 else ""
+        own = ", own projections" if self.head_lm is not None else ""
+        return (f"medusa ({self.num_heads} heads{blocks}{own}, static tree of "
+                f"{len(self.paths)} nodes)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,13 +271,30 @@ class EagleDrafter(Drafter):
                 raise ValueError(f"draft_vocab must be 1-D target ids in [0, {tc.vocab_size})")
             lm_head = _shape(weights, "lm_head.weight", (dv.numel(), h)).to(tm.dtype)
             self.vocab_map = dv
+        # EAGLE-1/2 as published: no input norm in the layer, no final norm (the head predicts
+        # the target's *normed* last hidden state, which goes straight to its lm_head), and
+        # features read after the target's final norm.
+        for key in ("input_layernorm", "final_norm"):
+            if not isinstance(head_cfg.get(key, True), bool):
+                raise ValueError(f"eagle {key} must be true or false; got {head_cfg[key]!r}")
+        feature = head_cfg.get("feature", "hidden")
+        if feature not in ("hidden", "normed_hidden"):
+            raise ValueError(f"eagle feature must be 'hidden' or 'normed_hidden'; got {feature!r}")
+        if feature == "normed_hidden" and layers:
+            raise ValueError("eagle feature 'normed_hidden' reads the last layer only; it cannot "
+                             "go with feature_layers")
+        self.feature_norm = tm.norm.cpu() if feature == "normed_hidden" else None
         w = {"model.embed_tokens.weight": self.embed_w, "lm_head.weight": lm_head,
-             "model.norm.weight": _shape(weights, "norm.weight", (h,)).to(tm.dtype)}
+             "model.norm.weight": (_shape(weights, "norm.weight", (h,)).to(tm.dtype)
+                                   if head_cfg.get("final_norm", True) else None)}
         shapes = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
                   "self_attn.q_proj.weight": (nh * hd, h), "self_attn.k_proj.weight": (nkv * hd, h),
                   "self_attn.v_proj.weight": (nkv * hd, h), "self_attn.o_proj.weight": (h, nh * hd),
                   "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
                   "mlp.down_proj.weight": (h, inter)}
+        if not head_cfg.get("input_layernorm", True):
+            del shapes["input_layernorm.weight"]
+            w["model.layers.0.input_layernorm.weight"] = None
         for k, s in shapes.items():
             w["model.layers.0." + k] = _shape(weights, "layer." + k, s).to(tm.dtype)
         # The target's dense kernels (its LinearKernels), for the head's layers and its own
@@ -280,6 +322,8 @@ class EagleDrafter(Drafter):
         return min(self.max_nodes, max(depth, round(self.max_nodes * depth / self.max_depth)))
 
     def _push(self, rid: int, start: int, feats: torch.Tensor, next_tokens: Sequence[int]) -> None:
+        if self.feature_norm is not None:
+            feats = rms_norm(feats.contiguous(), self.feature_norm, self.target.cfg.rms_norm_eps)
         if self.fuse_w is not None:  # the target's layers fused into one feature (EAGLE-3)
             feats = self.head.linear(feats.to(self.fuse_w.dtype).contiguous(), self.fuse_w)
         dc = self._dc.get(rid)

@@ -5,6 +5,7 @@
 
     "none"                 plain decoding (returns None)
     "ngram" | "ngram:N"    prompt lookup, n-grams up to N (default 3)
+    "ngram:N@min=M"        ... of at least M tokens (default 1)
     "layer-skip:L"         the target's first L layers + final norm + lm_head ("layer-skip": L/4)
     "default"              for the embedded model: prompt lookup, else the corpus drafter shipped
                            in pyspec/data/default_corpus ("ngram|suffix"; "ngram|eagle" in a
@@ -12,9 +13,11 @@
                            "ngram"; one of the same vocabulary but other weights a warning
     "suffix[@OPTIONS]"     the shipped corpus drafter alone (options as for PATH@... below)
     "eagle[@OPTIONS]"      the EAGLE head shipped in pyspec/data/default_drafter
-    PATH                   a folder holding drafter.json (EAGLE/Medusa heads) or config.json (an
-                           independent draft model with the target's vocabulary)
-    PATH@tree=W            ... a draft model drafting top-W dynamic trees instead of a chain
+    PATH                   a folder holding drafter.json (EAGLE/Medusa heads), published Medusa
+                           (medusa_lm_head) or EAGLE-1/2 heads (pyspec.drafters.published), or
+                           config.json (an independent draft model with the target's vocabulary)
+    PATH@tree=W,depth=D    ... a draft model drafting top-W dynamic trees instead of a chain,
+                           at most D levels deep (default 5)
     PATH@width=W,depth=D,nodes=N   ... an EAGLE drafter with another tree shape
     PATH@nodes=N,depth=D,match=M,min-match=K,prob=P,children=C,learn=T
                            ... a corpus drafter (drafter.json method "suffix": continuations
@@ -39,6 +42,7 @@ from pyspec.drafters.heads import load_heads
 from pyspec.drafters.merged import FirstDrafter, MergedDrafter
 from pyspec.drafters.model import LayerSkipDrafter, ModelDrafter
 from pyspec.drafters.ngram import NgramDrafter
+from pyspec.drafters.published import load_published, published_kind
 from pyspec.drafters.suffix import OPTIONS as SUFFIX_OPTIONS
 from pyspec.drafters.suffix import load_suffix
 
@@ -98,9 +102,10 @@ def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Dra
             if why:
                 raise ValueError(f"the shipped EAGLE head is for the embedded model: {why}")
         return make_drafter(path + at + opts, target_runner)
-    if name == "ngram":
-        n = _int_arg(arg, "ngram", 3)
-        return NgramDrafter(n)
+    base, _, opt = spec.partition("@")
+    if base.partition(":")[0] == "ngram":
+        over = _folder_options(opt, {"min": "min_ngram"}, "unknown ngram option", "")
+        return NgramDrafter(_int_arg(base.partition(":")[2], "ngram", 3), **over)
     if name == "layer-skip":
         total = target_runner.model.cfg.num_hidden_layers
         n = _int_arg(arg, "layer-skip", max(1, total // 4))
@@ -110,6 +115,14 @@ def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Dra
     path, _, opt = spec.partition("@")
     path = os.path.expanduser(path)
     if os.path.isdir(path):
+        kind = published_kind(path)
+        if kind is not None:  # Medusa / EAGLE heads as their authors publish them
+            over = _folder_options(opt, {"width": "width", "depth": "max_depth",
+                                         "nodes": "max_nodes"} if kind != "medusa" else {},
+                                   f"unknown option for a {kind} head:", " (EAGLE trees)"
+                                   if kind != "medusa" else " (none: a Medusa tree comes from its "
+                                   "choice list)")
+            return load_published(path, target_runner, **over)
         if folder_kind(path) == "drafter":
             cfg = read_config(path)
             if cfg["method"] == "suffix":
@@ -122,22 +135,16 @@ def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Dra
         if folder_kind(path) == "draft-model":
             from pyspec.models.llama import LlamaForCausalLM
 
-            width = 1
-            if opt:
-                key, _, val = opt.partition("=")
-                if key != "tree":
-                    raise ValueError(f"unknown draft-model option {opt!r}; allowed: tree=W")
-                if not val:
-                    raise ValueError(f"draft-model option {opt!r} needs a value: tree=W (the "
-                                     "tree width, 1 = a chain)")
-                width = _int_arg(val, "tree", 1, "=")
+            over = _folder_options(opt, {"tree": "width", "depth": "max_depth"},
+                                   "unknown draft-model option", " (tree=W: the tree width, 1 = "
+                                   "a chain; depth=D: the deepest draft level)")
             tm = target_runner.model
             # As the target was loaded: its kernels, packed codes where exact unless the target
             # said "off".
             model = LlamaForCausalLM.from_pretrained(
                 path, dtype=tm.dtype, packed_weights=getattr(tm, "packed_weights", "auto"),
                 kernels=getattr(tm, "kernels", None))
-            return ModelDrafter(model, target_runner, width=width, max_depth=5)
+            return ModelDrafter(model, target_runner, **{"width": 1, "max_depth": 5, **over})
         raise ValueError(f"{path!r} holds neither drafter.json (EAGLE/Medusa heads) nor "
                          "config.json (a draft model)")
     if os.path.exists(path):

@@ -272,8 +272,10 @@ class LlamaForCausalLM(LlamaWeights):
         view._fused = None
         return view
 
-    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, w, self.cfg.rms_norm_eps)
+    def _rms(self, x: torch.Tensor, w: Optional[torch.Tensor]) -> torch.Tensor:
+        # No weight: no norm there (published EAGLE-1/2 heads have neither an input norm in
+        # their layer nor a final norm).
+        return x if w is None else ops.rms_norm(x, w, self.cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan, k_pages: torch.Tensor,
                 v_pages: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -356,6 +358,7 @@ class LlamaForCausalLM(LlamaWeights):
         if (t > self._serial_rows or self.device.type != "cpu" or x.dtype != self.dtype
                 or k_pages.dtype != self.dtype or not k_pages.is_contiguous()
                 or (torch.is_grad_enabled() and x.requires_grad) or not self.fused_layers
+                or any(layer["ln1"] is None for layer in self.layers)
                 or not isinstance(self.linear, Linear)
                 # Codes alone need the packed kernel: op by op, the model's Linear rebuilds the
                 # matrices instead.

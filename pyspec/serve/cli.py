@@ -21,11 +21,15 @@ def build(args):
     cfg = load_config(args.config)
     spec = cfg.speculative
     model = args.model or (None if spec.target_model == "default" else spec.target_model)
-    draft = args.draft or spec.draft_model
-    if spec.tree_width > 1:
+    from pyspec.drafters.foreign import settings_from_args
+
+    foreign = settings_from_args(args)  # vLLM / SGLang spellings: the YAML's drafter replaced
+    draft = foreign.draft if foreign else (args.draft or spec.draft_model)
+    if spec.tree_width > 1 and not foreign:
         draft = with_tree_width(draft, spec.tree_width)
-    sc = pyspec.SpecConfig(num_speculative_tokens=spec.gamma, adaptive=spec.adaptive,
-                           fallback_on_alpha_below=spec.fallback_on_alpha_below)
+    sc = pyspec.SpecConfig(**{"num_speculative_tokens": spec.gamma, "adaptive": spec.adaptive,
+                              "fallback_on_alpha_below": spec.fallback_on_alpha_below,
+                              **(foreign.spec_config_fields() if foreign else {})})
     options = serve_options(args)  # (checked before the model loads)
     llm = pyspec.LLM(model, draft, sc, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens,
                      device=getattr(args, "device", "cpu"),
@@ -136,9 +140,11 @@ def check_prompt_log(args) -> None:
 
 def check_server_flags(args) -> None:
     """The operational flags, checked before anything loads (one error line each)."""
+    from pyspec.drafters.foreign import settings_from_args
     from pyspec.serve.http import check_server_settings
 
     serve_options(args)
+    settings_from_args(args)
     check_server_settings(header_timeout=args.header_timeout,
                           keep_alive_timeout=args.keep_alive_timeout,
                           drain_timeout=args.drain_timeout, ssl_keyfile=args.ssl_keyfile,
@@ -243,5 +249,8 @@ def add_parser(sub):
     g.add_argument("--speculation-stats", action="store_true",
                    help="add each response's 'speculation' field (acceptance statistics; off by "
                         "default: they can reveal what other clients sent)")
+    from pyspec.drafters.foreign import add_flags as add_foreign_flags
+
+    add_foreign_flags(p)
     p.set_defaults(func=cmd_serve)
     return p

@@ -214,8 +214,11 @@ def draft_bytes(engine) -> int:
         if head is not None:
             for t in model_tensors(head):
                 add(t)
-        for name in ("fc_w", "fc_b", "fuse_w", "embed_w", "norm_w", "lm_head", "w", "b"):
-            add(getattr(d, name, None))
+        for name in ("fc_w", "fc_b", "fuse_w", "embed_w", "norm_w", "lm_head", "w", "b",
+                     "head_lm"):
+            v = getattr(d, name, None)
+            for t in (v if isinstance(v, (list, tuple)) else [v]):
+                add(t)
     return total
 
 

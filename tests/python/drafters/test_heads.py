@@ -112,7 +112,7 @@ def test_draft_bytes_counts_what_drafters_hold_beyond_the_target(model, tmp_path
     want_eagle = nbytes(head_own) + nbytes([eagle.fc_w])
     assert want_eagle > 0
     assert _draft_bytes(Engine(runner, drafter=eagle)) == want_eagle
-    want_medusa = nbytes([medusa.w, medusa.b])
+    want_medusa = nbytes(medusa.w + medusa.b)
     assert _draft_bytes(Engine(runner, drafter=medusa)) == want_medusa
     # Combined: both parts, counted once each however the engine names them.
     merged = make_drafter("ngram+" + str(tmp_path / "eagle"), runner)

@@ -1,0 +1,254 @@
+"""Drafter checkpoints as their authors publish them, read without conversion:
+
+* **Medusa** (Cai et al. 2024; the ``medusa_lm_head`` layout): ``config.json`` with
+  ``medusa_num_heads`` / ``medusa_num_layers``, weights ``medusa_lm_head.safetensors`` (or the
+  pickled ``medusa_lm_head.pt``) holding per head ``i``: residual blocks
+  ``{i}.{j}.linear.weight [H, H]`` / ``{i}.{j}.linear.bias [H]`` (``x + SiLU(W x + b)``, j <
+  num_layers) and the head's own projection ``{i}.{num_layers}.weight [V, H]``. Head ``i`` reads
+  the target's final-normed hidden state at position t and proposes token t + i + 2.
+* **EAGLE-1/2** (Li et al. 2024; the ``cnets1`` layout): ``config.json`` of a one-layer Llama,
+  weights ``pytorch_model.bin`` or ``model.safetensors`` with ``fc.weight [H, 2H]`` (and
+  ``fc.bias`` unless the config says ``"bias": false``) over ``[embed(t+1); f_t]``, one decoder
+  layer ``layers.0.*`` *without* an input norm, no final norm and no lm_head: ``f`` is the
+  target's last hidden state *after* its final norm, and the head's output goes straight to the
+  target's lm_head.
+
+EAGLE-3 heads (``midlayer.*``, ``d2t``) are recognised and refused with that reason: their
+decoder layer takes the token embedding and the fused feature as two normed inputs (a 2H-wide
+attention input), which pyspec's head does not implement yet.
+
+Pickled ``.bin`` / ``.pt`` files are read with ``torch.load(weights_only=True)`` (nothing in the
+file runs); safetensors is preferred where both are present. Every mismatch names the file, the
+tensor and what was expected.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Dict, Optional, Tuple
+
+import torch
+
+__all__ = ["published_kind", "load_published"]
+
+_MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "medusa_lm_head.bin")
+_EAGLE_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def _config(path: str) -> Optional[dict]:
+    from pyspec.models.config import _read_object
+
+    f = os.path.join(path, "config.json")
+    return _read_object(f) if os.path.isfile(f) else None
+
+
+def _first(path: str, names) -> Optional[str]:
+    for n in names:
+        if os.path.isfile(os.path.join(path, n)):
+            return os.path.join(path, n)
+    return None
+
+
+def _tensor_names(file: str) -> Tuple[str, ...]:
+    """The tensor names of a safetensors file (its header only); () for a pickle (read later)."""
+    if not file.endswith(".safetensors"):
+        return ()
+    from safetensors import safe_open
+
+    from pyspec.models.loader import check_safetensors_header
+
+    check_safetensors_header(file)
+    with safe_open(file, "pt") as f:
+        return tuple(f.keys())
+
+
+def published_kind(path: str) -> Optional[str]:
+    """"medusa", "eagle" (EAGLE-1/2) or "eagle3" for a folder in a published drafter layout,
+    else None (a pyspec drafter folder, a model, or anything else)."""
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "drafter.json")):
+        return None
+    if _first(path, _MEDUSA_FILES) is not None:
+        return "medusa"
+    cfg = _config(path)
+    if cfg is None:
+        return None
+    if "medusa_num_heads" in cfg:
+        return "medusa"
+    arch = " ".join(map(str, cfg.get("architectures") or ()))
+    if "eagle3" in arch.lower() or "draft_vocab_size" in cfg:
+        return "eagle3"
+    file = _first(path, _EAGLE_FILES)
+    if file is None:
+        return None
+    names = _tensor_names(file)
+    if not names and file.endswith(".bin"):
+        names = tuple(_load(file).keys())
+    if any(n.startswith("midlayer.") for n in names) or "d2t" in names:
+        return "eagle3"
+    if "fc.weight" in names and any(n.startswith("layers.0.") for n in names):
+        return "eagle"
+    return None
+
+
+def _load(file: str) -> Dict[str, torch.Tensor]:
+    if file.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        _tensor_names(file)  # header checks
+        return load_file(file)
+    try:
+        obj = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - truncated or foreign bytes raise almost anything
+        from pyspec.train.data import load_failure, pickled_global
+
+        name = pickled_global(e)
+        if name is not None:
+            raise ValueError(f"{file}: the file holds pickled Python objects (it names {name}), "
+                             "which pyspec does not load (unpickling can run any code); "
+                             "convert it to safetensors") from None
+        raise ValueError(f"{file}: not a readable PyTorch weights file ({load_failure(e)})") \
+            from None
+    if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                            for k, v in obj.items()):
+        raise ValueError(f"{file}: must hold a dict of tensor name -> tensor")
+    return obj
+
+
+def _get(t: Dict[str, torch.Tensor], file: str, name: str, shape) -> torch.Tensor:
+    if name not in t:
+        raise ValueError(f"{file}: tensor {name!r} is missing (expected shape {list(shape)})")
+    v = t.pop(name)
+    if tuple(v.shape) != tuple(shape):
+        raise ValueError(f"{file}: tensor {name!r} has shape {list(v.shape)}; expected "
+                         f"{list(shape)} for this target")
+    if not v.is_floating_point():
+        raise ValueError(f"{file}: tensor {name!r} has dtype {v.dtype}; expected floating point")
+    return v.float()
+
+
+def _medusa(path: str, target_cfg) -> Tuple[dict, Dict[str, torch.Tensor]]:
+    file = _first(path, _MEDUSA_FILES)
+    if file is None:
+        raise ValueError(f"{path!r}: Medusa heads need one of {', '.join(_MEDUSA_FILES)}")
+    cfg = _config(path) or {}
+    t = _load(file)
+    h, v = target_cfg.hidden_size, target_cfg.vocab_size
+    heads = sorted({int(m.group(1)) for k in t for m in [re.match(r"(\d+)\.", k)] if m})
+    if not heads or heads != list(range(len(heads))):
+        raise ValueError(f"{file}: expected Medusa heads named 0.*, 1.*, ... (the medusa_lm_head "
+                         f"layout); found {sorted(t)[:6]}")
+    # The published configs sometimes under-report their heads: the tensors decide; a config
+    # that names more heads than the file holds is an error.
+    n_cfg = cfg.get("medusa_num_heads")
+    if isinstance(n_cfg, int) and n_cfg > len(heads):
+        raise ValueError(f"{path}/config.json: medusa_num_heads is {n_cfg} but {file} holds "
+                         f"{len(heads)} heads")
+    blocks = sorted({int(m.group(1)) for k in t for m in [re.match(r"0\.(\d+)\.linear\.", k)] if m})
+    layers = len(blocks)
+    if blocks != list(range(layers)) or layers == 0:
+        raise ValueError(f"{file}: head 0 needs residual blocks 0.0.linear.* .. (found "
+                         f"{[k for k in t if k.startswith('0.')][:6]})")
+    n_l = cfg.get("medusa_num_layers")
+    if isinstance(n_l, int) and n_l != layers:
+        raise ValueError(f"{path}/config.json: medusa_num_layers is {n_l} but {file} holds "
+                         f"{layers} blocks per head")
+    out = {}
+    for i in heads:
+        for j in range(layers):
+            out[f"heads.{i}.{j}.weight"] = _get(t, file, f"{i}.{j}.linear.weight", (h, h))
+            out[f"heads.{i}.{j}.bias"] = _get(t, file, f"{i}.{j}.linear.bias", (h,))
+        out[f"heads.{i}.lm_head.weight"] = _get(t, file, f"{i}.{layers}.weight", (v, h))
+    if t:
+        raise ValueError(f"{file}: unexpected tensors {sorted(t)[:5]} (the medusa_lm_head layout "
+                         f"has {{i}}.{{j}}.linear.weight/bias and {{i}}.{layers}.weight)")
+    return {"num_heads": len(heads), "num_layers": layers, "head_lm_heads": True}, out
+
+
+def _eagle(path: str, target_cfg) -> Tuple[dict, Dict[str, torch.Tensor]]:
+    file = _first(path, _EAGLE_FILES)
+    cfg = _config(path)
+    if file is None or cfg is None:
+        raise ValueError(f"{path!r}: an EAGLE head needs config.json and one of "
+                         f"{', '.join(_EAGLE_FILES)}")
+    t = _load(file)
+    h = target_cfg.hidden_size
+    cfg_path = os.path.join(path, "config.json")
+    if cfg.get("hidden_size") not in (None, h):
+        raise ValueError(f"{cfg_path}: hidden_size {cfg.get('hidden_size')} does not match the "
+                         f"target's {h}")
+    if cfg.get("vocab_size") not in (None, target_cfg.vocab_size):
+        raise ValueError(f"{cfg_path}: vocab_size {cfg.get('vocab_size')} does not match the "
+                         f"target's {target_cfg.vocab_size}")
+    if cfg.get("num_hidden_layers", 1) != 1:
+        raise ValueError(f"{cfg_path}: an EAGLE head has one decoder layer; num_hidden_layers "
+                         f"is {cfg.get('num_hidden_layers')}")
+
+    def num(key, default):
+        v = cfg.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{cfg_path}: {key} must be an int >= 1; got {v!r}")
+        return v
+
+    nh = num("num_attention_heads", target_cfg.num_attention_heads)
+    nkv = num("num_key_value_heads", nh)
+    hd = num("head_dim", h // nh)
+    inter = num("intermediate_size", target_cfg.intermediate_size)
+    for key, want in (("rms_norm_eps", target_cfg.rms_norm_eps),
+                      ("rope_theta", target_cfg.rope_theta)):
+        if key in cfg and cfg[key] != want:
+            raise ValueError(f"{cfg_path}: {key} {cfg[key]} differs from the target's {want} "
+                             "(the head shares the target's)")
+    out = {"fc.weight": _get(t, file, "fc.weight", (h, 2 * h))}
+    if cfg.get("bias", True) or "fc.bias" in t:
+        out["fc.bias"] = _get(t, file, "fc.bias", (h,))
+    shapes = {"post_attention_layernorm.weight": (h,),
+              "self_attn.q_proj.weight": (nh * hd, h), "self_attn.k_proj.weight": (nkv * hd, h),
+              "self_attn.v_proj.weight": (nkv * hd, h), "self_attn.o_proj.weight": (h, nh * hd),
+              "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
+              "mlp.down_proj.weight": (h, inter)}
+    for k, s in shapes.items():
+        out["layer." + k] = _get(t, file, "layers.0." + k, s)
+    if "layers.0.input_layernorm.weight" in t:
+        raise ValueError(f"{file}: layers.0.input_layernorm.weight is present, but an EAGLE-1/2 "
+                         "head has no input norm in its layer (is this another layout?)")
+    emb = t.pop("embed_tokens.weight", None)  # the target's embedding, when the file has a copy
+    if emb is not None and tuple(emb.shape) != (target_cfg.vocab_size, h):
+        raise ValueError(f"{file}: embed_tokens.weight has shape {list(emb.shape)}; expected "
+                         f"{[target_cfg.vocab_size, h]} (the target's embedding)")
+    if t:
+        raise ValueError(f"{file}: unexpected tensors {sorted(t)[:5]} for an EAGLE-1/2 head")
+    head_cfg = {"intermediate_size": inter, "num_attention_heads": nh,
+                "num_key_value_heads": nkv, "head_dim": hd, "input_layernorm": False,
+                "final_norm": False, "feature": "normed_hidden"}
+    return head_cfg, out
+
+
+def load_published(path: str, target_runner, **overrides):
+    """A drafter from a published layout (:func:`published_kind`) for ``target_runner``."""
+    from pyspec.drafters.heads import EagleDrafter, MedusaDrafter
+
+    kind = published_kind(path)
+    tc = target_runner.model.cfg
+    if kind == "medusa":
+        if any(k in overrides for k in ("width", "max_depth", "max_nodes")):
+            raise ValueError("width/depth/nodes options apply to EAGLE drafters; a Medusa tree "
+                             "comes from its choice list")
+        cfg, tensors = _medusa(path, tc)
+        d = MedusaDrafter(target_runner, tensors, cfg["num_heads"], overrides.pop("tree", None),
+                          num_layers=cfg["num_layers"])
+    elif kind == "eagle":
+        head_cfg, tensors = _eagle(path, tc)
+        d = EagleDrafter(target_runner, tensors, head_cfg,
+                         **{k: v for k, v in overrides.items() if v is not None})
+    elif kind == "eagle3":
+        raise ValueError(f"{path!r} holds an EAGLE-3 head (midlayer with two normed inputs, "
+                         "d2t vocabulary map): pyspec does not load that layout yet; EAGLE-1/2 "
+                         "heads, Medusa heads and pyspec's own EAGLE-3-style heads "
+                         "(train-draft --feature-layers) load")
+    else:
+        raise ValueError(f"{path!r} is not a published drafter layout (Medusa medusa_lm_head, "
+                         "EAGLE-1/2 head)")
+    d.manifest = {"source": f"published {kind} layout"}
+    d.path = path
+    return d
