@@ -100,7 +100,7 @@ def _load(file: str) -> Dict[str, torch.Tensor]:
     try:
         obj = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - truncated or foreign bytes raise almost anything
-        from pyspec.train.data import load_failure, pickled_global
+        from pyspec.models.loader import load_failure, pickled_global
 
         name = pickled_global(e)
         if name is not None:

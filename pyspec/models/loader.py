@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import struct
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -314,3 +315,22 @@ def write_truncated_checkpoint(src: str, dst: str, num_layers: int) -> str:
             shutil.copy(os.path.join(src, name), os.path.join(dst, name))
     save_file(w, os.path.join(dst, "model.safetensors"))
     return dst
+
+
+# torch.load(weights_only=True) failures, said in one line (training corpora, checkpoints,
+# published drafter pickles).
+
+
+def pickled_global(e: Exception) -> Optional[str]:
+    """The Python object a pickle refused by ``torch.load(weights_only=True)`` names (to build or
+    call it), or None when the load failed for another reason (bytes that are no pickle)."""
+    m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+    return m.group(1) if m else None
+
+
+def load_failure(e: Exception) -> str:
+    """A torch.load error in one line: its type and the line of its message that says what."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    why = next((x for x in lines if "Unsupported" in x), lines[0] if lines else "")
+    why = why.split(" was not an allowed global")[0]
+    return f"{type(e).__name__}: {why}" if why else type(e).__name__

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import os
 import random
-import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
 
 from pyspec.drafters.base import Draft, Drafter
+from pyspec.models.loader import load_failure, pickled_global
 
 TEMPLATES = [
     "Explain {t} to a curious teenager in a few paragraphs.",
@@ -476,21 +476,6 @@ def save_sequences(seqs: List[Sequence_], path: str) -> None:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
-
-
-def pickled_global(e: Exception) -> Optional[str]:
-    """The Python object a pickle refused by ``torch.load(weights_only=True)`` names (to build or
-    call it), or None when the load failed for another reason (bytes that are no pickle)."""
-    m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
-    return m.group(1) if m else None
-
-
-def load_failure(e: Exception) -> str:
-    """A torch.load error in one line: its type and the line of its message that says what."""
-    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
-    why = next((x for x in lines if "Unsupported" in x), lines[0] if lines else "")
-    why = why.split(" was not an allowed global")[0]
-    return f"{type(e).__name__}: {why}" if why else type(e).__name__
 
 
 def load_sequences(path: str, what: str = "--data",

@@ -70,7 +70,7 @@ def resume(path: str, key: str, module: torch.nn.Module, opt: torch.optim.Optimi
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - truncated or foreign bytes raise almost anything
-        from pyspec.train.data import load_failure, pickled_global
+        from pyspec.models.loader import load_failure, pickled_global
 
         name = pickled_global(e)
         if name is not None:
