@@ -7,7 +7,11 @@ On-disk format (a folder; :func:`save_heads` writes it, :func:`load_heads` reads
                            "eagle":  {"intermediate_size", "num_attention_heads",
                                       "num_key_value_heads", "head_dim",
                                       "draft_vocab_size": null | Vd,
-                                      "feature_layers": null | [l_1, .., L]},
+                                      "feature_layers": null | [l_1, .., L],
+                                      "layout": "eagle" | "eagle3",
+                                      "fused_layers": [l_1, l_2, l_3] (eagle3),
+                                      "input_layernorm": true, "final_norm": true,
+                                      "feature": "hidden" | "normed_hidden"},
                            "medusa": {"num_heads": K, "tree": [[0], [1], [0, 0], ...]},
                            "defaults": {"width": .., "max_depth": .., "max_nodes": ..},
                            "manifest": {...free-form: version, target hash, recipe, report}}
@@ -20,6 +24,13 @@ On-disk format (a folder; :func:`save_heads` writes it, :func:`load_heads` reads
                                   (a reduced draft vocabulary mapped back to target ids);
                                   otherwise the target's lm_head is used.
                           Medusa: heads.{k}.weight [H, H], heads.{k}.bias [H], k < K.
+
+Published layouts (pyspec.drafters.published) load into the same drafter: EAGLE-1/2 heads with
+no input norm, no final norm and features after the target's final norm (``input_layernorm``,
+``final_norm``, ``feature``), EAGLE-3 heads (``layout: eagle3``: no fc over [embed; feature]; the
+layer's attention reads ``[input_norm(embed); hidden_norm(feature)]`` with the feature as the
+residual, ``layer.hidden_norm.weight``; the fuse reads ``fused_layers``, and the final layer is
+tapped too for the engine).
 
 EAGLE: one decoder layer over ``fc([embed(t_{p+1}); f_p])`` (f = the target's last hidden state
 before the final norm, or with ``feature_layers`` EAGLE-3's ``fuse([h^{l_1}_p; ..; h^L_p])`` over
@@ -241,9 +252,31 @@ class EagleDrafter(Drafter):
         cfg = dataclasses.replace(tc, num_hidden_layers=1, intermediate_size=inter,
                                   num_attention_heads=nh, num_key_value_heads=nkv, head_dim=hd,
                                   tie_word_embeddings=False, attention_bias=False)
+        layout = head_cfg.get("layout", "eagle")
+        if layout not in ("eagle", "eagle3"):
+            raise ValueError(f"eagle layout must be 'eagle' or 'eagle3'; got {layout!r}")
+        # EAGLE-3 (Li et al. 2025) as published: fuse([h^{l_1}; h^{l_2}; h^{l_3}]) is the feature,
+        # the layer reads [input_norm(embed); hidden_norm(feature)] (2H wide) with the feature as
+        # its residual, and no fc over [embed; feature].
+        self.eagle3 = layout == "eagle3"
         layers = head_cfg.get("feature_layers")
         self.fuse_w = None
-        if layers:
+        self.fuse_cols = 0  # leading feature columns the fuse reads (EAGLE-3: not the final layer)
+        if self.eagle3:
+            from pyspec.models.llama import feature_layers, hidden_layers
+
+            fused = hidden_layers(head_cfg.get("fused_layers") or (), tc.num_hidden_layers) \
+                if head_cfg.get("fused_layers") else None
+            if not fused or len(fused) < 2 or list(fused) != sorted(fused):
+                raise ValueError("an EAGLE-3 head needs fused_layers: >= 2 ascending target "
+                                 f"layer numbers; got {head_cfg.get('fused_layers')!r}")
+            # The engine taps the final layer too (the target's own distribution comes from it).
+            self.hidden_layers = feature_layers(
+                fused + (() if fused[-1] == tc.num_hidden_layers else (tc.num_hidden_layers,)),
+                tc.num_hidden_layers)
+            self.fuse_cols = len(fused) * h
+            self.fuse_w = _shape(weights, "fuse.weight", (h, self.fuse_cols)).to(tm.dtype)
+        elif layers:
             from pyspec.models.llama import feature_layers
 
             layers = feature_layers(layers, tc.num_hidden_layers)
@@ -253,10 +286,16 @@ class EagleDrafter(Drafter):
         if self.fuse_w is None and "fuse.weight" in weights:
             raise ValueError("the drafter has fuse.weight but its config names no eagle "
                              "feature_layers (the target layers it was trained on)")
-        self.fc_w = _shape(weights, "fc.weight", (h, 2 * h)).to(tm.dtype)
-        self.fc_b = weights.get("fc.bias")
-        if self.fc_b is not None:
-            self.fc_b = _shape(weights, "fc.bias", (h,)).to(tm.dtype)
+        self.fc_w = self.fc_b = None
+        if self.eagle3:
+            if "fc.weight" in weights:
+                raise ValueError("an EAGLE-3 head has no fc over [embed; feature] (its fc is the "
+                                 "fuse of the target's layers: fuse.weight)")
+        else:
+            self.fc_w = _shape(weights, "fc.weight", (h, 2 * h)).to(tm.dtype)
+            self.fc_b = weights.get("fc.bias")
+            if self.fc_b is not None:
+                self.fc_b = _shape(weights, "fc.bias", (h,)).to(tm.dtype)
         self.vocab_map = None
         # The head runs on the host (like every drafter), on host copies of the target's
         # embedding and lm_head when the target is on a GPU (no copy for a CPU target).
@@ -287,9 +326,11 @@ class EagleDrafter(Drafter):
         w = {"model.embed_tokens.weight": self.embed_w, "lm_head.weight": lm_head,
              "model.norm.weight": (_shape(weights, "norm.weight", (h,)).to(tm.dtype)
                                    if head_cfg.get("final_norm", True) else None)}
+        win = 2 * h if self.eagle3 else h  # the attention's input width
         shapes = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-                  "self_attn.q_proj.weight": (nh * hd, h), "self_attn.k_proj.weight": (nkv * hd, h),
-                  "self_attn.v_proj.weight": (nkv * hd, h), "self_attn.o_proj.weight": (h, nh * hd),
+                  "self_attn.q_proj.weight": (nh * hd, win),
+                  "self_attn.k_proj.weight": (nkv * hd, win),
+                  "self_attn.v_proj.weight": (nkv * hd, win), "self_attn.o_proj.weight": (h, nh * hd),
                   "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
                   "mlp.down_proj.weight": (h, inter)}
         if not head_cfg.get("input_layernorm", True):
@@ -300,6 +341,9 @@ class EagleDrafter(Drafter):
         # The target's dense kernels (its LinearKernels), for the head's layers and its own
         # matrices (fc, fuse) alike.
         self.head = LlamaForCausalLM(cfg, w, tm.dtype, "cpu", kernels=getattr(tm, "kernels", None))
+        if self.eagle3:
+            self.head.layers[0]["ln_hidden"] = _shape(weights, "layer.hidden_norm.weight",
+                                                      (h,)).to(tm.dtype)
         self.target = tm
         self.vocab_size = tc.vocab_size
         self.block_size = target_runner.block_size
@@ -325,6 +369,8 @@ class EagleDrafter(Drafter):
         if self.feature_norm is not None:
             feats = rms_norm(feats.contiguous(), self.feature_norm, self.target.cfg.rms_norm_eps)
         if self.fuse_w is not None:  # the target's layers fused into one feature (EAGLE-3)
+            if self.fuse_cols:
+                feats = feats[:, :self.fuse_cols]
             feats = self.head.linear(feats.to(self.fuse_w.dtype).contiguous(), self.fuse_w)
         dc = self._dc.get(rid)
         have = len(self._feat.get(rid, ()))
@@ -379,6 +425,8 @@ class EagleDrafter(Drafter):
 
     def _embed(self, tokens: List[int], feats: torch.Tensor) -> torch.Tensor:
         e = F.embedding(torch.tensor(tokens, dtype=torch.int64), self.embed_w)
+        if self.eagle3:  # the layer norms both halves itself
+            return torch.cat([e, feats.to(e.dtype)], dim=-1)
         # The core's dense kernel, like every layer of the head: torch's GEMM here would wake
         # its own thread team while the core's workers still poll for their next job.
         return self.head.linear(torch.cat([e, feats.to(e.dtype)], dim=-1), self.fc_w, self.fc_b)

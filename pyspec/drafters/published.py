@@ -12,10 +12,14 @@
   layer ``layers.0.*`` *without* an input norm, no final norm and no lm_head: ``f`` is the
   target's last hidden state *after* its final norm, and the head's output goes straight to the
   target's lm_head.
-
-EAGLE-3 heads (``midlayer.*``, ``d2t``) are recognised and refused with that reason: their
-decoder layer takes the token embedding and the fused feature as two normed inputs (a 2H-wide
-attention input), which pyspec's head does not implement yet.
+* **EAGLE-3** (Li et al. 2025): ``config.json`` (``draft_vocab_size``; optionally
+  ``eagle_config.eagle_aux_hidden_state_layer_ids``), weights with ``fc.weight [H, 3H]`` (no bias)
+  fusing the target's hidden states at three depths (by default the outputs of layers 2, L//2 and
+  L-3, un-normed, low to high), a ``midlayer`` whose attention reads
+  ``[input_layernorm(embed); hidden_norm(feature)]`` (2H wide) with the feature as its residual,
+  ``norm.weight``, ``lm_head.weight [Vd, H]`` over a reduced vocabulary with ``d2t`` (target id =
+  draft id + d2t[draft id]); ``t2d`` and a copy of the target's ``embed_tokens`` may be present.
+  Deeper draft levels feed the midlayer's output (before ``norm``) back as the feature.
 
 Pickled ``.bin`` / ``.pt`` files are read with ``torch.load(weights_only=True)`` (nothing in the
 file runs); safetensors is preferred where both are present. Every mismatch names the file, the
@@ -30,7 +34,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["published_kind", "load_published"]
+__all__ = ["published_kind", "load_published", "eagle3_layers"]
 
 _MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "medusa_lm_head.bin")
 _EAGLE_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -224,6 +228,120 @@ def _eagle(path: str, target_cfg) -> Tuple[dict, Dict[str, torch.Tensor]]:
     return head_cfg, out
 
 
+def eagle3_layers(num_layers: int, aux_ids=None) -> Tuple[int, ...]:
+    """The target layers (numbered 1..L: the output of that layer) an EAGLE-3 head fuses: the
+    inputs of layers 2, L//2 and L-3 counted from 0 (the reference code's capture), which are the
+    outputs of layers 2, L//2 and L-3 counted from 1; or ``aux_ids`` (a config's
+    ``eagle_aux_hidden_state_layer_ids``: layer i's output, counted from 0)."""
+    if aux_ids is not None:
+        if not isinstance(aux_ids, list) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                    for i in aux_ids):
+            raise ValueError(f"eagle_aux_hidden_state_layer_ids must be a list of ints; got "
+                             f"{aux_ids!r}")
+        layers = tuple(i + 1 for i in aux_ids)
+    else:
+        layers = (2, num_layers // 2, num_layers - 3)
+    if len(set(layers)) != len(layers) or list(layers) != sorted(layers) or \
+            not all(1 <= n <= num_layers for n in layers):
+        raise ValueError(f"an EAGLE-3 head fuses target layers {list(layers)}, which a target "
+                         f"of {num_layers} layers does not have as distinct ascending layers")
+    return layers
+
+
+def _eagle3(path: str, target_cfg) -> Tuple[dict, Dict[str, torch.Tensor]]:
+    file = _first(path, _EAGLE_FILES)
+    cfg = _config(path)
+    if file is None or cfg is None:
+        raise ValueError(f"{path!r}: an EAGLE-3 head needs config.json and one of "
+                         f"{', '.join(_EAGLE_FILES)}")
+    cfg_path = os.path.join(path, "config.json")
+    h, v = target_cfg.hidden_size, target_cfg.vocab_size
+    for key in ("hidden_size", "target_hidden_size"):
+        if cfg.get(key) not in (None, h):
+            raise ValueError(f"{cfg_path}: {key} {cfg.get(key)} does not match the target's "
+                             f"hidden size {h}")
+    if cfg.get("vocab_size") not in (None, v):
+        raise ValueError(f"{cfg_path}: vocab_size {cfg.get('vocab_size')} does not match the "
+                         f"target's {v}")
+    if cfg.get("num_hidden_layers", 1) != 1:
+        raise ValueError(f"{cfg_path}: an EAGLE-3 head has one decoder layer; num_hidden_layers "
+                         f"is {cfg.get('num_hidden_layers')}")
+    ec = cfg.get("eagle_config") or {}
+    for key in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output",
+                "attention_bias"):
+        if cfg.get(key) or (isinstance(ec, dict) and ec.get(key)):
+            raise ValueError(f"{cfg_path}: {key} is a variant of the EAGLE-3 layer pyspec does "
+                             "not implement (only the reference layout loads)")
+
+    def num(key, default):
+        val = cfg.get(key, default)
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            raise ValueError(f"{cfg_path}: {key} must be an int >= 1; got {val!r}")
+        return val
+
+    nh = num("num_attention_heads", target_cfg.num_attention_heads)
+    nkv = num("num_key_value_heads", nh)
+    hd = num("head_dim", h // nh)
+    inter = num("intermediate_size", target_cfg.intermediate_size)
+    vd = num("draft_vocab_size", v)
+    if vd > v:
+        raise ValueError(f"{cfg_path}: draft_vocab_size {vd} is larger than the target's "
+                         f"vocabulary ({v})")
+    for key, want in (("rms_norm_eps", target_cfg.rms_norm_eps),
+                      ("rope_theta", target_cfg.rope_theta)):
+        if key in cfg and cfg[key] != want:
+            raise ValueError(f"{cfg_path}: {key} {cfg[key]} differs from the target's {want} "
+                             "(the head shares the target's)")
+    layers = eagle3_layers(target_cfg.num_hidden_layers,
+                           ec.get("eagle_aux_hidden_state_layer_ids")
+                           if isinstance(ec, dict) else None)
+    t = _load(file)
+    out = {"fuse.weight": _get(t, file, "fc.weight", (h, len(layers) * h)),
+           "norm.weight": _get(t, file, "norm.weight", (h,)),
+           "lm_head.weight": _get(t, file, "lm_head.weight", (vd, h))}
+    if "fc.bias" in t:
+        raise ValueError(f"{file}: fc.bias is present, but an EAGLE-3 head's fc has no bias")
+    shapes = {"hidden_norm.weight": (h,), "input_layernorm.weight": (h,),
+              "post_attention_layernorm.weight": (h,),
+              "self_attn.q_proj.weight": (nh * hd, 2 * h),
+              "self_attn.k_proj.weight": (nkv * hd, 2 * h),
+              "self_attn.v_proj.weight": (nkv * hd, 2 * h),
+              "self_attn.o_proj.weight": (h, nh * hd),
+              "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
+              "mlp.down_proj.weight": (h, inter)}
+    for k, s in shapes.items():
+        out["layer." + k] = _get(t, file, "midlayer." + k, s)
+    d2t = t.pop("d2t", None)
+    if d2t is None:
+        if vd != v:
+            raise ValueError(f"{file}: tensor 'd2t' is missing (a draft vocabulary of {vd} of "
+                             f"the target's {v} tokens needs its map)")
+        draft_vocab = torch.arange(v)
+    else:
+        if d2t.dtype not in (torch.int64, torch.int32) or tuple(d2t.shape) != (vd,):
+            raise ValueError(f"{file}: tensor 'd2t' must be int64 [{vd}]; got {d2t.dtype} "
+                             f"{list(d2t.shape)}")
+        draft_vocab = torch.arange(vd) + d2t.to(torch.int64)
+        if bool((draft_vocab < 0).any()) or bool((draft_vocab >= v).any()) or \
+                draft_vocab.unique().numel() != vd:
+            raise ValueError(f"{file}: 'd2t' maps draft ids to target ids outside [0, {v}) or "
+                             "to the same id twice")
+    out["draft_vocab"] = draft_vocab
+    t2d = t.pop("t2d", None)  # the inverse map, implied by d2t
+    if t2d is not None and tuple(t2d.shape) != (v,):
+        raise ValueError(f"{file}: tensor 't2d' has shape {list(t2d.shape)}; expected [{v}]")
+    emb = t.pop("embed_tokens.weight", None)  # a copy of the target's, when present
+    if emb is not None and tuple(emb.shape) != (v, h):
+        raise ValueError(f"{file}: embed_tokens.weight has shape {list(emb.shape)}; expected "
+                         f"{[v, h]} (the target's embedding)")
+    if t:
+        raise ValueError(f"{file}: unexpected tensors {sorted(t)[:5]} for an EAGLE-3 head")
+    head_cfg = {"intermediate_size": inter, "num_attention_heads": nh,
+                "num_key_value_heads": nkv, "head_dim": hd, "layout": "eagle3",
+                "fused_layers": list(layers)}
+    return head_cfg, out
+
+
 def load_published(path: str, target_runner, **overrides):
     """A drafter from a published layout (:func:`published_kind`) for ``target_runner``."""
     from pyspec.drafters.heads import EagleDrafter, MedusaDrafter
@@ -242,13 +360,12 @@ def load_published(path: str, target_runner, **overrides):
         d = EagleDrafter(target_runner, tensors, head_cfg,
                          **{k: v for k, v in overrides.items() if v is not None})
     elif kind == "eagle3":
-        raise ValueError(f"{path!r} holds an EAGLE-3 head (midlayer with two normed inputs, "
-                         "d2t vocabulary map): pyspec does not load that layout yet; EAGLE-1/2 "
-                         "heads, Medusa heads and pyspec's own EAGLE-3-style heads "
-                         "(train-draft --feature-layers) load")
+        head_cfg, tensors = _eagle3(path, tc)
+        d = EagleDrafter(target_runner, tensors, head_cfg,
+                         **{k: v for k, v in overrides.items() if v is not None})
     else:
         raise ValueError(f"{path!r} is not a published drafter layout (Medusa medusa_lm_head, "
-                         "EAGLE-1/2 head)")
+                         "EAGLE-1/2 or EAGLE-3 head)")
     d.manifest = {"source": f"published {kind} layout"}
     d.path = path
     return d

@@ -14,7 +14,7 @@
     "suffix[@OPTIONS]"     the shipped corpus drafter alone (options as for PATH@... below)
     "eagle[@OPTIONS]"      the EAGLE head shipped in pyspec/data/default_drafter
     PATH                   a folder holding drafter.json (EAGLE/Medusa heads), published Medusa
-                           (medusa_lm_head) or EAGLE-1/2 heads (pyspec.drafters.published), or
+                           (medusa_lm_head), EAGLE-1/2 or EAGLE-3 heads (pyspec.drafters.published), or
                            config.json (an independent draft model with the target's vocabulary)
     PATH@tree=W,depth=D    ... a draft model drafting top-W dynamic trees instead of a chain,
                            at most D levels deep (default 5)

@@ -358,7 +358,7 @@ class LlamaForCausalLM(LlamaWeights):
         if (t > self._serial_rows or self.device.type != "cpu" or x.dtype != self.dtype
                 or k_pages.dtype != self.dtype or not k_pages.is_contiguous()
                 or (torch.is_grad_enabled() and x.requires_grad) or not self.fused_layers
-                or any(layer["ln1"] is None for layer in self.layers)
+                or any(layer["ln1"] is None or "ln_hidden" in layer for layer in self.layers)
                 or not isinstance(self.linear, Linear)
                 # Codes alone need the packed kernel: op by op, the model's Linear rebuilds the
                 # matrices instead.
@@ -406,7 +406,14 @@ class LlamaForCausalLM(LlamaWeights):
         packed = self._packed
         for li, layer in enumerate(self.layers):
             mats = layer if packed is None else packed[li]
-            h = self._rms(x, layer["ln1"])
+            if "ln_hidden" in layer:
+                # An EAGLE-3 head's layer: its input is [embed; feature], each half normed on
+                # its own, and the feature is the residual.
+                hs = cfg.hidden_size
+                e, x = x[:, :hs].contiguous(), x[:, hs:].contiguous()
+                h = torch.cat([self._rms(e, layer["ln1"]), self._rms(x, layer["ln_hidden"])], -1)
+            else:
+                h = self._rms(x, layer["ln1"])
             qkv = self.linear(h, mats["wqkv"], layer["bqkv"])
             q = ops.rotary_qkv(qkv, cos, sin, cfg.num_attention_heads, cfg.num_key_value_heads,
                                k_new[li], v_new[li])

@@ -11,7 +11,7 @@ from pyspec.drafters import EagleDrafter, MedusaDrafter, ModelDrafter, NgramDraf
 from pyspec.drafters.foreign import SpecSettings, add_flags, from_sglang, from_vllm, settings_from_args
 from pyspec.runner import ModelRunner
 
-from test_published import _eagle_dir, _medusa_dir
+from test_published import _eagle3_dir, _eagle_dir, _medusa_dir
 
 
 @pytest.fixture
@@ -22,10 +22,11 @@ def folders(model, tmp_path):
     medusa, _ = _medusa_dir(str(tmp_path / "medusa"), model)
     own = _heads_dir(str(tmp_path), model, "eagle")
     fused = _heads_dir(str(tmp_path), model, "eagle-fused")
+    e3, _, _ = _eagle3_dir(str(tmp_path / "e3"), model)
     dm = tmp_path / "dm"
     dm.mkdir()
     (dm / "config.json").write_text("{}")
-    return {"eagle": eagle, "medusa": medusa, "own": own, "fused": fused, "dm": str(dm)}
+    return {"eagle": eagle, "medusa": medusa, "own": own, "fused": fused, "dm": str(dm), "e3": e3}
 
 
 def test_vllm_spellings(folders):
@@ -39,6 +40,8 @@ def test_vllm_spellings(folders):
                       "num_speculative_tokens": 5}).draft == folders["eagle"] + "@depth=5"
     assert from_vllm({"method": "eagle", "model": folders["own"]}).draft == folders["own"]
     assert from_vllm({"method": "eagle3", "model": folders["fused"]}).draft == folders["fused"]
+    assert from_vllm({"method": "eagle3", "model": folders["e3"],
+                      "num_speculative_tokens": 3}).draft == folders["e3"] + "@depth=3"
     assert from_vllm({"method": "medusa", "model": folders["medusa"],
                       "num_speculative_tokens": 6}) == SpecSettings(folders["medusa"], 6)
     assert from_vllm({"method": "draft_model", "model": folders["dm"],
@@ -82,6 +85,8 @@ def test_sglang_spellings(folders):
     e = folders["eagle"]
     assert from_sglang("EAGLE", e, 5, 4, 16) == SpecSettings(f"{e}@width=4,depth=5,nodes=15")
     assert from_sglang("eagle", e).draft == e
+    assert from_sglang("EAGLE3", folders["e3"], 4).draft == folders["e3"] + "@depth=4"
+    assert from_sglang("EAGLE", folders["e3"]).draft == folders["e3"]
     assert from_sglang("EAGLE3", folders["fused"], 3, 1, 4).draft == \
         folders["fused"] + "@width=1,depth=3,nodes=3"
     assert from_sglang("STANDALONE", folders["dm"], 4, 2, 9) == \
