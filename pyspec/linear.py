@@ -56,10 +56,33 @@ class PackedWeight:
     float32 matrix is rebuilt (:meth:`unpack`) for the rows beyond, the same bits as with
     ``dense`` at every M."""
 
-    __slots__ = ("dense", "q", "d", "m", "bits")
+    __slots__ = ("dense", "q", "d", "m", "bits", "perm")
 
-    def __init__(self, dense, q, d, m, bits):
+    def __init__(self, dense, q, d, m, bits, perm=None):
         self.dense, self.q, self.d, self.m, self.bits = dense, q, d, m, bits
+        # Columns stored in another order (GPTQ act-order checkpoints: their quantization groups
+        # made contiguous): the matrix is ``unpack()[:, inverse(perm)]``, and a product reads the
+        # input's columns in ``perm`` order (:class:`Linear` gathers them). None: natural order.
+        self.perm = perm
+
+    @staticmethod
+    def cat_rows(parts: "list") -> "PackedWeight":
+        """The codes-only matrices ``parts`` stacked along N (a fused QKV or gate/up matrix); they
+        must share bits and column order."""
+        p0 = parts[0]
+        for p in parts[1:]:
+            if p.bits != p0.bits or (p.perm is None) != (p0.perm is None) or (
+                    p.perm is not None and not torch.equal(p.perm, p0.perm)):
+                raise ValueError("matrices fused into one (q/k/v, gate/up) must share their bit "
+                                 "width and column order (GPTQ g_idx)")
+        return PackedWeight(None, torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]),
+                            None if p0.m is None else torch.cat([p.m for p in parts]), p0.bits,
+                            p0.perm)
+
+    def natural(self) -> torch.Tensor:
+        """The float32 matrix in its own column order (:meth:`unpack` with ``perm`` undone)."""
+        w = self.unpack()
+        return w if self.perm is None else w[:, torch.argsort(self.perm)]
 
     @property
     def shape(self):
@@ -232,11 +255,14 @@ class Linear:
         return out
 
     def _packed(self, x, w: PackedWeight, bias, out):
+        if w.perm is not None:  # the stored column order (GPTQ act-order)
+            x = x.index_select(-1, w.perm)
         dense = w.dense
         if (x.dtype is not torch.float32 or not x.is_cpu
                 or (_is_grad_enabled() and (x.requires_grad
                                             or (dense is not None and dense.requires_grad)
                                             or (bias is not None and bias.requires_grad)))):
+            # (x already in the stored column order: the matrix as stored.)
             return self(x, w.unpack(), bias, out)  # autograd keeps it: a tensor of its own
         shape = x.shape
         rows = x.numel() // shape[-1] if len(shape) and shape[-1] else 0

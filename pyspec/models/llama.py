@@ -170,7 +170,10 @@ class LlamaForCausalLM(LlamaWeights):
         device = str(resolve_device(device))
         cfg = ModelConfig.from_file(path)
         dt = resolve_dtype(dtype)
-        m = cls(cfg, load_weights(path, cfg, dt, device), dt, device, kernels=kernels)
+        # A 4-bit AWQ / GPTQ checkpoint's matrices load as codes only (float32 on the CPU;
+        # packed_weights="off" or another dtype or device: as the float matrices they stand for).
+        m = cls(cfg, load_weights(path, cfg, dt, device, dequantize=packed_weights == "off"), dt,
+                device, kernels=kernels)
         m.source_path = path
         m.packed_weights = packed_weights
         m.place_on_huge_pages()
@@ -382,6 +385,11 @@ class LlamaForCausalLM(LlamaWeights):
             d = {k: layer[k] for k in ("ln1", "ln2", "bqkv", "bo")}
             for k in ("wqkv", "wo", "wgu", "wd"):
                 w = mats[k]
+                if type(w) is PackedWeight and w.perm is not None:
+                    # Columns in a stored order (GPTQ act-order): the op-by-op path gathers
+                    # the input for them; the stack does not.
+                    self._fused = (self.layers, self._packed, None, sig)
+                    return None
                 d[k] = w if type(w) is not PackedWeight else (w.dense, w.q, w.d, w.m)
             layers.append(d)
         stack = None

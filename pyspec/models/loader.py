@@ -208,30 +208,46 @@ class _Shapes:
 
 
 def load_weights(path: str, cfg: ModelConfig, dtype: torch.dtype,
-                 device: str = "cpu") -> Dict[str, torch.Tensor]:
+                 device: str = "cpu", dequantize: bool = False) -> Dict[str, torch.Tensor]:
     """Reads, validates and converts all tensors. Errors name missing, unexpected or misshapen
-    tensors."""
+    tensors. A 4-bit AWQ / GPTQ checkpoint's layer matrices come as codes-only
+    :class:`~pyspec.linear.PackedWeight` (:mod:`pyspec.models.quantized`) for a float32 CPU model,
+    else (another dtype or device, or ``dequantize``) as the float matrices they stand for."""
+    from pyspec.linear import PackedWeight
+    from pyspec.models.quantized import quantization_config, quantized_tensors
+
     shapes = _Shapes(cfg)
     out: Dict[str, torch.Tensor] = {}
     unexpected: List[str] = []
     required = 0
-    for name, t in iter_tensors(path):
-        if name.endswith(_IGNORED_SUFFIXES):
+    tensors = iter_tensors(path)
+    qc = quantization_config(path)
+    if qc is not None:
+        tensors = quantized_tensors(tensors, qc)
+        dequantize = dequantize or dtype != torch.float32 or torch.device(device).type != "cpu"
+    for name, t in tensors:
+        packed = isinstance(t, PackedWeight)  # a quantized layer's codes (already checked)
+        if not packed and name.endswith(_IGNORED_SUFFIXES):
             continue
         if name in out:
             raise ValueError(f"checkpoint {path} holds tensor '{name}' more than once (in two "
-                             "shards)")
+                             "shards, or as floats and quantized)")
         want = shapes.get(name)
         if want is None:
             unexpected.append(name)
             continue
         if tuple(t.shape) != want[0]:
-            raise ValueError(f"tensor '{name}' has shape {tuple(t.shape)}; the config implies "
+            what = "quantized matrix" if packed else "tensor"
+            raise ValueError(f"{what} '{name}' has shape {tuple(t.shape)}; the config implies "
                              f"{want[0]}")
-        if not t.is_floating_point():
+        if packed:
+            out[name] = t.natural().to(device=device, dtype=dtype) if dequantize else t
+        elif not t.is_floating_point():
             raise ValueError(f"tensor '{name}' has dtype {t.dtype}; expected a floating type "
-                             "(quantized checkpoints are not supported)")
-        out[name] = t.to(device=device, dtype=dtype)
+                             "(of quantized checkpoints, 4-bit AWQ and GPTQ load: see "
+                             "docs/coming-from.md)")
+        else:
+            out[name] = t.to(device=device, dtype=dtype)
         required += want[1]
         del t
     if unexpected:

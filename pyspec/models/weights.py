@@ -71,11 +71,21 @@ class LlamaWeights:
         self.lm_head = self.embed if cfg.tie_word_embeddings else lm
         self.norm = weights.pop("model.norm.weight")
         self.layers = []
+        from pyspec.linear import PackedWeight
+
+        def cat(parts):  # codes-only matrices (AWQ / GPTQ checkpoints) stack as codes
+            if any(isinstance(t, PackedWeight) for t in parts):
+                if not all(isinstance(t, PackedWeight) for t in parts):
+                    raise ValueError("matrices fused into one (q/k/v, gate/up) must be all "
+                                     "quantized or all not")
+                return PackedWeight.cat_rows(parts)
+            return torch.cat(parts, 0)
+
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
             g = lambda n: weights.pop(p + n)  # noqa: E731
-            wqkv = torch.cat([g("self_attn.q_proj.weight"), g("self_attn.k_proj.weight"),
-                              g("self_attn.v_proj.weight")], 0)
+            wqkv = cat([g("self_attn.q_proj.weight"), g("self_attn.k_proj.weight"),
+                        g("self_attn.v_proj.weight")])
             bqkv = None
             if cfg.attention_bias:
                 bqkv = torch.cat([g("self_attn.q_proj.bias"), g("self_attn.k_proj.bias"),
@@ -84,7 +94,7 @@ class LlamaWeights:
                 ln1=g("input_layernorm.weight"), ln2=g("post_attention_layernorm.weight"),
                 wqkv=wqkv, bqkv=bqkv, wo=g("self_attn.o_proj.weight"),
                 bo=weights.pop(p + "self_attn.o_proj.bias", None),
-                wgu=torch.cat([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")], 0),
+                wgu=cat([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")]),
                 wd=g("mlp.down_proj.weight")))
         if weights:
             raise ValueError(f"unused weights: {sorted(weights)[:5]}")
@@ -95,6 +105,11 @@ class LlamaWeights:
         self._packed_lm_head = None
         self.packed_weights = "auto"  # from_pretrained's setting (draft models loaded for it follow)
         self._codes_only = False  # some layer matrix is held as codes only (drop_dense)
+        if any(isinstance(v, PackedWeight) for layer in self.layers for v in layer.values()):
+            # A quantized checkpoint's matrices arrive as codes only (pyspec.models.quantized).
+            self._packed = [{k: layer[k] for k in ("wqkv", "wo", "wgu", "wd")}
+                            for layer in self.layers]
+            self._codes_only = True
 
     def _reads_codes(self) -> bool:
         """Whether the forward's dense layers can read packed codes (subclasses decide)."""
@@ -135,7 +150,7 @@ class LlamaWeights:
         """Layer ``index``'s matrix ``name`` ("wqkv", "wo", "wgu", "wd") as a float32 tensor,
         rebuilt from its codes when the model holds only those (:meth:`drop_dense`)."""
         w = self.layers[index][name]
-        return w if isinstance(w, torch.Tensor) else w.unpack()
+        return w if isinstance(w, torch.Tensor) else w.natural()
 
     def pack_weights(self) -> int:
         """Also hold each dense matrix (and lm_head) whose float32 values are exactly a 4-bit or
@@ -256,7 +271,7 @@ class LlamaWeights:
         def mv_layer(t):  # codes-only matrices stay codes on the CPU, else are rebuilt
             if t is None or isinstance(t, torch.Tensor):
                 return mv(t)
-            return t if dev.type == "cpu" else t.unpack().to(dev)
+            return t if dev.type == "cpu" else t.natural().to(dev)
 
         tied = self.lm_head is self.embed
         self.embed = mv(self.embed)

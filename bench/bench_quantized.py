@@ -1,0 +1,178 @@
+"""A 4-bit AWQ / GPTQ checkpoint against the same model's float32 weights read through the packed
+kernel: decode speed (greedy, plain decoding, batch 1) and memory, side by side in one run.
+
+The quantized checkpoint is made here from the float one (asymmetric 4-bit, groups of
+``--group``; the AWQ or GPTQ layout, GPTQ optionally with act-order column groups; embeddings,
+norms and lm_head kept as they are), so the models hold the same network up to 4-bit rounding
+of the layer matrices. A third variant loads the quantized checkpoint dequantized
+(``packed_weights="off"``): the same weights as float32 matrices. Each variant runs in a process of its own
+(its resident memory is its own); the runs alternate, best of ``--repeats``.
+
+    python bench/bench_quantized.py --method awq --group 128 --out bench/results/quantized.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+_AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _pack(v, order=None):
+    import torch
+
+    r, c = v.shape
+    v = v.view(r, c // 8, 8)
+    if order is not None:
+        v = v[:, :, order]
+    out = torch.zeros(r, c // 8, dtype=torch.int64)
+    for i in range(8):
+        out |= v[:, :, i].to(torch.int64) << (4 * i)
+    return ((out + 2**31) % 2**32 - 2**31).to(torch.int32)
+
+
+def quantize_folder(src: str, dst: str, method: str, group: int, act_order: bool) -> None:
+    """``dst``: ``src`` (a float safetensors folder) with its layer matrices in 4-bit
+    ``method`` layout."""
+    import torch
+    from safetensors.torch import save_file
+
+    from pyspec.models.loader import iter_tensors
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    out = {}
+    gen = torch.Generator().manual_seed(0)
+    orders = {}
+    for name, t in iter_tensors(src):
+        base = name[:-len(".weight")] if name.endswith(".weight") else name
+        if base.rsplit(".", 1)[-1] not in _LINEARS:
+            out[name] = t  # as in the float checkpoint: lm_head reads the same way in both
+            continue
+        w = t.float()
+        n, k = w.shape
+        g = k if group == -1 else group
+        if k % g:
+            raise SystemExit(f"{name}: {k} inputs are not a multiple of --group {g}")
+        perm = None
+        if act_order and method == "gptq":
+            key = (base.rsplit(".", 2)[0], {"k_proj": "q_proj", "v_proj": "q_proj",
+                                            "up_proj": "gate_proj"}.get(base.rsplit(".", 1)[1],
+                                                                        base.rsplit(".", 1)[1]))
+            perm = orders.setdefault(key, torch.randperm(k, generator=gen))
+            g_idx = (torch.argsort(perm) // g).to(torch.int32)  # column perm[i] in group i // g
+            wg = w[:, perm].view(n, k // g, g)
+        else:
+            g_idx = (torch.arange(k) // g).to(torch.int32)
+            wg = w.view(n, k // g, g)
+        lo, hi = wg.amin(-1), wg.amax(-1)
+        s = ((hi - lo) / 15).clamp_min(1e-6).half()
+        z = torch.round(-lo / s.float()).clamp(0, 15)
+        q = torch.round(wg / s.float()[..., None] + z[..., None]).clamp(0, 15).to(torch.int32)
+        q = q.view(n, k)
+        if perm is not None:
+            inv = torch.empty_like(perm)
+            inv[perm] = torch.arange(k)
+            q = q[:, inv]  # back to the natural column order
+        zeros, scales = z.to(torch.int32).t().contiguous(), s.t().contiguous()  # [K/G, N]
+        if method == "awq":
+            out[base + ".qweight"] = _pack(q.t().contiguous(), _AWQ_ORDER)
+            out[base + ".qzeros"] = _pack(zeros, _AWQ_ORDER)
+        else:
+            out[base + ".qweight"] = _pack(q.contiguous()).t().contiguous()
+            out[base + ".qzeros"] = _pack((zeros - 1) & 0xF)
+            out[base + ".g_idx"] = g_idx
+        out[base + ".scales"] = scales
+    save_file(out, os.path.join(dst, "model.safetensors"))
+    cfg_path = os.path.join(dst, "config.json")
+    with open(cfg_path) as f:
+        conf = json.load(f)
+    qc = {"quant_method": method, "bits": 4, "group_size": group}
+    qc.update({"version": "gemm", "zero_point": True} if method == "awq" else
+              {"desc_act": act_order, "sym": False, "checkpoint_format": "gptq"})
+    conf["quantization_config"] = qc
+    with open(cfg_path, "w") as f:
+        json.dump(conf, f)
+
+
+_CHILD = r"""
+import json, resource, sys, time
+import pyspec
+path, tokens, packed = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+llm = pyspec.LLM(path, draft="none", progress=False, packed_weights=packed)
+ids = llm.encode("Write a short story about a lighthouse keeper who finds a message in a bottle.")
+p = pyspec.SamplingParams(max_tokens=tokens, ignore_eos=True)
+llm.generate([ids], [pyspec.SamplingParams(max_tokens=8, ignore_eos=True)])  # warm-up
+t0 = time.perf_counter()
+out = llm.generate([ids], [p])[0]
+dt = time.perf_counter() - t0
+rss = int(open("/proc/self/statm").read().split()[1]) * 4096
+d = llm.model.describe()
+print(json.dumps({"tok_s": len(out.token_ids) / dt, "rss_mb": rss / 1e6,
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3,
+                  "packed": d["packed"], "tokens": out.token_ids}))
+"""
+
+
+def _run(path: str, tokens: int, packed: str = "auto") -> dict:
+    r = subprocess.run([sys.executable, "-c", _CHILD, path, str(tokens), packed],
+                       capture_output=True, text=True, timeout=1800)
+    if r.returncode != 0:
+        raise SystemExit(r.stderr[-2000:])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="float safetensors folder (default: the "
+                                                  "embedded model)")
+    ap.add_argument("--method", choices=("awq", "gptq"), default="awq")
+    ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--act-order", action="store_true", help="GPTQ with act-order groups")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    src = args.model
+    if src is None:
+        from pyspec.models.default import default_model_path
+
+        src = default_model_path(progress=False)
+    tmp = tempfile.mkdtemp()
+    try:
+        qdir = os.path.join(tmp, "q")
+        t0 = time.perf_counter()
+        quantize_folder(src, qdir, args.method, args.group, args.act_order)
+        q = f"{args.method} 4-bit"
+        runs = {"float32 packed": [], q: [], q + " dequantized to float32": []}
+        for _ in range(args.repeats):
+            runs["float32 packed"].append(_run(src, args.tokens))
+            runs[q].append(_run(qdir, args.tokens))
+            runs[q + " dequantized to float32"].append(_run(qdir, args.tokens, "off"))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    best = {k: max(v, key=lambda r: r["tok_s"]) for k, v in runs.items()}
+    a, b = best["float32 packed"], best[f"{args.method} 4-bit"]
+    out = {"model": src, "method": args.method, "group_size": args.group,
+           "act_order": args.act_order, "tokens": args.tokens, "cpu_count": os.cpu_count(),
+           "quantize_s": round(time.perf_counter() - t0, 1),
+           "variants": {k: {"tok_s": [round(r["tok_s"], 1) for r in v],
+                            "rss_mb": round(best[k]["rss_mb"], 1),
+                            "peak_rss_mb": round(best[k]["peak_rss_mb"], 1),
+                            "packed": best[k]["packed"]} for k, v in runs.items()},
+           "speed_ratio_quantized_over_float": round(b["tok_s"] / a["tok_s"], 3)}
+    print(json.dumps(out, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
