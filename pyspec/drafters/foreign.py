@@ -112,7 +112,8 @@ def _heads_kind(path: str) -> Optional[str]:
     if k == "drafter":
         cfg = read_config(path)
         if cfg["method"] == "eagle":
-            return "eagle3" if (cfg.get("eagle") or {}).get("feature_layers") else "eagle"
+            e = cfg.get("eagle") or {}
+            return "eagle3" if e.get("feature_layers") or e.get("layout") == "eagle3" else "eagle"
         return cfg["method"]
     return k
 
@@ -133,8 +134,9 @@ def from_vllm(config) -> SpecSettings:
                 raise ValueError(f"--speculative-config {key!r} has no equivalent in pyspec: "
                                  f"{_VLLM_NO_EQUIVALENT[key]}")
         elif key in _VLLM_NEUTRAL:
-            if v not in _VLLM_NEUTRAL[key] or isinstance(v, bool) != isinstance(
-                    _VLLM_NEUTRAL[key][-1], bool):
+            allowed = _VLLM_NEUTRAL[key]
+            if v is not None and (v not in allowed or
+                                  isinstance(v, bool) != isinstance(allowed[-1], bool)):
                 raise ValueError(f"--speculative-config {key!r}: pyspec supports only "
                                  f"{[x for x in _VLLM_NEUTRAL[key] if x is not None]}; got {v!r}")
         elif key not in _VLLM_KEYS:

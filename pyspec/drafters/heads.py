@@ -319,7 +319,7 @@ class EagleDrafter(Drafter):
         feature = head_cfg.get("feature", "hidden")
         if feature not in ("hidden", "normed_hidden"):
             raise ValueError(f"eagle feature must be 'hidden' or 'normed_hidden'; got {feature!r}")
-        if feature == "normed_hidden" and layers:
+        if feature == "normed_hidden" and (layers or self.eagle3):
             raise ValueError("eagle feature 'normed_hidden' reads the last layer only; it cannot "
                              "go with feature_layers")
         self.feature_norm = tm.norm.cpu() if feature == "normed_hidden" else None

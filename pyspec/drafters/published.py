@@ -267,6 +267,15 @@ def _eagle3(path: str, target_cfg) -> Tuple[dict, Dict[str, torch.Tensor]]:
         raise ValueError(f"{cfg_path}: an EAGLE-3 head has one decoder layer; num_hidden_layers "
                          f"is {cfg.get('num_hidden_layers')}")
     ec = cfg.get("eagle_config") or {}
+    if "eagle_aux_hidden_state_layer_ids" in cfg:
+        raise ValueError(f"{cfg_path}: a top-level eagle_aux_hidden_state_layer_ids is read "
+                         "differently by different engines; give the layers as "
+                         "eagle_config.eagle_aux_hidden_state_layer_ids (layer i's output, "
+                         "counted from 0)")
+    if cfg.get("rope_scaling") not in (None, {}) and target_cfg.rope_scaling.rope_type in (
+            None, "default"):
+        raise ValueError(f"{cfg_path}: rope_scaling {cfg['rope_scaling']} differs from the "
+                         "target's (none; the head shares the target's)")
     for key in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output",
                 "attention_bias"):
         if cfg.get(key) or (isinstance(ec, dict) and ec.get(key)):

@@ -172,8 +172,9 @@ class LlamaForCausalLM(LlamaWeights):
         dt = resolve_dtype(dtype)
         # A 4-bit AWQ / GPTQ checkpoint's matrices load as codes only (float32 on the CPU;
         # packed_weights="off" or another dtype or device: as the float matrices they stand for).
-        m = cls(cfg, load_weights(path, cfg, dt, device, dequantize=packed_weights == "off"), dt,
-                device, kernels=kernels)
+        off = packed_weights == "off" or os.environ.get("PYSPEC_PACKED_WEIGHTS", "1") == "0"
+        m = cls(cfg, load_weights(path, cfg, dt, device, dequantize=off), dt, device,
+                kernels=kernels)
         m.source_path = path
         m.packed_weights = packed_weights
         m.place_on_huge_pages()

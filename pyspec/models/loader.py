@@ -241,7 +241,10 @@ def load_weights(path: str, cfg: ModelConfig, dtype: torch.dtype,
             raise ValueError(f"{what} '{name}' has shape {tuple(t.shape)}; the config implies "
                              f"{want[0]}")
         if packed:
-            out[name] = t.natural().to(device=device, dtype=dtype) if dequantize else t
+            # Codes only for the decoder layers' matrices (a quantized lm_head is read, like the
+            # embedding, as a float matrix: drafters and other devices take it as one).
+            keep = not dequantize and name.startswith("model.layers.")
+            out[name] = t if keep else t.natural().to(device=device, dtype=dtype)
         elif not t.is_floating_point():
             raise ValueError(f"tensor '{name}' has dtype {t.dtype}; expected a floating type "
                              "(of quantized checkpoints, 4-bit AWQ and GPTQ load: see "
@@ -250,6 +253,12 @@ def load_weights(path: str, cfg: ModelConfig, dtype: torch.dtype,
             out[name] = t.to(device=device, dtype=dtype)
         required += want[1]
         del t
+    quant = [n for n in unexpected if n.rpartition(".")[2] in ("qweight", "qzeros", "g_idx")]
+    if quant:
+        raise ValueError(f"checkpoint {path} holds quantized tensors ({quant[0]}, ...) but no "
+                         "AWQ / GPTQ quantization_config pyspec reads (config.json "
+                         "quantization_config with quant_method awq or gptq, quantize_config.json "
+                         "or quant_config.json)")
     if unexpected:
         more = f" (+{len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
         raise ValueError(f"checkpoint {path} has tensors this {cfg.model_type} config does not use: "
@@ -327,7 +336,9 @@ def write_truncated_checkpoint(src: str, dst: str, num_layers: int) -> str:
                     w[k] = v
         elif name.startswith("tokenizer") or name in ("generation_config.json",
                                                       "chat_template.jinja",
-                                                      "special_tokens_map.json"):
+                                                      "special_tokens_map.json",
+                                                      "quantize_config.json",
+                                                      "quant_config.json"):
             shutil.copy(os.path.join(src, name), os.path.join(dst, name))
     save_file(w, os.path.join(dst, "model.safetensors"))
     return dst

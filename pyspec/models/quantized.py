@@ -11,7 +11,8 @@ group of K):
   ``w[n, k] = (q[k, n] - z[k // G, n]) * s[k // G, n]``.
 * **GPTQ** (``quant_method: gptq``; AutoGPTQ / optimum layout): ``qweight`` int32 ``[K/8, N]``
   (nibble j of word r holds input row ``8r + j``), ``qzeros`` int32 ``[K/G, N/8]`` (nibble j of
-  word c: column ``8c + j``; stored as zero - 1 unless ``checkpoint_format: gptq_v2``),
+  word c: column ``8c + j``; stored as zero - 1 unless ``checkpoint_format: gptq_v2``, read
+  back as stored + 1 without wrapping, as AutoGPTQ's kernels read it),
   ``scales`` ``[K/G, N]``, ``g_idx`` int32 ``[K]`` (each input's group; not ``k // G`` with
   act-order, ``desc_act``); ``w[n, k] = (q[k, n] - z[g_idx[k], n]) * s[g_idx[k], n]``.
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Dict, Iterable, Optional, Tuple
 
 import torch
@@ -46,23 +48,30 @@ def quantization_config(path: str) -> Optional[dict]:
                 qc = json.load(f).get("quantization_config")
             except (json.JSONDecodeError, AttributeError):
                 qc = None  # the config's own loader reports a bad config.json
-    old = os.path.join(path, "quantize_config.json")
-    if qc is None and os.path.isfile(old):
-        with open(old) as f:
-            try:
-                qc = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{old}: not valid JSON ({e})") from None
-        where = old
-        qc = dict(qc, quant_method=qc.get("quant_method", "gptq"))
+    # Older side files: AutoGPTQ's quantize_config.json, AutoAWQ's quant_config.json.
+    for side, default in (("quantize_config.json", "gptq"), ("quant_config.json", "awq")):
+        file = os.path.join(path, side)
+        if qc is None and os.path.isfile(file):
+            with open(file) as f:
+                try:
+                    qc = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{file}: not valid JSON ({e})") from None
+            if not isinstance(qc, dict):
+                raise ValueError(f"{file}: must hold a JSON object")
+            where = file
+            qc = dict(qc, quant_method=qc.get("quant_method", default))
     if qc is None:
         return None
     if not isinstance(qc, dict):
         raise ValueError(f"{where}: quantization_config must be an object")
     method = str(qc.get("quant_method", "")).lower()
     if method not in ("awq", "gptq"):
-        raise ValueError(f"{where}: quant_method {qc.get('quant_method')!r} is not supported "
-                         "(pyspec reads 4-bit awq and gptq checkpoints, and float ones)")
+        # Often a leftover in a merged float checkpoint: load the floats; a checkpoint that does
+        # hold another method's tensors fails on them, by name.
+        warnings.warn(f"{where}: quant_method {qc.get('quant_method')!r} is not one pyspec reads "
+                      "(4-bit awq and gptq); loading the checkpoint as floats", stacklevel=3)
+        return None
     bits = qc.get("bits", qc.get("w_bit"))
     if bits != 4:
         raise ValueError(f"{where}: {method} with {bits} bits is not supported (4 only)")

@@ -48,7 +48,8 @@ def test_vllm_spellings(folders):
                       "num_speculative_tokens": 7}) == SpecSettings(folders["dm"] + "@depth=7", 7)
     assert from_vllm({"method": "pyspec", "draft": "ngram|suffix"}).draft == "ngram|suffix"
     assert from_vllm({"method": "ngram", "draft_tensor_parallel_size": 1,
-                      "acceptance_method": "rejection_sampler", "quantization": None}).draft
+                      "acceptance_method": "rejection_sampler", "quantization": None,
+                      "enforce_eager": None, "disable_logprobs": True}).draft
 
 
 @pytest.mark.parametrize("config,match", [
@@ -64,6 +65,7 @@ def test_vllm_spellings(folders):
     ({"method": "ngram", "posterior_threshold": 0.09}, "lossy"),
     ({"method": "ngram", "draft_tensor_parallel_size": 2}, "supports only"),
     ({"method": "ngram", "acceptance_method": "typical_acceptance_sampler"}, "supports only"),
+    ({"method": "ngram", "enforce_eager": 1}, "supports only"),
     ({"method": "ngram", "revision": "main"}, "never a hub"),
     ({"method": "ngram", "bogus": 1}, "unknown key 'bogus'"),
     ({"method": "eagle"}, "needs \"model\""),

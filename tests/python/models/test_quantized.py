@@ -57,7 +57,8 @@ def _pack(v, order=None):
     return _to_int32(out)
 
 
-def _write_quantized(src, dst, method, group, act_order=False, v2=False, seed=0):
+def _write_quantized(src, dst, method, group, act_order=False, v2=False, seed=0,
+                     lm_head=False):
     """A copy of the float checkpoint ``src`` with every layer matrix quantized in ``method``'s
     layout; returns ``{name: dequantized float32 matrix}`` by the format's formula."""
     shutil.copytree(src, dst)
@@ -67,7 +68,7 @@ def _write_quantized(src, dst, method, group, act_order=False, v2=False, seed=0)
     ranks = {}
     for name, t in w.items():
         base = name[:-len(".weight")]
-        if not any(base.endswith(lin) for lin in _LINEARS):
+        if not any(base.endswith(lin) for lin in _LINEARS) and not (lm_head and base == "lm_head"):
             out[name] = t.half()
             continue
         n, k = t.shape
@@ -158,6 +159,33 @@ def test_quantized_checkpoint_equals_its_dequantized_weights(float_dir, tmp_path
     torch.testing.assert_close(_logits(d, ids), _logits(r, ids), rtol=1e-5, atol=1e-5)
 
 
+def test_a_quantized_lm_head_loads_as_a_float_matrix(float_dir, tmp_path):
+    # A vocabulary padded to a multiple of 8 (GPTQ packs 8 output columns per word).
+    padded = tmp_path / "padded"
+    shutil.copytree(float_dir, padded)
+    w = load_file(str(padded / "model.safetensors"))
+    for k in ("model.embed_tokens.weight", "lm_head.weight"):
+        w[k] = torch.cat([w[k], torch.zeros(264 - w[k].shape[0], w[k].shape[1])])
+    save_file(w, str(padded / "model.safetensors"))
+    conf = json.load(open(padded / "config.json"))
+    json.dump(dict(conf, vocab_size=264), open(padded / "config.json", "w"))
+    # (gptq_v2: the zero rows have zero points 0, which v1 stores as -1 and reads as 16.)
+    ref = _write_quantized(str(padded), str(tmp_path / "q"), "gptq", 64, v2=True, lm_head=True)
+    m = LlamaForCausalLM.from_pretrained(str(tmp_path / "q"))
+    assert isinstance(m.lm_head, torch.Tensor) and torch.equal(m.lm_head, ref["lm_head.weight"])
+    assert isinstance(m.layers[0]["wo"], PackedWeight)
+
+
+def test_a_leftover_quantization_config_in_a_float_checkpoint(float_dir, tmp_path):
+    shutil.copytree(float_dir, tmp_path / "f")
+    conf = json.load(open(tmp_path / "f" / "config.json"))
+    conf["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    json.dump(conf, open(tmp_path / "f" / "config.json", "w"))
+    with pytest.warns(UserWarning, match="loading the checkpoint as floats"):
+        m = LlamaForCausalLM.from_pretrained(str(tmp_path / "f"))
+    assert isinstance(m.layers[0]["wo"], torch.Tensor)
+
+
 def test_speculative_decoding_on_a_quantized_model_is_lossless(float_dir, tmp_path):
     import pyspec
 
@@ -184,7 +212,7 @@ def test_bad_quantized_checkpoints(float_dir, tmp_path):
     for name, qc, match in [("b8", {"bits": 8}, "8 bits is not supported"),
                             ("g48", {"group_size": 48}, "multiple of 32"),
                             ("gemv", {"version": "gemv"}, "gemv"),
-                            ("fp8", {"quant_method": "fp8"}, "'fp8' is not supported")]:
+                            ("fp8", {"quant_method": "fp8"}, "holds quantized tensors")]:
         with pytest.raises(ValueError, match=match):
             LlamaForCausalLM.from_pretrained(qdir(name, **qc))
     d = qdir("missing")
