@@ -86,7 +86,9 @@ def published_kind(path: str) -> Optional[str]:
     if file is None:
         return None
     names = _tensor_names(file)
-    if not names and file.endswith(".bin"):
+    if not names and file.endswith(".bin") and cfg.get("num_hidden_layers") in (None, 1):
+        # A pickle has no header: read it only for what may be a one-layer EAGLE head, not for
+        # a whole model's weights.
         names = tuple(_load(file).keys())
     if any(n.startswith("midlayer.") for n in names) or "d2t" in names:
         return "eagle3"

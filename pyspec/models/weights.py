@@ -6,6 +6,7 @@ allow, held on transparent huge pages, moved between devices. The forward is
 
 from __future__ import annotations
 
+import warnings
 from typing import Dict, Optional
 
 import torch
@@ -75,10 +76,17 @@ class LlamaWeights:
 
         def cat(parts):  # codes-only matrices (AWQ / GPTQ checkpoints) stack as codes
             if any(isinstance(t, PackedWeight) for t in parts):
-                if not all(isinstance(t, PackedWeight) for t in parts):
-                    raise ValueError("matrices fused into one (q/k/v, gate/up) must be all "
-                                     "quantized or all not")
-                return PackedWeight.cat_rows(parts)
+                if all(isinstance(t, PackedWeight) for t in parts) and all(
+                        (p.perm is None and parts[0].perm is None) or (
+                            p.perm is not None and parts[0].perm is not None
+                            and torch.equal(p.perm, parts[0].perm)) for p in parts):
+                    return PackedWeight.cat_rows(parts)
+                # Quantized and float matrices, or act-order column orders that differ, in one
+                # fused matrix: that matrix is held as floats.
+                warnings.warn("matrices fused into one (q/k/v, gate/up) differ in quantization "
+                              "or act-order column order: that fused matrix is held as float32",
+                              stacklevel=4)
+                parts = [p.natural() if isinstance(p, PackedWeight) else p for p in parts]
             return torch.cat(parts, 0)
 
         for i in range(cfg.num_hidden_layers):

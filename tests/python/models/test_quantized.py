@@ -58,7 +58,7 @@ def _pack(v, order=None):
 
 
 def _write_quantized(src, dst, method, group, act_order=False, v2=False, seed=0,
-                     lm_head=False):
+                     lm_head=False, shared_order=True):
     """A copy of the float checkpoint ``src`` with every layer matrix quantized in ``method``'s
     layout; returns ``{name: dequantized float32 matrix}`` by the format's formula."""
     shutil.copytree(src, dst)
@@ -79,6 +79,8 @@ def _write_quantized(src, dst, method, group, act_order=False, v2=False, seed=0,
             family = base.rsplit(".", 1)[0] + {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv",
                                                "gate_proj": "gu", "up_proj": "gu"}.get(
                 base.rsplit(".", 1)[1], base.rsplit(".", 1)[1])
+            if not shared_order:
+                family = base
             if family not in ranks:
                 ranks[family] = torch.randperm(k, generator=gen)
             g_idx = (ranks[family] // g).to(torch.int32)
@@ -157,6 +159,18 @@ def test_quantized_checkpoint_equals_its_dequantized_weights(float_dir, tmp_path
     d = LlamaForCausalLM.from_pretrained(str(tmp_path / "q"), packed_weights="off")
     assert isinstance(d.layers[0]["wqkv"], torch.Tensor)
     torch.testing.assert_close(_logits(d, ids), _logits(r, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_matrices_with_different_column_orders_are_held_as_floats(float_dir, tmp_path):
+    ref = _write_quantized(float_dir, str(tmp_path / "q"), "gptq", 32, act_order=True,
+                           shared_order=False)
+    with pytest.warns(UserWarning, match="that fused matrix is held as float32"):
+        m = LlamaForCausalLM.from_pretrained(str(tmp_path / "q"))
+    assert isinstance(m.layers[0]["wqkv"], torch.Tensor)
+    assert isinstance(m.layers[0]["wo"], PackedWeight) and m.layers[0]["wo"].perm is not None
+    ids = [5, 77, 140, 9, 31, 200, 18, 5]
+    torch.testing.assert_close(_logits(m, ids), _logits(_reference_model(float_dir, ref), ids),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_a_quantized_lm_head_loads_as_a_float_matrix(float_dir, tmp_path):
