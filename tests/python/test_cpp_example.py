@@ -1,0 +1,182 @@
+"""The C++ embedding example (cpp/examples/speculate.cc) against pyspec.LLM(draft="ngram"): the
+same greedy token ids for the same prompt ids, from a tiny random Llama checkpoint.
+
+The example is a C++ program built with the core (``pyspec_speculate`` in a CMake build's
+``cpp/examples``, or ``speculate`` of ``tests/consumer`` against the installed package); these
+tests run the binary named by ``PYSPEC_SPECULATE_EXAMPLE`` (``.ci/run`` sets it) and skip without.
+Where the ids differ, the first difference must be a near-tie of the target's top-2 logits (RoPE
+tables computed with the C library's pow/cos/sin can differ from torch's in the last bit)."""
+
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import pyspec
+from models_support import write_tiny_model
+
+EXAMPLE = os.environ.get("PYSPEC_SPECULATE_EXAMPLE")
+pytestmark = pytest.mark.skipif(
+    not EXAMPLE or not os.access(EXAMPLE, os.X_OK),
+    reason="set PYSPEC_SPECULATE_EXAMPLE to a built cpp/examples/speculate.cc binary")
+
+# Repeats give prompt lookup something to copy; the last prompt is a single token (no prefill).
+PROMPTS = [
+    [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6],
+    [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 40, 41],
+    [200, 3, 17, 200, 3],
+    [77],
+]
+
+
+def run_example(model_dir, prompt, max_new, max_draft=5):
+    p = subprocess.run([EXAMPLE, str(model_dir), ",".join(map(str, prompt)), str(max_new),
+                        str(max_draft)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.strip().split("\n")
+    assert len(lines) == 2, p.stdout
+    ids = [int(t) for t in lines[0].split()]
+    fields = dict(kv.split("=") for kv in lines[1].split())
+    return ids, int(fields["steps"]), int(fields["accepted"])
+
+
+def python_ids(llm, prompt, max_new):
+    out = llm.generate(list(prompt), pyspec.SamplingParams(max_tokens=max_new, ignore_eos=True))
+    return list(out[0].token_ids)
+
+
+def top2_gap(llm, prompt, max_new, index):
+    """The target's top-2 logit gap at generated token ``index`` (the engine's recorded rows)."""
+    eng = llm.engine
+    rid = eng.add_request(list(prompt), pyspec.SamplingParams(max_tokens=max_new,
+                                                              ignore_eos=True))
+    eng.record_logits(rid)
+    while eng.has_unfinished():
+        eng.step()
+    rows = eng.recorded_logits(rid)
+    eng.result(rid, pop=True)
+    top = torch.topk(rows[index], 2).values
+    return float(top[0] - top[1]), float(top[0].abs())
+
+
+def check_same(llm, prompt, max_new, cpp, py):
+    assert len(cpp) == len(py) == max_new
+    if cpp == py:
+        return
+    k = next(i for i, (a, b) in enumerate(zip(cpp, py)) if a != b)
+    gap, scale = top2_gap(llm, prompt, max_new, k)
+    assert gap <= 1e-4 * max(1.0, scale), (
+        f"C++ and Python differ at generated token {k} ({cpp[k]} vs {py[k]}) where the top-2 "
+        f"logits are {gap:g} apart, not a near-tie:\nC++    {cpp}\nPython {py}")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = write_tiny_model(tmp_path_factory.mktemp("cpp_example") / "model", layers=2, seed=3)
+    return path, pyspec.LLM(path, draft="ngram", progress=False)
+
+
+@pytest.fixture(scope="module")
+def loopy(tmp_path_factory, tiny):
+    """The tiny model with its layers' output projections (o_proj, down_proj) scaled by 0.03: the
+    next token depends mostly on the last one, so greedy decoding falls into loops that prompt
+    lookup copies (a random model at full scale almost never accepts a draft), while the context
+    still matters. Steps then accept drafts and commit several rows."""
+    from safetensors.torch import load_file, save_file
+
+    src, _ = tiny
+    dst = tmp_path_factory.mktemp("cpp_example_loopy") / "model"
+    shutil.copytree(src, dst)
+    w = load_file(os.path.join(src, "model.safetensors"))
+    save_file({k: v * 0.03 if ("o_proj" in k or "down_proj" in k) else v for k, v in w.items()},
+              str(dst / "model.safetensors"))
+    return str(dst), pyspec.LLM(str(dst), draft="ngram", progress=False)
+
+
+@pytest.mark.parametrize("model", ["tiny", "loopy"])
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["repeats", "long-repeat", "short", "one-token"])
+def test_same_ids_as_llm(request, model, prompt):
+    path, llm = request.getfixturevalue(model)
+    n = 48
+    cpp, steps, accepted = run_example(path, prompt, n)
+    check_same(llm, prompt, n, cpp, python_ids(llm, prompt, n))
+    # Every step emits its accepted drafts and one more token.
+    assert steps + accepted == n and 1 <= steps <= n
+
+
+def test_long_prompt(tiny):
+    """A prefill longer than the core's fast rows (Python runs its matrices through torch's GEMM,
+    which may round differently: a near-tie may then differ)."""
+    path, llm = tiny
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 259, (300,), generator=g).tolist()
+    n = 32
+    cpp, _, _ = run_example(path, prompt, n)
+    check_same(llm, prompt, n, cpp, python_ids(llm, prompt, n))
+
+
+def test_drafts_are_accepted_and_plain_decoding_agrees(loopy):
+    path, llm = loopy
+    prompt, n = PROMPTS[0], 96
+    spec, steps, accepted = run_example(path, prompt, n, 5)
+    plain, plain_steps, plain_accepted = run_example(path, prompt, n, 0)
+    assert accepted >= 10 and steps + accepted == n
+    assert (plain_steps, plain_accepted) == (n, 0)
+    assert spec == plain  # drafting never changes the greedy ids
+    check_same(llm, prompt, n, spec, python_ids(llm, prompt, n))
+
+
+@pytest.mark.slow
+def test_default_model():
+    """The real default model (SmolLM2-135M-Instruct: tied embeddings, 9 query / 3 KV heads)."""
+    from pyspec.models.default import default_model_path
+
+    path = default_model_path(progress=False)
+    llm = pyspec.LLM(path, draft="ngram", progress=False)
+    prompt = llm.tokenizer.encode("def fib(n):\n    if n < 2:\n        return n\n    return "
+                                  "fib(n - 1) + fib(n - 2)\n\nprint(fib(10))\n\ndef fib")
+    n = 48
+    cpp, _, accepted = run_example(path, prompt, n)
+    check_same(llm, prompt, n, cpp, python_ids(llm, prompt, n))
+    assert accepted > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_checkpoints(tmp_path, tiny, dtype):
+    """F16 / BF16 tensors are converted to float32 as pyspec loads them (dtype float32)."""
+    from safetensors.torch import load_file, save_file
+
+    src, _ = tiny
+    dst = tmp_path / "model"
+    shutil.copytree(src, dst)
+    w = load_file(os.path.join(src, "model.safetensors"))
+    save_file({k: v.to(dtype) for k, v in w.items()}, str(dst / "model.safetensors"))
+    llm = pyspec.LLM(str(dst), draft="ngram", progress=False)
+    prompt, n = PROMPTS[0], 16
+    cpp, _, _ = run_example(dst, prompt, n)
+    check_same(llm, prompt, n, cpp, python_ids(llm, prompt, n))
+
+
+def test_errors_name_the_file_or_tensor(tmp_path, tiny):
+    src, _ = tiny
+    bad = tmp_path / "truncated"
+    shutil.copytree(src, bad)
+    with open(bad / "model.safetensors", "r+b") as f:
+        f.truncate(100)
+    p = subprocess.run([EXAMPLE, str(bad), "1,2", "4"], capture_output=True, text=True)
+    assert p.returncode != 0 and "model.safetensors" in p.stderr, p.stderr
+
+    from safetensors.torch import load_file, save_file
+
+    missing = tmp_path / "missing"
+    shutil.copytree(src, missing)
+    w = load_file(os.path.join(src, "model.safetensors"))
+    del w["model.layers.1.mlp.up_proj.weight"]
+    save_file(w, str(missing / "model.safetensors"))
+    p = subprocess.run([EXAMPLE, str(missing), "1,2", "4"], capture_output=True, text=True)
+    assert p.returncode != 0 and "model.layers.1.mlp.up_proj.weight" in p.stderr, p.stderr
+
+    p = subprocess.run([EXAMPLE, str(src), "1,99999", "4"], capture_output=True, text=True)
+    assert p.returncode != 0 and "99999" in p.stderr, p.stderr
