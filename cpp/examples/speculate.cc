@@ -20,7 +20,9 @@
 //     Linear on every row, and AcceptTrees' greedy walk straight from the logits (the longest
 //     prefix of the chain whose tokens are the argmax of the row before, then the bonus token);
 //   * the root's and the accepted nodes' K/V go from the step's scratch into the pages
-//     (MaterializeKV); the emitted tokens join the context; the last one is the next root.
+//     (MaterializeKV); the emitted tokens join the context; the last one is the next root;
+//   * matrices that are exactly 4-bit or 8-bit blocks (GGUF conversions) are also held as codes
+//     and read through the packed kernels, the same bits (PYSPEC_PACKED_WEIGHTS=0: float32 only).
 // Tree rows are scored bit for bit as one-token decoding of their path would score them
 // (attention.h), so the output is the target's greedy decoding whatever the drafts were.
 //
@@ -32,6 +34,7 @@
 // torch's GEMM). A last-bit difference moves the logits by rounding noise, which changes a greedy
 // token only where the top-2 logits are that close (a near-tie); the ids then diverge from there.
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -54,6 +57,7 @@
 #include "pyspec/layer_ops.h"
 #include "pyspec/linear.h"
 #include "pyspec/tensor_view.h"
+#include "pyspec/thread_pool.h"
 #include "pyspec/tree.h"
 
 namespace {
@@ -621,21 +625,157 @@ class Checkpoint {
   std::map<std::string, TensorEntry> tensors_;
 };
 
+// ---- packed codes ---------------------------------------------------------------------------------
+// A float32 matrix whose values are exactly a 4-bit block format (per group of 32 along K:
+// w = d * q + m, q in 0..15, m the group's minimum, d a float16 value) or an 8-bit one (w = d * q,
+// q in -128..127) is also held as those codes, as pyspec.LLM does (packed_weights="auto",
+// pyspec/linear.py pack_exact): LinearPacked then reads 4.5 or 8.5 bits per weight instead of 32,
+// with the same results bit for bit. Checkpoints converted from GGUF (the default model) are such
+// matrices; PYSPEC_PACKED_WEIGHTS=0 in the environment keeps float32 only. Every value is
+// compared, so a matrix is packed only where the codes rebuild it exactly.
+
+struct Packed {
+  bool four = false;
+  std::vector<uint8_t> q;  // 4-bit: [N, K / 2] (byte j of a group: element j low, j + 16 high)
+  std::vector<float> d, m;  // [N, K / 32] each (m: 4-bit only)
+};
+
+// float32 -> nearest float16 (ties to even) -> float32, as torch's .half().float().
+float RoundToHalf(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = x & 0x80000000u, ax = x & 0x7FFFFFFFu;
+  if (ax >= 0x7F800000u) return f;                       // inf, nan
+  if (ax >= 0x477FF000u) return sign ? -INFINITY : INFINITY;  // >= 65520: past float16's range
+  float r;
+  if (ax < 0x38800000u) {  // below 2^-14: float16 subnormals, steps of 2^-24
+    r = std::nearbyint(std::fabs(f) * 16777216.0f) / 16777216.0f;
+  } else {  // keep 10 of the 23 mantissa bits, ties to even
+    const uint32_t y = (ax + 0xFFFu + ((ax >> 13) & 1u)) & 0xFFFFE000u;
+    std::memcpy(&r, &y, 4);
+  }
+  return sign ? -r : r;
+}
+
+bool SameBits(float a, float b) { return std::memcmp(&a, &b, 4) == 0; }
+
+// Rows [r0, r1) of a 4-bit packing of w [N, K] into p (sized for N rows); false where a group is
+// not exactly that format.
+bool Pack4Rows(const float* w, int64_t K, int64_t r0, int64_t r1, Packed& p) {
+  const int64_t G = K / 32;
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* v = w + r * K + g * 32;
+      float lo = v[0], hi = v[0];
+      for (int i = 1; i < 32; ++i) {
+        lo = std::min(lo, v[i]);
+        hi = std::max(hi, v[i]);
+      }
+      const float d = RoundToHalf((hi - lo) / 15.0f);
+      if (!std::isfinite(d) || !std::isfinite(lo)) return false;
+      uint8_t q[32];
+      for (int i = 0; i < 32; ++i) {
+        const float c = std::min(15.0f, std::max(0.0f, std::nearbyint((v[i] - lo) / (d == 0 ? 1.0f : d))));
+        q[i] = static_cast<uint8_t>(c);
+        if (!SameBits(static_cast<float>(q[i]) * d + lo, v[i])) return false;
+      }
+      uint8_t* out = p.q.data() + r * (K / 2) + g * 16;
+      for (int j = 0; j < 16; ++j) out[j] = static_cast<uint8_t>(q[j] | (q[j + 16] << 4));
+      p.d[r * G + g] = d;
+      p.m[r * G + g] = lo;
+    }
+  }
+  return true;
+}
+
+// The same for the 8-bit format (d = amax / 127, else amax / 128, as a float16 value).
+bool Pack8Rows(const float* w, int64_t K, int64_t r0, int64_t r1, Packed& p) {
+  const int64_t G = K / 32;
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* v = w + r * K + g * 32;
+      float amax = 0;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+      bool ok = false;
+      for (float div : {127.0f, 128.0f}) {
+        const float d = RoundToHalf(amax / div);
+        if (!std::isfinite(d)) return false;
+        int8_t q[32];
+        ok = true;
+        for (int i = 0; i < 32 && ok; ++i) {
+          const float c = std::nearbyint(v[i] / (d == 0 ? 1.0f : d));
+          ok = c >= -128.0f && c <= 127.0f;
+          if (ok) {
+            q[i] = static_cast<int8_t>(c);
+            ok = SameBits(static_cast<float>(q[i]) * d, v[i]);  // a -0.0 weight fails here
+          }
+        }
+        if (ok) {
+          std::memcpy(p.q.data() + r * K + g * 32, q, 32);
+          p.d[r * G + g] = d;
+          break;
+        }
+      }
+      if (!ok) return false;
+    }
+  }
+  return true;
+}
+
+// The codes of `w` [N, K] when it is exactly a 4-bit (tried first) or 8-bit block format. Rows are
+// checked in parallel on the core's thread pool.
+bool PackExact(const std::vector<float>& w, int64_t N, int64_t K, Packed& p) {
+  if (K % 32 != 0 || K == 0 || N == 0) return false;
+  for (const bool four : {true, false}) {
+    auto rows = four ? &Pack4Rows : &Pack8Rows;
+    p.four = four;
+    p.q.assign(static_cast<size_t>(four ? N * K / 2 : N * K), 0);
+    p.d.assign(static_cast<size_t>(N * K / 32), 0.f);
+    p.m.assign(four ? static_cast<size_t>(N * K / 32) : 0, 0.f);
+    // A few rows first: a matrix of another format (or none) fails there, cheaply.
+    if (!rows(w.data(), K, 0, std::min<int64_t>(N, 16), p)) continue;
+    std::atomic<bool> ok{true};
+    pyspec::ThreadPool::Default().ParallelFor(N, 16, [&](int64_t r0, int64_t r1) {
+      if (ok.load(std::memory_order_relaxed) && !rows(w.data(), K, r0, r1, p)) ok = false;
+    });
+    if (ok) return true;
+  }
+  p = Packed();
+  return false;
+}
+
 // ---- the model ------------------------------------------------------------------------------------
 
 struct Layer {
   std::vector<float> ln1, ln2, wqkv, bqkv, wo, bo, wgu, wd;
+  Packed pqkv, po, pgu, pd;  // codes where the matrix is exactly a block format (q empty: none)
 };
 
 struct Model {
   Config cfg;
   std::vector<float> embed, lm_head, norm;  // lm_head empty when tied to embed
+  Packed lm_packed;
   std::vector<Layer> layers;
   std::vector<pyspec::DecoderLayerWeights> views;  // into `layers`
   pyspec::DecoderConfig dcfg;
+  int packed_matrices = 0;
 
   const float* lm() const { return lm_head.empty() ? embed.data() : lm_head.data(); }
 };
+
+// A DecoderMatrix over a float32 matrix [N, K] and, where it has them, its codes.
+pyspec::DecoderMatrix Matrix(std::vector<float>& w, Packed& p, int64_t N, int64_t K) {
+  pyspec::DecoderMatrix m;
+  m.w = TensorView::Contiguous(w.data(), DType::kFloat32, {N, K});
+  if (!p.q.empty()) {
+    m.packed = true;
+    m.q = TensorView::Contiguous(p.q.data(), p.four ? DType::kUInt8 : DType::kInt8,
+                                 {N, p.four ? K / 2 : K});
+    m.d = TensorView::Contiguous(p.d.data(), DType::kFloat32, {N, K / 32});
+    if (p.four) m.m = TensorView::Contiguous(p.m.data(), DType::kFloat32, {N, K / 32});
+  }
+  return m;
+}
 
 std::vector<float> Concat(std::vector<std::vector<float>> parts) {
   std::vector<float> out;
@@ -674,14 +814,25 @@ Model LoadModel(const std::string& dir) {
     w.wd = ck.Load(p + "mlp.down_proj.weight", {H, I});
     m.layers.push_back(std::move(w));
   }
+  const char* env = std::getenv("PYSPEC_PACKED_WEIGHTS");
+  const bool pack = pyspec::LinearKernels::Default().PackedAvailable() &&
+                    !(env != nullptr && std::string(env) == "0");
+  auto try_pack = [&](const std::vector<float>& w, int64_t N, int64_t K, Packed& p) {
+    if (pack && PackExact(w, N, K, p)) ++m.packed_matrices;
+  };
+  try_pack(c.tied ? m.embed : m.lm_head, c.vocab, H, m.lm_packed);
   for (Layer& w : m.layers) {
+    try_pack(w.wqkv, q + 2 * kv, H, w.pqkv);
+    try_pack(w.wo, H, q, w.po);
+    try_pack(w.wgu, 2 * I, H, w.pgu);
+    try_pack(w.wd, H, I, w.pd);
     pyspec::DecoderLayerWeights v;
     v.ln1 = TensorView::Contiguous(w.ln1.data(), DType::kFloat32, {H});
     v.ln2 = TensorView::Contiguous(w.ln2.data(), DType::kFloat32, {H});
-    v.wqkv.w = TensorView::Contiguous(w.wqkv.data(), DType::kFloat32, {q + 2 * kv, H});
-    v.wo.w = TensorView::Contiguous(w.wo.data(), DType::kFloat32, {H, q});
-    v.wgu.w = TensorView::Contiguous(w.wgu.data(), DType::kFloat32, {2 * I, H});
-    v.wd.w = TensorView::Contiguous(w.wd.data(), DType::kFloat32, {H, I});
+    v.wqkv = Matrix(w.wqkv, w.pqkv, q + 2 * kv, H);
+    v.wo = Matrix(w.wo, w.po, H, q);
+    v.wgu = Matrix(w.wgu, w.pgu, 2 * I, H);
+    v.wd = Matrix(w.wd, w.pd, H, I);
     if (!w.bqkv.empty()) v.bqkv = TensorView::Contiguous(w.bqkv.data(), DType::kFloat32, {q + 2 * kv});
     if (!w.bo.empty()) v.bo = TensorView::Contiguous(w.bo.data(), DType::kFloat32, {H});
     m.views.push_back(v);
@@ -822,9 +973,26 @@ class Engine {
                     TensorView::Contiguous(const_cast<float*>(m_.norm.data()), DType::kFloat32, {H}),
                     static_cast<float>(c.eps), TensorView::Contiguous(h.data(), DType::kFloat32, {T, H}));
     logits_.resize(static_cast<size_t>(T * c.vocab));
-    pyspec::Linear(TensorView::Contiguous(h.data(), DType::kFloat32, {T, H}),
-                   TensorView::Contiguous(const_cast<float*>(m_.lm()), DType::kFloat32, {c.vocab, H}),
-                   nullptr, TensorView::Contiguous(logits_.data(), DType::kFloat32, {T, c.vocab}));
+    const TensorView hv = TensorView::Contiguous(h.data(), DType::kFloat32, {T, H});
+    const TensorView out = TensorView::Contiguous(logits_.data(), DType::kFloat32, {T, c.vocab});
+    const pyspec::LinearKernels& lk = pyspec::LinearKernels::Default();
+    const Packed& p = m_.lm_packed;
+    if (!p.q.empty() && T <= lk.PackedRowsLimit(/*has_dense=*/true)) {
+      // The codes where they are the faster read (the same bits as the float32 matrix).
+      const TensorView mv = p.four ? TensorView::Contiguous(const_cast<float*>(p.m.data()),
+                                                            DType::kFloat32, {c.vocab, H / 32})
+                                   : TensorView();
+      pyspec::LinearPacked(
+          hv,
+          TensorView::Contiguous(const_cast<uint8_t*>(p.q.data()),
+                                 p.four ? DType::kUInt8 : DType::kInt8, {c.vocab, p.four ? H / 2 : H}),
+          TensorView::Contiguous(const_cast<float*>(p.d.data()), DType::kFloat32, {c.vocab, H / 32}),
+          p.four ? &mv : nullptr, nullptr, out);
+    } else {
+      pyspec::Linear(hv,
+                     TensorView::Contiguous(const_cast<float*>(m_.lm()), DType::kFloat32, {c.vocab, H}),
+                     nullptr, out);
+    }
     return logits_;
   }
 
@@ -946,9 +1114,10 @@ int Run(int argc, char** argv) {
   const Model model = LoadModel(dir);
   const std::vector<int32_t> prompt = ParseIds(argv[2], model.cfg.vocab);
   const int64_t n = static_cast<int64_t>(prompt.size());
-  std::fprintf(stderr, "loaded %s: %lld layers, hidden %lld, vocab %lld (%.2f s)\n", dir.c_str(),
-               static_cast<long long>(model.cfg.layers), static_cast<long long>(model.cfg.hidden),
-               static_cast<long long>(model.cfg.vocab), Seconds(t0));
+  std::fprintf(stderr, "loaded %s: %lld layers, hidden %lld, vocab %lld, %d matrices also as "
+               "packed codes (%.2f s)\n", dir.c_str(), static_cast<long long>(model.cfg.layers),
+               static_cast<long long>(model.cfg.hidden), static_cast<long long>(model.cfg.vocab),
+               model.packed_matrices, Seconds(t0));
 
   Engine eng(model, n + max_new + 1);
   std::vector<int32_t> ctx = prompt;

@@ -31,15 +31,17 @@ PROMPTS = [
 ]
 
 
-def run_example(model_dir, prompt, max_new, max_draft=5):
+def run_example(model_dir, prompt, max_new, max_draft=5, env=None, stderr=False):
     p = subprocess.run([EXAMPLE, str(model_dir), ",".join(map(str, prompt)), str(max_new),
-                        str(max_draft)], capture_output=True, text=True, timeout=300)
+                        str(max_draft)], capture_output=True, text=True, timeout=300,
+                       env=None if env is None else dict(os.environ, **env))
     assert p.returncode == 0, p.stderr
     lines = p.stdout.strip().split("\n")
     assert len(lines) == 2, p.stdout
     ids = [int(t) for t in lines[0].split()]
     fields = dict(kv.split("=") for kv in lines[1].split())
-    return ids, int(fields["steps"]), int(fields["accepted"])
+    out = ids, int(fields["steps"]), int(fields["accepted"])
+    return out + (p.stderr,) if stderr else out
 
 
 def python_ids(llm, prompt, max_new):
@@ -128,9 +130,55 @@ def test_drafts_are_accepted_and_plain_decoding_agrees(loopy):
     check_same(llm, prompt, n, spec, python_ids(llm, prompt, n))
 
 
+def test_packed_checkpoint(tmp_path, tiny):
+    """Matrices that are exactly 4-bit (q, k, v, gate, up) or 8-bit (o, down, lm_head) blocks are
+    also held as codes, in C++ as in pyspec, with the same ids either way."""
+    from safetensors.torch import load_file, save_file
+
+    src, _ = tiny
+    g = torch.Generator().manual_seed(1)
+
+    def q4(n, k):  # w = d * q + lo per group of 32, q in 0..15 (both ends used)
+        d = (torch.rand(n, k // 32, 1, generator=g) * 0.01 + 0.005).half().float()
+        lo = (-(torch.rand(n, k // 32, 1, generator=g) * 0.05 + 0.02)).half().float()
+        q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
+        q[..., 0], q[..., 1] = 0, 15
+        return (q * d + lo).view(n, k)
+
+    def q8(n, k):  # w = d * q per group of 32, |q| <= 127 (127 used)
+        d = (torch.rand(n, k // 32, 1, generator=g) * 0.02 + 0.01).half().float()
+        q = torch.randint(-127, 128, (n, k // 32, 32), generator=g).float()
+        q[..., 0] = 127
+        return (q * d).view(n, k)
+
+    w = load_file(os.path.join(src, "model.safetensors"))
+    for name, t in w.items():
+        if any(p in name for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
+            w[name] = q4(*t.shape)
+        elif any(p in name for p in ("o_proj", "down_proj", "lm_head")):
+            w[name] = q8(*t.shape)
+    dst = tmp_path / "model"
+    shutil.copytree(src, dst)
+    save_file(w, str(dst / "model.safetensors"))
+    llm = pyspec.LLM(str(dst), draft="ngram", progress=False)
+    packed = llm.describe()["packed"]
+    if packed is None:
+        pytest.skip("this CPU has no packed kernel (LinearPacked needs AVX2)")
+    assert packed["matrices"] == 2 * 4 + 1 and packed["bits"] == [4, 8]
+    prompt, n = PROMPTS[0], 32
+    cpp, _, _, err = run_example(dst, prompt, n, stderr=True)
+    assert f"{packed['matrices']} matrices also as packed codes" in err, err
+    check_same(llm, prompt, n, cpp, python_ids(llm, prompt, n))
+    dense, _, _, err = run_example(dst, prompt, n, env={"PYSPEC_PACKED_WEIGHTS": "0"},
+                                   stderr=True)
+    assert "0 matrices also as packed codes" in err, err
+    assert dense == cpp  # the codes give the float32 matrices' results bit for bit
+
+
 @pytest.mark.slow
 def test_default_model():
-    """The real default model (SmolLM2-135M-Instruct: tied embeddings, 9 query / 3 KV heads)."""
+    """The real default model (SmolLM2-135M-Instruct: tied embeddings, 9 query / 3 KV heads,
+    every matrix packed)."""
     from pyspec.models.default import default_model_path
 
     path = default_model_path(progress=False)
