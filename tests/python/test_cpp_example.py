@@ -130,6 +130,59 @@ def test_drafts_are_accepted_and_plain_decoding_agrees(loopy):
     check_same(llm, prompt, n, spec, python_ids(llm, prompt, n))
 
 
+def test_sharded_checkpoint(tmp_path, tiny):
+    """model.safetensors.index.json and its shards read as the single file does."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    src, _ = tiny
+    dst = tmp_path / "model"
+    shutil.copytree(src, dst)
+    w = load_file(str(dst / "model.safetensors"))
+    os.remove(dst / "model.safetensors")
+    names = sorted(w)
+    parts = {"model-00001-of-00002.safetensors": names[:len(names) // 2],
+             "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for f, ns in parts.items():
+        save_file({n: w[n] for n in ns}, str(dst / f))
+    with open(dst / "model.safetensors.index.json", "w") as f:
+        json.dump({"metadata": {}, "weight_map": {n: f for f, ns in parts.items() for n in ns}},
+                  f)
+    assert run_example(dst, PROMPTS[0], 16) == run_example(src, PROMPTS[0], 16)
+
+
+def test_qwen2_biases_and_tied_embeddings(tmp_path, tiny):
+    """q/k/v biases (a fused bqkv) and an lm_head tied to the embedding table."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    src, _ = tiny
+    dst = tmp_path / "model"
+    shutil.copytree(src, dst)
+    with open(dst / "config.json") as f:
+        cfg = json.load(f)
+    cfg.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", attention_bias=True,
+               tie_word_embeddings=True)
+    with open(dst / "config.json", "w") as f:
+        json.dump(cfg, f)
+    w = load_file(os.path.join(src, "model.safetensors"))
+    del w["lm_head.weight"]
+    g = torch.Generator().manual_seed(5)
+    q, kv = cfg["hidden_size"], cfg["hidden_size"] // cfg["num_attention_heads"] * \
+        cfg["num_key_value_heads"]
+    for layer in range(cfg["num_hidden_layers"]):
+        for name, n in (("q", q), ("k", kv), ("v", kv)):
+            w[f"model.layers.{layer}.self_attn.{name}_proj.bias"] = 0.1 * torch.randn(
+                n, generator=g)
+    save_file(w, str(dst / "model.safetensors"))
+    llm = pyspec.LLM(str(dst), draft="ngram", progress=False)
+    for prompt in (PROMPTS[0], PROMPTS[3]):
+        cpp, _, _ = run_example(dst, prompt, 32)
+        check_same(llm, prompt, 32, cpp, python_ids(llm, prompt, 32))
+
+
 def test_packed_checkpoint(tmp_path, tiny):
     """Matrices that are exactly 4-bit (q, k, v, gate, up) or 8-bit (o, down, lm_head) blocks are
     also held as codes, in C++ as in pyspec, with the same ids either way."""
