@@ -366,7 +366,7 @@ Json ReadJsonFile(const std::string& path) {
   return JsonParser(text.data(), text.data() + text.size(), path).ParseDocument();
 }
 
-// ---- config.json ----------------------------------------------------------------------------------
+// ---- config.json --------------------------------------------------------------------------------
 
 struct Config {
   int64_t vocab = 0, hidden = 0, intermediate = 0, layers = 0, heads = 0, kv_heads = 0;
@@ -453,7 +453,7 @@ Config ReadConfig(const std::string& path) {
   return c;
 }
 
-// ---- safetensors ----------------------------------------------------------------------------------
+// ---- safetensors --------------------------------------------------------------------------------
 // A file: 8 bytes little-endian header length N, N bytes of JSON
 //   {"name": {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]}, "__metadata__": {..}}
 // then the tensors' bytes, row-major, offsets relative to the end of the header.
@@ -515,7 +515,9 @@ class Checkpoint {
       if (map == nullptr || map->kind != Json::kObject) Fail(index + ": no 'weight_map' object");
       std::vector<std::string> shards;
       for (const auto& m : map->members) {
-        if (m.second.kind != Json::kString) Fail(index + ": weight_map['" + m.first + "'] is not a file name");
+        if (m.second.kind != Json::kString) {
+          Fail(index + ": weight_map['" + m.first + "'] is not a file name");
+        }
         if (std::find(shards.begin(), shards.end(), m.second.str) == shards.end()) {
           shards.push_back(m.second.str);
         }
@@ -558,7 +560,9 @@ class Checkpoint {
   void AddFile(const std::string& path) {
     File f = OpenFile(path);
     const uint64_t size = FileSize(f.get(), path);
-    if (size < 8) Fail(path + ": too short for a safetensors file (" + std::to_string(size) + " bytes)");
+    if (size < 8) {
+      Fail(path + ": too short for a safetensors file (" + std::to_string(size) + " bytes)");
+    }
     unsigned char len_bytes[8];
     ReadAt(f.get(), path, 0, len_bytes, 8);
     uint64_t header_len = 0;
@@ -569,8 +573,8 @@ class Checkpoint {
     }
     std::string header(header_len, '\0');
     ReadAt(f.get(), path, 8, header.data(), header_len);
-    const Json j =
-        JsonParser(header.data(), header.data() + header.size(), path + " (header)").ParseDocument();
+    const Json j = JsonParser(header.data(), header.data() + header.size(), path + " (header)")
+                       .ParseDocument();
     if (j.kind != Json::kObject) Fail(path + ": the header is not a JSON object");
     const uint64_t data_start = 8 + header_len, data_size = size - data_start;
     for (const auto& m : j.members) {
@@ -604,7 +608,9 @@ class Checkpoint {
         numel *= static_cast<uint64_t>(d.integer);
       }
       for (const Json& o : offs->items) {
-        if (o.kind != Json::kNumber || !o.integral || o.integer < 0) Fail(what + ": bad data_offsets");
+        if (o.kind != Json::kNumber || !o.integral || o.integer < 0) {
+          Fail(what + ": bad data_offsets");
+        }
       }
       const uint64_t b = static_cast<uint64_t>(offs->items[0].integer);
       const uint64_t en = static_cast<uint64_t>(offs->items[1].integer);
@@ -625,7 +631,7 @@ class Checkpoint {
   std::map<std::string, TensorEntry> tensors_;
 };
 
-// ---- packed codes ---------------------------------------------------------------------------------
+// ---- packed codes -------------------------------------------------------------------------------
 // A float32 matrix whose values are exactly a 4-bit block format (per group of 32 along K:
 // w = d * q + m, q in 0..15, m the group's minimum, d a float16 value) or an 8-bit one (w = d * q,
 // q in -128..127) is also held as those codes, as pyspec.LLM does (packed_weights="auto",
@@ -675,7 +681,8 @@ bool Pack4Rows(const float* w, int64_t K, int64_t r0, int64_t r1, Packed& p) {
       if (!std::isfinite(d) || !std::isfinite(lo)) return false;
       uint8_t q[32];
       for (int i = 0; i < 32; ++i) {
-        const float c = std::min(15.0f, std::max(0.0f, std::nearbyint((v[i] - lo) / (d == 0 ? 1.0f : d))));
+        const float c =
+            std::min(15.0f, std::max(0.0f, std::nearbyint((v[i] - lo) / (d == 0 ? 1.0f : d))));
         q[i] = static_cast<uint8_t>(c);
         if (!SameBits(static_cast<float>(q[i]) * d + lo, v[i])) return false;
       }
@@ -744,7 +751,7 @@ bool PackExact(const std::vector<float>& w, int64_t N, int64_t K, Packed& p) {
   return false;
 }
 
-// ---- the model ------------------------------------------------------------------------------------
+// ---- the model ----------------------------------------------------------------------------------
 
 struct Layer {
   std::vector<float> ln1, ln2, wqkv, bqkv, wo, bo, wgu, wd;
@@ -833,7 +840,9 @@ Model LoadModel(const std::string& dir) {
     v.wo = Matrix(w.wo, w.po, H, q);
     v.wgu = Matrix(w.wgu, w.pgu, 2 * I, H);
     v.wd = Matrix(w.wd, w.pd, H, I);
-    if (!w.bqkv.empty()) v.bqkv = TensorView::Contiguous(w.bqkv.data(), DType::kFloat32, {q + 2 * kv});
+    if (!w.bqkv.empty()) {
+      v.bqkv = TensorView::Contiguous(w.bqkv.data(), DType::kFloat32, {q + 2 * kv});
+    }
     if (!w.bo.empty()) v.bo = TensorView::Contiguous(w.bo.data(), DType::kFloat32, {H});
     m.views.push_back(v);
   }
@@ -847,7 +856,7 @@ Model LoadModel(const std::string& dir) {
   return m;
 }
 
-// ---- RoPE -----------------------------------------------------------------------------------------
+// ---- RoPE ---------------------------------------------------------------------------------------
 // pyspec (models/llama.py rope_inv_freq / rope_tables), all float32:
 //   inv_freq = 1 / (theta ** (arange(0, D, 2).float() / D)); angle = float(pos) * inv_freq;
 //   cos/sin [T, D] = cos/sin of [angle, angle].
@@ -885,7 +894,7 @@ void RopeTables(const std::vector<float>& inv, const std::vector<int64_t>& posit
   }
 }
 
-// ---- the engine: one greedy request ---------------------------------------------------------------
+// ---- the engine: one greedy request -------------------------------------------------------------
 
 // Prompt lookup (pyspec/drafters/ngram.py): the longest n in [1, 3] whose last-n-token suffix
 // occurred earlier in the context with a token after it; the chain is up to `budget` tokens that
@@ -921,7 +930,8 @@ class Engine {
   // Runs `ids` at positions start + depth (parents empty: a causal chunk at start, start + 1,
   // ...; else a token tree) over the committed prefix [0, start). Leaves the final hidden states
   // in x_ and the rows' K/V in k_new_ / v_new_.
-  void Forward(const std::vector<int32_t>& ids, int64_t start, const std::vector<int32_t>& parents) {
+  void Forward(const std::vector<int32_t>& ids, int64_t start,
+               const std::vector<int32_t>& parents) {
     const Config& c = m_.cfg;
     const int64_t T = static_cast<int64_t>(ids.size()), H = c.hidden;
     const bool tree = !parents.empty();
@@ -949,7 +959,7 @@ class Engine {
     const pyspec::AttentionPlan plan = pyspec::PlanAttention(
         TensorView::Contiguous(q_indptr, DType::kInt64, {2}),
         TensorView::Contiguous(prefix, DType::kInt64, {1}),
-        TensorView::Contiguous(const_cast<int32_t*>(table_.data()), DType::kInt32, {1, num_blocks_}),
+        TensorView::Contiguous(table_.data(), DType::kInt32, {1, num_blocks_}),
         bs_,
         TensorView::Contiguous(tree ? const_cast<int32_t*>(parents.data()) : no_parents,
                                DType::kInt32, {tree ? T : 0}),
@@ -970,8 +980,10 @@ class Engine {
     const int64_t H = c.hidden, T = static_cast<int64_t>(x_.size()) / H;
     std::vector<float> h(x_.size());
     pyspec::RmsNorm(TensorView::Contiguous(x_.data(), DType::kFloat32, {T, H}),
-                    TensorView::Contiguous(const_cast<float*>(m_.norm.data()), DType::kFloat32, {H}),
-                    static_cast<float>(c.eps), TensorView::Contiguous(h.data(), DType::kFloat32, {T, H}));
+                    TensorView::Contiguous(const_cast<float*>(m_.norm.data()), DType::kFloat32,
+                                           {H}),
+                    static_cast<float>(c.eps),
+                    TensorView::Contiguous(h.data(), DType::kFloat32, {T, H}));
     logits_.resize(static_cast<size_t>(T * c.vocab));
     const TensorView hv = TensorView::Contiguous(h.data(), DType::kFloat32, {T, H});
     const TensorView out = TensorView::Contiguous(logits_.data(), DType::kFloat32, {T, c.vocab});
@@ -982,16 +994,16 @@ class Engine {
       const TensorView mv = p.four ? TensorView::Contiguous(const_cast<float*>(p.m.data()),
                                                             DType::kFloat32, {c.vocab, H / 32})
                                    : TensorView();
-      pyspec::LinearPacked(
-          hv,
-          TensorView::Contiguous(const_cast<uint8_t*>(p.q.data()),
-                                 p.four ? DType::kUInt8 : DType::kInt8, {c.vocab, p.four ? H / 2 : H}),
-          TensorView::Contiguous(const_cast<float*>(p.d.data()), DType::kFloat32, {c.vocab, H / 32}),
-          p.four ? &mv : nullptr, nullptr, out);
+      const TensorView qv = TensorView::Contiguous(const_cast<uint8_t*>(p.q.data()),
+                                                   p.four ? DType::kUInt8 : DType::kInt8,
+                                                   {c.vocab, p.four ? H / 2 : H});
+      const TensorView dv = TensorView::Contiguous(const_cast<float*>(p.d.data()),
+                                                   DType::kFloat32, {c.vocab, H / 32});
+      pyspec::LinearPacked(hv, qv, dv, p.four ? &mv : nullptr, nullptr, out);
     } else {
-      pyspec::Linear(hv,
-                     TensorView::Contiguous(const_cast<float*>(m_.lm()), DType::kFloat32, {c.vocab, H}),
-                     nullptr, out);
+      pyspec::Linear(
+          hv, TensorView::Contiguous(const_cast<float*>(m_.lm()), DType::kFloat32, {c.vocab, H}),
+          nullptr, out);
     }
     return logits_;
   }
@@ -1002,13 +1014,17 @@ class Engine {
     const int64_t n = static_cast<int64_t>(rows.size());
     const int64_t T = static_cast<int64_t>(k_new_.size()) / (c.layers * c.kv_heads * c.head_dim);
     std::vector<int64_t> slots(n);
-    for (int64_t i = 0; i < n; ++i) slots[i] = table_[positions[i] / bs_] * bs_ + positions[i] % bs_;
-    const TensorView src = TensorView::Contiguous(const_cast<int64_t*>(rows.data()), DType::kInt64, {n});
+    for (int64_t i = 0; i < n; ++i) {
+      slots[i] = table_[positions[i] / bs_] * bs_ + positions[i] % bs_;
+    }
+    const TensorView src =
+        TensorView::Contiguous(const_cast<int64_t*>(rows.data()), DType::kInt64, {n});
     const TensorView dst = TensorView::Contiguous(slots.data(), DType::kInt64, {n});
     for (auto* pair : {&k_new_, &v_new_}) {
       std::vector<float>& pages = pair == &k_new_ ? k_pages_ : v_pages_;
       pyspec::MaterializeKV(
-          TensorView::Contiguous(pair->data(), DType::kFloat32, {c.layers, T, c.kv_heads, c.head_dim}),
+          TensorView::Contiguous(pair->data(), DType::kFloat32,
+                                 {c.layers, T, c.kv_heads, c.head_dim}),
           Pages(pages), src, dst);
     }
   }
@@ -1060,7 +1076,7 @@ class Engine {
   std::vector<float> x_, k_new_, v_new_, logits_;  // the last step's rows
 };
 
-// ---- command line ---------------------------------------------------------------------------------
+// ---- command line -------------------------------------------------------------------------------
 
 int64_t ParseInt(const std::string& s, const char* what) {
   if (s.empty()) Fail(std::string(what) + ": empty");
@@ -1140,7 +1156,8 @@ int Run(int argc, char** argv) {
   while (generated < max_new) {
     // Never draft past max_new_tokens (as the scheduler's draft budget does).
     const int64_t budget = std::min(max_draft, max_new - generated - 1);
-    const std::vector<int32_t> chain = budget > 0 ? NgramDraft(ctx, budget) : std::vector<int32_t>();
+    const std::vector<int32_t> chain =
+        budget > 0 ? NgramDraft(ctx, budget) : std::vector<int32_t>();
     tokens.assign(1, ctx.back());
     tokens.insert(tokens.end(), chain.begin(), chain.end());
     parents.resize(tokens.size());
@@ -1172,7 +1189,8 @@ int Run(int argc, char** argv) {
   }
   std::printf("%s\nsteps=%lld accepted=%lld\n", line.c_str(), static_cast<long long>(steps),
               static_cast<long long>(accepted));
-  std::fprintf(stderr, "prefill %lld tokens %.3f s; %lld tokens in %lld steps %.3f s (%.1f tok/s)\n",
+  std::fprintf(stderr,
+               "prefill %lld tokens %.3f s; %lld tokens in %lld steps %.3f s (%.1f tok/s)\n",
                static_cast<long long>(std::max<int64_t>(n - 1, 0)), prefill_s,
                static_cast<long long>(generated), static_cast<long long>(steps), decode_s,
                decode_s > 0 ? generated / decode_s : 0.0);
