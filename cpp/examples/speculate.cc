@@ -373,6 +373,7 @@ struct Config {
   int64_t head_dim = 0;
   double eps = 1e-6, rope_theta = 10000.0;
   bool tied = false;
+  int64_t sliding_window = 0;  // 0: none
 };
 
 Config ReadConfig(const std::string& path) {
@@ -444,6 +445,16 @@ Config ReadConfig(const std::string& path) {
   if (const Json* tie = find(j, "tie_word_embeddings")) {
     if (tie->kind != Json::kBool) bad("tie_word_embeddings", "true or false");
     c.tied = tie->boolean;
+  }
+  // Sliding-window attention is not implemented (nor in pyspec): contexts must stay within the
+  // window. Qwen2 configs carry a window that is off unless use_sliding_window is set.
+  const Json* mt = find(j, "model_type");
+  const bool qwen2 = mt != nullptr && mt->kind == Json::kString && mt->str == "qwen2";
+  const Json* use = find(j, "use_sliding_window");
+  if (use != nullptr && use->kind != Json::kBool) bad("use_sliding_window", "true or false");
+  const Json* window = find(j, "sliding_window");
+  if ((use != nullptr ? use->boolean : !qwen2) && window != nullptr) {
+    c.sliding_window = positive("sliding_window", window);
   }
   if (const Json* act = find(j, "hidden_act")) {
     if (act->kind != Json::kString || (act->str != "silu" && act->str != "swish")) {
@@ -1130,6 +1141,12 @@ int Run(int argc, char** argv) {
   const Model model = LoadModel(dir);
   const std::vector<int32_t> prompt = ParseIds(argv[2], model.cfg.vocab);
   const int64_t n = static_cast<int64_t>(prompt.size());
+  if (model.cfg.sliding_window > 0 && n + max_new > model.cfg.sliding_window) {
+    Fail("the prompt (" + std::to_string(n) + " tokens) + MAX_NEW_TOKENS (" +
+         std::to_string(max_new) + ") exceed the model's sliding window (" +
+         std::to_string(model.cfg.sliding_window) + "); sliding-window attention is not "
+         "implemented, so contexts must stay within it");
+  }
   std::fprintf(stderr, "loaded %s: %lld layers, hidden %lld, vocab %lld, %d matrices also as "
                "packed codes (%.2f s)\n", dir.c_str(), static_cast<long long>(model.cfg.layers),
                static_cast<long long>(model.cfg.hidden), static_cast<long long>(model.cfg.vocab),
