@@ -374,6 +374,7 @@ struct Config {
   double eps = 1e-6, rope_theta = 10000.0;
   bool tied = false;
   int64_t sliding_window = 0;  // 0: none
+  int64_t max_positions = 2048;  // max_position_embeddings (pyspec's default when absent)
 };
 
 Config ReadConfig(const std::string& path) {
@@ -455,6 +456,9 @@ Config ReadConfig(const std::string& path) {
   const Json* window = find(j, "sliding_window");
   if ((use != nullptr ? use->boolean : !qwen2) && window != nullptr) {
     c.sliding_window = positive("sliding_window", window);
+  }
+  if (const Json* mp = find(j, "max_position_embeddings")) {
+    c.max_positions = positive("max_position_embeddings", mp);
   }
   if (const Json* act = find(j, "hidden_act")) {
     if (act->kind != Json::kString || (act->str != "silu" && act->str != "swish")) {
@@ -1146,6 +1150,11 @@ int Run(int argc, char** argv) {
          std::to_string(max_new) + ") exceed the model's sliding window (" +
          std::to_string(model.cfg.sliding_window) + "); sliding-window attention is not "
          "implemented, so contexts must stay within it");
+  }
+  if (n + max_new > model.cfg.max_positions) {
+    Fail("the prompt (" + std::to_string(n) + " tokens) + MAX_NEW_TOKENS (" +
+         std::to_string(max_new) + ") exceed the model's context of " +
+         std::to_string(model.cfg.max_positions) + " tokens (max_position_embeddings)");
   }
   std::fprintf(stderr, "loaded %s: %lld layers, hidden %lld, vocab %lld, %d matrices also as "
                "packed codes (%.2f s)\n", dir.c_str(), static_cast<long long>(model.cfg.layers),
