@@ -171,6 +171,37 @@ def _medusa(path: str, target_cfg) -> Tuple[dict, Dict[str, torch.Tensor]]:
     return {"num_heads": len(heads), "num_layers": layers, "head_lm_heads": True}, out
 
 
+def _positive(cfg: dict, cfg_path: str, key: str, default) -> int:
+    v = cfg.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{cfg_path}: {key} must be an int >= 1; got {v!r}")
+    return v
+
+
+def _head_shape(cfg: dict, cfg_path: str, target_cfg, what: str):
+    """(heads, KV heads, head dim, intermediate size) of a one-layer EAGLE head's config.json,
+    checked against the target it drafts for (hidden size, vocabulary, norm eps, RoPE base)."""
+    h = target_cfg.hidden_size
+    if cfg.get("hidden_size") not in (None, h):
+        raise ValueError(f"{cfg_path}: hidden_size {cfg.get('hidden_size')} does not match the "
+                         f"target's {h}")
+    if cfg.get("vocab_size") not in (None, target_cfg.vocab_size):
+        raise ValueError(f"{cfg_path}: vocab_size {cfg.get('vocab_size')} does not match the "
+                         f"target's {target_cfg.vocab_size}")
+    if cfg.get("num_hidden_layers", 1) != 1:
+        raise ValueError(f"{cfg_path}: an {what} head has one decoder layer; num_hidden_layers "
+                         f"is {cfg.get('num_hidden_layers')}")
+    for key, want in (("rms_norm_eps", target_cfg.rms_norm_eps),
+                      ("rope_theta", target_cfg.rope_theta)):
+        if key in cfg and cfg[key] != want:
+            raise ValueError(f"{cfg_path}: {key} {cfg[key]} differs from the target's {want} "
+                             "(the head shares the target's)")
+    nh = _positive(cfg, cfg_path, "num_attention_heads", target_cfg.num_attention_heads)
+    return (nh, _positive(cfg, cfg_path, "num_key_value_heads", nh),
+            _positive(cfg, cfg_path, "head_dim", h // nh),
+            _positive(cfg, cfg_path, "intermediate_size", target_cfg.intermediate_size))
+
+
 def _eagle(path: str, target_cfg) -> Tuple[dict, Dict[str, torch.Tensor]]:
     file = _first(path, _EAGLE_FILES)
     cfg = _config(path)
@@ -180,31 +211,7 @@ def _eagle(path: str, target_cfg) -> Tuple[dict, Dict[str, torch.Tensor]]:
     t = _load(file)
     h = target_cfg.hidden_size
     cfg_path = os.path.join(path, "config.json")
-    if cfg.get("hidden_size") not in (None, h):
-        raise ValueError(f"{cfg_path}: hidden_size {cfg.get('hidden_size')} does not match the "
-                         f"target's {h}")
-    if cfg.get("vocab_size") not in (None, target_cfg.vocab_size):
-        raise ValueError(f"{cfg_path}: vocab_size {cfg.get('vocab_size')} does not match the "
-                         f"target's {target_cfg.vocab_size}")
-    if cfg.get("num_hidden_layers", 1) != 1:
-        raise ValueError(f"{cfg_path}: an EAGLE head has one decoder layer; num_hidden_layers "
-                         f"is {cfg.get('num_hidden_layers')}")
-
-    def num(key, default):
-        v = cfg.get(key, default)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{cfg_path}: {key} must be an int >= 1; got {v!r}")
-        return v
-
-    nh = num("num_attention_heads", target_cfg.num_attention_heads)
-    nkv = num("num_key_value_heads", nh)
-    hd = num("head_dim", h // nh)
-    inter = num("intermediate_size", target_cfg.intermediate_size)
-    for key, want in (("rms_norm_eps", target_cfg.rms_norm_eps),
-                      ("rope_theta", target_cfg.rope_theta)):
-        if key in cfg and cfg[key] != want:
-            raise ValueError(f"{cfg_path}: {key} {cfg[key]} differs from the target's {want} "
-                             "(the head shares the target's)")
+    nh, nkv, hd, inter = _head_shape(cfg, cfg_path, target_cfg, "EAGLE")
     out = {"fc.weight": _get(t, file, "fc.weight", (h, 2 * h))}
     if cfg.get("bias", True) or "fc.bias" in t:
         out["fc.bias"] = _get(t, file, "fc.bias", (h,))
@@ -258,16 +265,10 @@ def _eagle3(path: str, target_cfg) -> Tuple[dict, Dict[str, torch.Tensor]]:
                          f"{', '.join(_EAGLE_FILES)}")
     cfg_path = os.path.join(path, "config.json")
     h, v = target_cfg.hidden_size, target_cfg.vocab_size
-    for key in ("hidden_size", "target_hidden_size"):
-        if cfg.get(key) not in (None, h):
-            raise ValueError(f"{cfg_path}: {key} {cfg.get(key)} does not match the target's "
-                             f"hidden size {h}")
-    if cfg.get("vocab_size") not in (None, v):
-        raise ValueError(f"{cfg_path}: vocab_size {cfg.get('vocab_size')} does not match the "
-                         f"target's {v}")
-    if cfg.get("num_hidden_layers", 1) != 1:
-        raise ValueError(f"{cfg_path}: an EAGLE-3 head has one decoder layer; num_hidden_layers "
-                         f"is {cfg.get('num_hidden_layers')}")
+    if cfg.get("target_hidden_size") not in (None, h):
+        raise ValueError(f"{cfg_path}: target_hidden_size {cfg.get('target_hidden_size')} does "
+                         f"not match the target's hidden size {h}")
+    nh, nkv, hd, inter = _head_shape(cfg, cfg_path, target_cfg, "EAGLE-3")
     ec = cfg.get("eagle_config") or {}
     if "eagle_aux_hidden_state_layer_ids" in cfg:
         raise ValueError(f"{cfg_path}: a top-level eagle_aux_hidden_state_layer_ids is read "
@@ -284,25 +285,10 @@ def _eagle3(path: str, target_cfg) -> Tuple[dict, Dict[str, torch.Tensor]]:
             raise ValueError(f"{cfg_path}: {key} is a variant of the EAGLE-3 layer pyspec does "
                              "not implement (only the reference layout loads)")
 
-    def num(key, default):
-        val = cfg.get(key, default)
-        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-            raise ValueError(f"{cfg_path}: {key} must be an int >= 1; got {val!r}")
-        return val
-
-    nh = num("num_attention_heads", target_cfg.num_attention_heads)
-    nkv = num("num_key_value_heads", nh)
-    hd = num("head_dim", h // nh)
-    inter = num("intermediate_size", target_cfg.intermediate_size)
-    vd = num("draft_vocab_size", v)
+    vd = _positive(cfg, cfg_path, "draft_vocab_size", v)
     if vd > v:
         raise ValueError(f"{cfg_path}: draft_vocab_size {vd} is larger than the target's "
                          f"vocabulary ({v})")
-    for key, want in (("rms_norm_eps", target_cfg.rms_norm_eps),
-                      ("rope_theta", target_cfg.rope_theta)):
-        if key in cfg and cfg[key] != want:
-            raise ValueError(f"{cfg_path}: {key} {cfg[key]} differs from the target's {want} "
-                             "(the head shares the target's)")
     layers = eagle3_layers(target_cfg.num_hidden_layers,
                            ec.get("eagle_aux_hidden_state_layer_ids")
                            if isinstance(ec, dict) else None)
