@@ -168,8 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the user message (default: a code-rewriting request)")
     p.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft", default=None,
-                   help="drafter: default (the shipped drafter, else ngram), ngram[:N], none, "
-                        "layer-skip[:L], or a drafter / draft-model folder (default: default)")
+                   help="drafter: default (the shipped drafter, else ngram), ngram[:N], "
+                        "lookahead, none, layer-skip[:L], or a drafter / draft-model folder "
+                        "(default: default)")
     p.add_argument("--gamma", type=int, default=None,
                    help="most draft tokens per step (default: the drafter's)")
     p.add_argument("--no-adaptive", action="store_true",

@@ -96,6 +96,10 @@ class Verified:
     emitted: List[int]  # accepted draft tokens + the bonus/recovered token
     block_table: Sequence[int]
     hidden: Optional[torch.Tensor] = None  # [len(committed), hidden] of the accepted path
+    # For drafters with ``wants_predictions``: the verified tree, and the target's most likely
+    # token at each of its nodes (its argmax there, whatever was sampled).
+    tree: Optional["Draft"] = None
+    predicted: Optional[List[int]] = None
 
 
 class Drafter:
@@ -107,6 +111,9 @@ class Drafter:
     # final layer); None: the final hidden state alone.
     hidden_layers: Optional[Tuple[int, ...]] = None
     max_draft_depth = 5  # deepest tree it drafts (the scheduler's draft length is in depth units)
+    # Wants :attr:`Verified.tree` and :attr:`Verified.predicted` in :meth:`observe` (lookahead:
+    # the target's predictions at rejected nodes are its next guesses).
+    wants_predictions = False
 
     def node_budget(self, depth: int) -> int:
         """Tree nodes it may propose when the scheduler allows ``depth`` levels (chains: depth)."""

@@ -32,6 +32,7 @@ class MergedDrafter(Drafter):
         self.parts = parts
         self.name = "+".join(p.name for p in parts)
         self.needs_hidden = any(p.needs_hidden for p in parts)
+        self.wants_predictions = any(p.wants_predictions for p in parts)
         # Parts may read different target layers: this drafter asks for their union and hands
         # each part its own. An explicit layer list ends with the final layer, which names the
         # target's depth for the parts that read the final hidden state alone.

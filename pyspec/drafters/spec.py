@@ -6,6 +6,9 @@
     "none"                 plain decoding (returns None)
     "ngram" | "ngram:N"    prompt lookup, n-grams up to N (default 3)
     "ngram:N@min=M"        ... of at least M tokens (default 1)
+    "lookahead[@OPTIONS]"  lookahead decoding: Jacobi iteration and an n-gram pool of its own
+                           trajectory, no weights (window=W, ngram=N, pool=P, nodes=M,
+                           context=0|1; pyspec.drafters.lookahead)
     "layer-skip:L"         the target's first L layers + final norm + lm_head ("layer-skip": L/4)
     "default"              for the embedded model: prompt lookup, else the corpus drafter shipped
                            in pyspec/data/default_corpus ("ngram|suffix"; "ngram|eagle" in a
@@ -48,7 +51,7 @@ from pyspec.drafters.suffix import load_suffix
 
 __all__ = ["make_drafter", "split_spec", "is_draft_model_folder", "DRAFT_CHOICES"]
 
-DRAFT_CHOICES = ("none, ngram, ngram:N, layer-skip[:L], default, suffix, eagle, a "
+DRAFT_CHOICES = ("none, ngram, ngram:N, lookahead, layer-skip[:L], default, suffix, eagle, a "
                  "drafter/draft-model folder, or several joined by '+' (merged trees) or '|' "
                  "(the first that drafts)")
 
@@ -106,6 +109,11 @@ def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Dra
     if base.partition(":")[0] == "ngram":
         over = _folder_options(opt, {"min": "min_ngram"}, "unknown ngram option", "")
         return NgramDrafter(_int_arg(base.partition(":")[2], "ngram", 3), **over)
+    if base == "lookahead":
+        from pyspec.drafters.lookahead import OPTIONS as LOOKAHEAD_OPTIONS, LookaheadDrafter
+
+        return LookaheadDrafter(**_folder_options(opt, LOOKAHEAD_OPTIONS,
+                                                  "unknown lookahead option", ""))
     if name == "layer-skip":
         total = target_runner.model.cfg.num_hidden_layers
         n = _int_arg(arg, "layer-skip", max(1, total // 4))

@@ -61,6 +61,9 @@ class DraftStage:
         depth = runner.model.cfg.num_hidden_layers
         self.hidden_layers = union_layers(self.drafters.values(), depth)
         self.need_hidden = self.hidden_layers or False
+        # Drafters told the target's prediction at every verified node (Verified.predicted).
+        self.wants_predictions = {name for name, d in self.drafters.items()
+                                  if d.wants_predictions}
         self._layers_of = {name: layers_of(d, depth) for name, d in self.drafters.items()
                            if d.needs_hidden}
         from pyspec.models.llama import hidden_layers

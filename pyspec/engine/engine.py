@@ -500,9 +500,14 @@ class Engine:
             if rec is not None:
                 rec.append(out.logits[[out.logits_indptr[i] + n for n in path]].clone())
             if r.drafter is not None and not r.failed:
-                verified.setdefault(r.drafter, []).append(Verified(
+                v = Verified(
                     rid, starts[i], [dr.tokens[n] for n in path], emitted[j][:a + 1], tables[i],
-                    drafting.hidden_for(r.drafter, hidden, [base + n for n in path])))
+                    drafting.hidden_for(r.drafter, hidden, [base + n for n in path]))
+                if nd and r.drafter in drafting.wants_predictions:
+                    lo = out.logits_indptr[i]
+                    v.tree = dr
+                    v.predicted = out.logits[lo:lo + nd + 1].argmax(-1).tolist()
+                verified.setdefault(r.drafter, []).append(v)
         if src_rows:
             # row_indptr[0] == 0, so request 0's "local" rows are the global scratch rows: one
             # materialization for the whole batch instead of one per request.

@@ -71,6 +71,12 @@ def _suffix_dir(tmp, model, plain):
 def _drafter(kind, runner, model, tmp, plain=None):
     if kind == "ngram":
         return "ngram"
+    if kind == "lookahead":
+        return "lookahead"
+    if kind == "lookahead-pure":  # the iteration's own n-grams alone, a wide window
+        return "lookahead@window=6,ngram=4,pool=8,nodes=12,context=0"
+    if kind == "ngram|lookahead":
+        return "ngram|lookahead@window=3"
     if kind == "suffix":
         return _suffix_dir(tmp, model, plain)
     if kind == "ngram|suffix":  # through the spec syntax, with options

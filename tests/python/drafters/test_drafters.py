@@ -12,8 +12,8 @@ from pyspec.runner import ModelRunner
 from drafters_support import MAX_TOKENS, _drafter, prompts
 
 
-KINDS = ["ngram", "suffix", "ngram|suffix", "layer-skip", "draft-model-self", "draft-model",
-         "draft-model-tree", "medusa",
+KINDS = ["ngram", "lookahead", "lookahead-pure", "ngram|lookahead", "suffix", "ngram|suffix",
+         "layer-skip", "draft-model-self", "draft-model", "draft-model-tree", "medusa",
          "eagle", "eagle-fused", "ngram+eagle", "ngram|eagle", "medusa+eagle-fused"]
 
 
@@ -36,7 +36,7 @@ def test_greedy_lossless_every_drafter(model, plain, tmp_path, kind, num_blocks)
     assert drafted > 0
     if kind == "draft-model-self":
         assert accepted == drafted  # an identical draft model is always right
-    if kind in ("draft-model-tree", "suffix", "ngram|suffix"):
+    if kind in ("draft-model-tree", "suffix", "ngram|suffix", "lookahead", "lookahead-pure"):
         assert accepted > 0
     if kind in ("ngram+eagle", "ngram|eagle", "suffix", "ngram|suffix"):
         assert eng.drafters[eng.default_drafter].name == kind

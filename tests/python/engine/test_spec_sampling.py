@@ -161,7 +161,8 @@ def test_sampled_speculation_is_lossless_on_the_first_three_tokens(models, gamma
     assert p < 1e-6, f"the broken rule went undetected (p = {p:.2e})"
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "draft-model-tree", "self-tree", "suffix"])
+@pytest.mark.parametrize("drafter", ["ngram", "lookahead", "draft-model-tree", "self-tree",
+                                     "suffix"])
 def test_deterministic_drafts_sample_exactly_what_plain_decoding_samples(models, drafter):
     """Deterministic drafts (prompt lookup; top-k trees of a draft model) are verified by the
     target-only walk, which samples every position with the draw plain decoding uses there (draws
@@ -188,6 +189,7 @@ def test_deterministic_drafts_sample_exactly_what_plain_decoding_samples(models,
         other = [r.token_ids for r in Engine(runner).generate(prompts, alt)]
     makers = {
         "ngram": lambda runner: "ngram",
+        "lookahead": lambda runner: "lookahead@window=3",
         "draft-model-tree": lambda runner: ModelDrafter(draft, runner, width=2, max_depth=4),
         "self-tree": lambda runner: ModelDrafter(target, runner, width=2, max_depth=4),
         "suffix": lambda runner: SuffixDrafter(
