@@ -88,7 +88,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                                    seed=args.seed, ignore_eos=args.ignore_eos)
     check_sampling_options(params)  # before the model loads (seconds to minutes)
     llm = pyspec.LLM(args.model, draft, spec, dtype=args.dtype, device=args.device,
-                     packed_weights=args.packed_weights)
+                     packed_weights=args.packed_weights,
+                     kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
     prompt = ([{"role": "user", "content": args.prompt}]
               if not args.no_chat and llm.tokenizer.chat_template else args.prompt)
     ids = llm.chat_prompt(prompt) if isinstance(prompt, list) else llm.encode(prompt)

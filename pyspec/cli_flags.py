@@ -12,10 +12,10 @@ from pyspec.models.llama import PACKED_WEIGHTS_CHOICES
 
 DTYPES = ("float32", "bfloat16", "float16")
 
-_PACKED_HELP = ("auto: float32 matrices that are exactly 4-bit / 8-bit block codes (the default "
-                "model's) are read as those codes, same output bit for bit; codes: also free the "
-                "decoder layers' float32 copies (about 5x less memory for them, same output; long "
-                "prefills rebuild them per step); off: float32 matrices only")
+_PACKED_HELP = ("codes (default): float32 matrices that are exactly 4-bit / 8-bit block codes (the "
+                "default model's) are held and read as those codes, same output bit for bit, "
+                "about 5x less memory for them (long prefills rebuild them per step); auto: keep "
+                "their float32 copies too; off: float32 matrices only")
 
 
 def add_model_flags(p: argparse.ArgumentParser, *, dtypes: Sequence[str] = DTYPES,
@@ -26,5 +26,10 @@ def add_model_flags(p: argparse.ArgumentParser, *, dtypes: Sequence[str] = DTYPE
     if device:
         p.add_argument("--device", default="cpu",
                        help="cpu, or cuda / cuda:N (a CUDA build with a GPU): where the model runs")
-    p.add_argument("--packed-weights", default="auto", choices=list(PACKED_WEIGHTS_CHOICES),
+    p.add_argument("--packed-weights", default="codes", choices=list(PACKED_WEIGHTS_CHOICES),
                    help=_PACKED_HELP)
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "float32", "float16", "bfloat16"],
+                   help="the KV cache's dtype: auto (float16 for a float32 model on the CPU: half "
+                        "the memory of float32, as fast; else the model's), or float32 / float16 "
+                        "/ bfloat16 (16-bit under a float32 model on the CPU only)")

@@ -156,14 +156,25 @@ def pack_exact(w, bits=(4, 8)) -> Optional["PackedWeight"]:
             or not w.is_cpu or not w.is_contiguous() or w.shape[1] % 32 or w.shape[1] == 0
             or w.shape[0] == 0 or w.requires_grad):
         return None
+    n = w.shape[0]
+    # Rows per call: a large matrix (an embedding table) packs in slices, so the check's float32
+    # temporaries stay a few times 16 MB instead of a few times the matrix.
+    rows = max(64, (1 << 22) // w.shape[1])
     with torch.no_grad():
         for b in bits:
             pack = _pack4 if b == 4 else _pack8
             # A few rows first: a matrix of another format (or none) fails there, cheaply.
-            if w.shape[0] > 64 and pack(w[:16]) is None:
+            if n > 64 and pack(w[:16]) is None:
                 continue
-            p = pack(w)
-            if p is not None:
+            parts = []
+            for i in range(0, n, rows):
+                p = pack(w[i:i + rows])
+                if p is None:
+                    break
+                parts.append(p)
+            else:
+                p = parts[0] if len(parts) == 1 else PackedWeight.cat_rows(parts)
+                p.dense = w
                 return p
     return None
 

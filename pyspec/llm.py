@@ -26,7 +26,7 @@ from pyspec.engine import Engine, Router, StepError
 from pyspec.outputs import (Completion, GenerationOutput, OutputTracker, StreamChunk,
                             apply_outputs)
 from pyspec.params import SamplingParams, as_params, is_int, is_real, sample_seed, validate_params
-from pyspec.runner import ModelRunner
+from pyspec.runner import KV_DTYPES, ModelRunner, check_kv_dtype
 
 __all__ = ["LLM", "SpecConfig", "GenerationOutput", "Completion", "StreamChunk", "generate"]
 
@@ -118,18 +118,23 @@ class LLM:
             the host (see ``pyspec.models.llama.resolve_device``).
         dtype: "float32" | "bfloat16" | "float16".
         kv_cache_tokens: KV pool size in tokens (shared by all requests).
+        kv_cache_dtype: "auto" (default): float16 for a float32 model on the CPU (half the
+            cache's memory, as fast: each K/V row is rounded once as it is computed, for plain and
+            speculative decoding alike, so speculative output stays equal to plain decoding's),
+            the model's dtype otherwise; or "float32", "float16", "bfloat16" (16-bit caches under
+            a float32 model on the CPU only).
         max_num_seqs, max_num_batched_tokens: requests holding KV at once, tokens run per step.
         max_prefill_chunk: most prompt tokens of one request run per step (0: as many as
             ``max_num_batched_tokens`` leaves): smaller chunks let a short request's prefill and
             the running requests' decode steps go between a long prompt's chunks.
-        packed_weights: "auto" (default): dense matrices whose float32 values are exactly a 4-bit
-            or 8-bit block format (a model converted from a Q4_1 / Q8_0 GGUF, like the default
-            model) are also held as those codes, which decoding reads instead: the same outputs
-            bit for bit, about 5x fewer weight bytes per step (float32 on CPUs with AVX2 or AVX-512;
-            see ``LlamaForCausalLM.pack_weights``); "codes": as "auto", then the decoder layers'
-            float32 copies of those matrices are freed (``LlamaForCausalLM.drop_dense``; the same
-            outputs, about 5x less memory for them; prefills past the core kernel's 64 rows rebuild
-            each matrix for the step); "off": never.
+        packed_weights: "codes" (default): dense matrices whose float32 values are exactly a
+            4-bit or 8-bit block format (a model converted from a Q4_1 / Q8_0 GGUF, like the
+            default model) are held as those codes, which decoding reads instead: the same outputs
+            bit for bit, about 5x fewer weight bytes per step and in memory (float32 on CPUs with
+            AVX2 or AVX-512; see ``LlamaForCausalLM.pack_weights``); each decoder-layer matrix
+            becomes its codes as it is read, and prefills past the core kernel's 64 rows rebuild
+            it for the step (measured as fast, docs/performance.md#memory). "auto": the codes and
+            the float32 matrices both; "off": float32 only.
         kernels: the model's dense-layer kernels: None (this CPU's best), an ISA name
             ("generic", "avx2", "avx512", "amx") or a :class:`pyspec._C.LinearKernels`; a property
             of this model (:meth:`describe` shows them), never of the process.
@@ -137,11 +142,12 @@ class LLM:
 
     def __init__(self, model: Optional[str] = None, draft="default",
                  spec: Optional[SpecConfig] = None, *, device: str = "cpu",
-                 dtype: str = "float32", kv_cache_tokens: int = 16384, block_size: int = 16,
+                 dtype: str = "float32", kv_cache_tokens: int = 16384,
+                 kv_cache_dtype: str = "auto", block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  max_prefill_chunk: int = 0, enable_prefix_cache: bool = True,
                  progress: bool = True,
-                 packed_weights: str = "auto", kernels=None):
+                 packed_weights: str = "codes", kernels=None):
         from pyspec.models.llama import LlamaForCausalLM
         from pyspec.tokenizer import Tokenizer
 
@@ -154,6 +160,9 @@ class LLM:
             raise ValueError(f"block_size must be an int in [1, 1024]; got {block_size!r}")
         if not is_int(kv_cache_tokens) or kv_cache_tokens < block_size:
             raise ValueError(f"kv_cache_tokens must be an int >= block_size; got {kv_cache_tokens!r}")
+        if kv_cache_dtype != "auto" and kv_cache_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be 'auto', {', '.join(KV_DTYPES)}; got "
+                             f"{kv_cache_dtype!r}")
         for name, v in (("max_num_seqs", max_num_seqs),
                         ("max_num_batched_tokens", max_num_batched_tokens)):
             if not is_int(v) or v < 1:
@@ -185,11 +194,12 @@ class LLM:
                              f"token id {eos}, outside the model's vocabulary [0, {vocab}) "
                              "(vocab_size in config.json)")
         try:
-            self.runner = ModelRunner(self.model, -(-kv_cache_tokens // block_size), block_size)
+            self.runner = ModelRunner(self.model, -(-kv_cache_tokens // block_size), block_size,
+                                      kv_dtype=kv_cache_dtype)
         except (RuntimeError, MemoryError) as e:  # torch's allocator refusing
             cfg = self.model.cfg
             need = (2 * kv_cache_tokens * cfg.num_hidden_layers * cfg.num_key_value_heads
-                    * cfg.head_dim * self.model.embed.element_size())
+                    * cfg.head_dim * check_kv_dtype(self.model, kv_cache_dtype).itemsize)
             raise ValueError(f"kv_cache_tokens={kv_cache_tokens}: the KV cache would take "
                              f"{need / 2**30:.1f} GiB, which could not be allocated "
                              f"({type(e).__name__}); give fewer tokens") from None

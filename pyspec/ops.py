@@ -132,7 +132,8 @@ def rotary_qkv(qkv, cos, sin, num_heads: int, num_kv_heads: int, k_out, v_out):
     d = cos.shape[-1]
     if (_core_ok(qkv, k_out, v_out) and cos.dtype == sin.dtype == torch.float32
             and cos.is_cpu and cos.is_contiguous() and sin.is_contiguous()
-            and k_out.dtype == v_out.dtype == qkv.dtype):
+            and k_out.dtype == v_out.dtype and (k_out.dtype == qkv.dtype or (
+                qkv.dtype == torch.float32 and k_out.dtype in (torch.float16, torch.bfloat16)))):
         q = torch.empty(t, num_heads, d, dtype=qkv.dtype)
         _C.rotary_qkv(qkv, cos, sin, q, k_out, v_out)
         return q

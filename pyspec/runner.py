@@ -78,14 +78,44 @@ class KVPool:
             self.v[:, dst].copy_(self.v[:, src])
 
 
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def check_kv_dtype(model, kv_dtype) -> torch.dtype:
+    """The KV cache dtype for ``model``: its own (None), float16 for a float32 model on the CPU
+    and its own otherwise ("auto"), or float16 / bfloat16 (a name or a torch dtype) under a
+    float32 model on the CPU; anything else is a ValueError."""
+    if kv_dtype is None:
+        return model.dtype
+    if kv_dtype == "auto":
+        lean = model.dtype == torch.float32 and model.device.type == "cpu"
+        return torch.float16 if lean else model.dtype
+    want = KV_DTYPES.get(kv_dtype, kv_dtype) if isinstance(kv_dtype, str) else kv_dtype
+    if want == model.dtype:
+        return want
+    if want not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"kv_cache_dtype must be 'auto', float32, float16 or bfloat16; got "
+                         f"{kv_dtype!r}")
+    if model.dtype != torch.float32 or model.device.type != "cpu":
+        raise ValueError(f"a {str(want).replace('torch.', '')} KV cache needs a float32 model "
+                         f"on the CPU; this model is {str(model.dtype).replace('torch.', '')} on "
+                         f"{model.device.type} (kv_cache_dtype='auto' gives it its own dtype)")
+    return want
+
+
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int = 16, kv: Optional[KVPool] = None):
+    def __init__(self, model, num_blocks: int, block_size: int = 16, kv: Optional[KVPool] = None,
+                 kv_dtype: Optional[torch.dtype] = None):
         """``kv``: use this pool (e.g. views of another runner's first layers, for a drafter
-        that shares the target's KV) instead of allocating one."""
+        that shares the target's KV) instead of allocating one. ``kv_dtype``: the KV cache's
+        dtype (default: the model's; float16 / bfloat16 under a float32 model on the CPU: half
+        the cache's memory, each K/V row rounded once as it is computed, for every request
+        alike)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1; got {num_blocks}, {block_size}")
         cfg = model.cfg
         self.model = model
+        self.kv_dtype = check_kv_dtype(model, kv.k.dtype if kv is not None else kv_dtype)
         if kv is not None:
             want = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
                     cfg.head_dim)
@@ -98,8 +128,8 @@ class ModelRunner:
         # are always materialized first. On the CPU on transparent huge pages (pyspec.hugepages).
         from pyspec.hugepages import huge_page_empty
 
-        self.kv = KVPool(huge_page_empty(shape, model.dtype, model.device),
-                         huge_page_empty(shape, model.dtype, model.device))
+        self.kv = KVPool(huge_page_empty(shape, self.kv_dtype, model.device),
+                         huge_page_empty(shape, self.kv_dtype, model.device))
 
     @property
     def block_size(self) -> int:
@@ -178,7 +208,7 @@ class ModelRunner:
             bad = next(i for i in ids if not 0 <= i < cfg.vocab_size)
             raise ValueError(f"token id {bad} is out of range [0, {cfg.vocab_size})")
         shape = (cfg.num_hidden_layers, t, cfg.num_key_value_heads, cfg.head_dim)
-        k_new = torch.empty(shape, dtype=self.model.dtype, device=self.model.device)
+        k_new = torch.empty(shape, dtype=self.kv_dtype, device=self.model.device)
         v_new = torch.empty_like(k_new)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.model.device)
         positions = torch.cat(pos).to(self.model.device)

@@ -9,8 +9,9 @@
 //                 and vectorize across queries
 //   o  [Mp, Dp]   fp32 output accumulator, o = o * alpha + p * vt (online softmax)
 // Both products are register-blocked small GEMMs with the same micro-kernel. The kernel is
-// written with GCC/Clang vector extensions and compiled twice: once for the x86-64 baseline
-// (SSE2) and once with target("avx2,fma"); a cpuid check picks one at run time.
+// written with GCC/Clang vector extensions and compiled three times: once for the x86-64 baseline
+// (SSE2), once with target("avx2,fma,f16c") and once for AVX-512; a cpuid check picks one at run
+// time.
 #include "pyspec/attention.h"
 
 #include <algorithm>
@@ -22,6 +23,9 @@
 
 #include "cpu_isa.h"
 #include "half.h"
+#ifdef PYSPEC_X86
+#include <immintrin.h>
+#endif
 #include "pyspec/check.h"
 #include "pyspec/thread_pool.h"
 #include "pyspec/tree.h"
@@ -290,6 +294,20 @@ struct RunCtx {
   float scale2;  // scale * log2(e)
 };
 
+// Row loads in the kernel build `Isa`: float16 rows (a 16-bit KV cache under float32
+// activations) through the build's vector conversion (Isa::LoadHalf).
+template <class Isa>
+PYSPEC_INLINE void LoadRow(const char* src, DType dtype, float* dst, int64_t n) {
+  if (dtype == DType::kFloat32) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else if (dtype == DType::kBFloat16) {
+    const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+    for (int64_t i = 0; i < n; ++i) dst[i] = half::BF16ToFloat(s[i]);
+  } else {
+    Isa::LoadHalf(reinterpret_cast<const uint16_t*>(src), dst, n);
+  }
+}
+
 PYSPEC_INLINE void LoadRow(const char* src, DType dtype, float* dst, int64_t n) {
   if (dtype == DType::kFloat32) {
     std::memcpy(dst, src, n * sizeof(float));
@@ -531,7 +549,7 @@ PYSPEC_INLINE void ProcessItemImpl(const RunCtx& c, const AttentionPlan::WorkIte
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t g = 0; g < G; ++g) {
       const int64_t m = r * G + g;
-      LoadRow(c.q + ((w.q_begin + r) * c.hq + h * G + g) * D * c.q_esize, c.q_dtype, tmp, D);
+      LoadRow<Isa>(c.q + ((w.q_begin + r) * c.hq + h * G + g) * D * c.q_esize, c.q_dtype, tmp, D);
       for (int64_t k = 0; k < D; ++k) s.qt[k * mp + m] = tmp[k] * c.scale2;
     }
   }
@@ -550,8 +568,8 @@ PYSPEC_INLINE void ProcessItemImpl(const RunCtx& c, const AttentionPlan::WorkIte
       tree_item ? std::max(w.kv_begin, w.kv_end / kTileKeys * kTileKeys) : w.kv_end;
   auto load_prefix_key = [&](int64_t pos, int64_t t) {
     const int64_t slot = static_cast<int64_t>(pages[pos / bs]) * bs + pos % bs;
-    LoadRow(c.kp + slot * kv_row + head_off, c.kv_dtype, s.kt + t * D, D);
-    LoadRow(c.vp + slot * kv_row + head_off, c.kv_dtype, s.vt + t * dp, D);
+    LoadRow<Isa>(c.kp + slot * kv_row + head_off, c.kv_dtype, s.kt + t * D, D);
+    LoadRow<Isa>(c.vp + slot * kv_row + head_off, c.kv_dtype, s.vt + t * dp, D);
   };
   for (int64_t kv = w.kv_begin; kv < prefix_end; kv += kTileKeys) {
     const int64_t n = std::min(kTileKeys, w.kv_end - kv);
@@ -560,8 +578,8 @@ PYSPEC_INLINE void ProcessItemImpl(const RunCtx& c, const AttentionPlan::WorkIte
   }
   // Rows of this step's new tokens (flattened) -> tile slot t.
   auto load_new_key = [&](int64_t row, int64_t t) {
-    LoadRow(c.kn + row * kv_row + head_off, c.kv_dtype, s.kt + t * D, D);
-    LoadRow(c.vn + row * kv_row + head_off, c.kv_dtype, s.vt + t * dp, D);
+    LoadRow<Isa>(c.kn + row * kv_row + head_off, c.kv_dtype, s.kt + t * D, D);
+    LoadRow<Isa>(c.vn + row * kv_row + head_off, c.kv_dtype, s.vt + t * dp, D);
   };
   const int64_t q0 = c.q_indptr[w.request];
   const int64_t first = w.q_begin - q0, last = w.q_end - 1 - q0;  // request-local rows
@@ -654,6 +672,9 @@ PYSPEC_INLINE void ProcessItemImpl(const RunCtx& c, const AttentionPlan::WorkIte
 struct GenericIsa {
   typedef float V __attribute__((vector_size(16)));
   static constexpr int kMr = 4, kWideNv = 2, kNarrowNv = 2;  // 4 x 8 floats: 8 of 16 xmm
+  static PYSPEC_INLINE void LoadHalf(const uint16_t* s, float* d, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) d[i] = half::HalfToFloat(s[i]);
+  }
 };
 
 void ProcessItemGeneric(const RunCtx& c, const AttentionPlan::WorkItem& w, int64_t h) {
@@ -661,12 +682,25 @@ void ProcessItemGeneric(const RunCtx& c, const AttentionPlan::WorkItem& w, int64
 }
 
 #ifdef PYSPEC_X86
+// float16 -> float32, 8 at a time (F16C: every CPU with AVX2 has it; CpuHasAvx2 checks).
+// Not inlined: the kernel's row-load lambdas are compiled for the baseline and call it.
+__attribute__((target("avx2,fma,f16c"))) void LoadHalfF16c(const uint16_t* s, float* d,
+                                                          int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(d + i, _mm256_cvtph_ps(_mm_loadu_si128(
+                                reinterpret_cast<const __m128i*>(s + i))));
+  }
+  for (; i < n; ++i) d[i] = half::HalfToFloat(s[i]);
+}
+
 struct Avx2Isa {
   typedef float V __attribute__((vector_size(32)));
   static constexpr int kMr = 6, kWideNv = 2, kNarrowNv = 1;  // 6 x 16 floats: 12 of 16 ymm
+  static void LoadHalf(const uint16_t* s, float* d, int64_t n) { LoadHalfF16c(s, d, n); }
 };
 
-__attribute__((target("avx2,fma"))) void ProcessItemAvx2(const RunCtx& c,
+__attribute__((target("avx2,fma,f16c"))) void ProcessItemAvx2(const RunCtx& c,
                                                          const AttentionPlan::WorkItem& w,
                                                          int64_t h) {
   ProcessItemImpl<Avx2Isa>(c, w, h);
@@ -677,9 +711,10 @@ __attribute__((target("avx2,fma"))) void ProcessItemAvx2(const RunCtx& c,
 struct Avx512Isa {
   typedef float V __attribute__((vector_size(64)));
   static constexpr int kMr = 8, kWideNv = 1, kNarrowNv = 1;  // 8 x 16 floats: 8 of 32 zmm
+  static void LoadHalf(const uint16_t* s, float* d, int64_t n) { LoadHalfF16c(s, d, n); }
 };
 
-__attribute__((target("avx512f,avx2,fma"))) void ProcessItemAvx512(
+__attribute__((target("avx512f,avx2,fma,f16c"))) void ProcessItemAvx512(
     const RunCtx& c, const AttentionPlan::WorkItem& w, int64_t h) {
   ProcessItemImpl<Avx512Isa>(c, w, h);
 }

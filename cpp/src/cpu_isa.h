@@ -22,7 +22,9 @@ namespace detail {
 inline bool CpuHasAvx2() {
 #ifdef PYSPEC_X86
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  // F16C (float16 conversion) came before AVX2 on every x86 CPU; the AVX2 builds use it.
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
 #else
   return false;
 #endif

@@ -137,8 +137,15 @@ void DecoderLayers(const DecoderConfig& cfg, const std::vector<DecoderLayerWeigh
                  "'", name, "' must be [L >= ", L, ", num_blocks, block_size, ", Hkv, ", ", D,
                  "]; got shape ", t->ShapeString());
     CheckContiguous(*t, name);
-    PYSPEC_CHECK(t->dtype == x.dtype, "'", name, "' has dtype ", DTypeName(t->dtype),
-                 " but 'x' has ", DTypeName(x.dtype));
+    // The KV cache: the activations' dtype, or 16 bits under float32 activations.
+    PYSPEC_CHECK(t->dtype == x.dtype ||
+                     (x.dtype == DType::kFloat32 &&
+                      (t->dtype == DType::kFloat16 || t->dtype == DType::kBFloat16)),
+                 "'", name, "' has dtype ", DTypeName(t->dtype), " but 'x' has ",
+                 DTypeName(x.dtype), "; the KV cache is in the activations' dtype, or in "
+                 "float16 / bfloat16 under float32 activations");
+    PYSPEC_CHECK(t->dtype == k_pages.dtype, "'", name, "' has dtype ", DTypeName(t->dtype),
+                 " but 'k_pages' has ", DTypeName(k_pages.dtype));
   }
   for (const auto& [t, name] : {std::pair<const TensorView*, const char*>{&k_new, "k_new"},
                                {&v_new, "v_new"}}) {
@@ -147,8 +154,9 @@ void DecoderLayers(const DecoderConfig& cfg, const std::vector<DecoderLayerWeigh
                  "'", name, "' must be [L >= ", L, ", ", T, ", ", Hkv, ", ", D, "]; got shape ",
                  t->ShapeString());
     CheckContiguous(*t, name);
-    PYSPEC_CHECK(t->dtype == x.dtype, "'", name, "' has dtype ", DTypeName(t->dtype),
-                 " but 'x' has ", DTypeName(x.dtype));
+    PYSPEC_CHECK(t->dtype == k_pages.dtype, "'", name, "' has dtype ", DTypeName(t->dtype),
+                 " but 'k_pages' has ", DTypeName(k_pages.dtype), "; the step's K/V are stored "
+                 "like the cache's");
   }
   for (const auto& [t, name] : {std::pair<const TensorView*, const char*>{&cos, "cos"},
                                {&sin, "sin"}}) {

@@ -117,17 +117,18 @@ void RmsRow(const void* xr, const void* w, void* orow, int64_t H, float eps) {
 
 // Rotates n heads of D values at `heads` (dtype DT) for row t into dst (rotate-half layout). The
 // dtype is a template argument so the loads and stores fold into straight-line code and vectorize.
+// Rotated heads of dtype DT, stored as `ot` (a 16-bit KV cache under float32 activations).
 template <DType DT>
 void RotateHeads(const char* heads, int64_t n, int64_t D, int64_t t, const float* c,
-                 const float* s, void* dst) {
+                 const float* s, void* dst, DType ot = DT) {
   const int64_t half = D / 2, es = DT == DType::kFloat32 ? 4 : 2;
   for (int64_t h = 0; h < n; ++h) {
     const char* x = heads + h * D * es;
     const int64_t o = (t * n + h) * D;
     for (int64_t i = 0; i < half; ++i) {
       const float a = Load(x, DT, i), b = Load(x, DT, i + half);
-      Store(dst, DT, o + i, a * c[i] - b * s[i]);
-      Store(dst, DT, o + i + half, b * c[i + half] + a * s[i + half]);
+      Store(dst, ot, o + i, a * c[i] - b * s[i]);
+      Store(dst, ot, o + i + half, b * c[i + half] + a * s[i + half]);
     }
   }
 }
@@ -177,8 +178,15 @@ void RotaryQKV(const TensorView& qkv, const TensorView& cos, const TensorView& s
   PYSPEC_CHECK(D > 0 && D % 2 == 0, "the head size (last dim of 'q') must be even and > 0; got ",
                D);
   CheckLike(q, "q", qkv.dtype, "qkv", {T, Hq, D});
-  CheckLike(k, "k", qkv.dtype, "qkv", {T, Hkv, D});
-  CheckLike(v, "v", qkv.dtype, "qkv", {T, Hkv, D});
+  // K/V may be stored in 16 bits under float32 activations (a 16-bit KV cache).
+  PYSPEC_CHECK(k.dtype == qkv.dtype || (qkv.dtype == DType::kFloat32 &&
+                                         (k.dtype == DType::kFloat16 ||
+                                          k.dtype == DType::kBFloat16)),
+               "'k' has dtype ", DTypeName(k.dtype), " but 'qkv' has ", DTypeName(qkv.dtype),
+               "; K/V are stored in the activations' dtype, or in float16 / bfloat16 under "
+               "float32 activations");
+  CheckLike(k, "k", k.dtype, "k", {T, Hkv, D});
+  CheckLike(v, "v", k.dtype, "k", {T, Hkv, D});
   PYSPEC_CHECK(qkv.shape[1] == (Hq + 2 * Hkv) * D, "'qkv' must have (Hq + 2 * Hkv) * D = ",
                (Hq + 2 * Hkv) * D, " columns for q ", q.ShapeString(), " and k ",
                k.ShapeString(), "; got shape ", qkv.ShapeString());
@@ -209,9 +217,16 @@ void RotaryQKV(const TensorView& qkv, const TensorView& cos, const TensorView& s
         }
       };
       rotate(row, Hq, q.data);
-      rotate(row + Hq * D * es, Hkv, k.data);
-      std::memcpy(static_cast<char*>(v.data) + t * Hkv * D * es, row + (Hq + Hkv) * D * es,
-                  Hkv * D * es);
+      const char* vrow = row + (Hq + Hkv) * D * es;
+      if (k.dtype == dt) {
+        rotate(row + Hq * D * es, Hkv, k.data);
+        std::memcpy(static_cast<char*>(v.data) + t * Hkv * D * es, vrow, Hkv * D * es);
+      } else {  // float32 activations, 16-bit K/V
+        RotateHeads<DType::kFloat32>(row + Hq * D * es, Hkv, D, t, c, s, k.data, k.dtype);
+        for (int64_t i = 0; i < Hkv * D; ++i) {
+          Store(v.data, k.dtype, t * Hkv * D + i, Load(vrow, DType::kFloat32, i));
+        }
+      }
     }
   });
 }

@@ -22,7 +22,7 @@ from pyspec import _C, ops
 from pyspec.attention import tree_attention
 from pyspec.linear import Linear
 from pyspec.models.config import ModelConfig
-from pyspec.models.loader import load_weights, resolve_dtype
+from pyspec.models.loader import load_weights, resolve_dtype, return_freed_memory
 from pyspec.models.weights import LlamaWeights, resolve_device  # noqa: F401 (re-exported)
 
 
@@ -173,15 +173,22 @@ class LlamaForCausalLM(LlamaWeights):
         # A 4-bit AWQ / GPTQ checkpoint's matrices load as codes only (float32 on the CPU;
         # packed_weights="off" or another dtype or device: as the float matrices they stand for).
         off = packed_weights == "off" or os.environ.get("PYSPEC_PACKED_WEIGHTS", "1") == "0"
-        m = cls(cfg, load_weights(path, cfg, dt, device, dequantize=off), dt, device,
-                kernels=kernels)
+        # Codes only: each layer matrix becomes its codes as it is read (no float32 model in
+        # memory on the way), where this model's kernels read codes at all.
+        stream = (packed_weights == "codes" and not off and dt == torch.float32
+                  and torch.device(device).type == "cpu"
+                  and Linear(kernels).kernels.packed_available)
+        m = cls(cfg, load_weights(path, cfg, dt, device, dequantize=off, pack_layers=stream),
+                dt, device, kernels=kernels)
         m.source_path = path
         m.packed_weights = packed_weights
-        m.place_on_huge_pages()
-        if packed_weights != "off" and os.environ.get("PYSPEC_PACKED_WEIGHTS", "1") != "0":
+        if not stream:  # (codes only: the float32 tensors left are looked up, not streamed)
+            m.place_on_huge_pages()
+        if not off:
             m.pack_weights()
             if packed_weights == "codes":
                 m.drop_dense()
+        return_freed_memory()
         return m
 
     def _reads_codes(self) -> bool:
@@ -291,8 +298,10 @@ class LlamaForCausalLM(LlamaWeights):
         Args:
             input_ids, positions: int64 ``[T]``.
             plan: the step's attention plan (``pyspec.attention.plan_attention``).
-            k_pages, v_pages: ``[L, num_blocks, block_size, Hkv, D]`` KV pool (model dtype).
-            k_new, v_new: ``[L, T, Hkv, D]`` scratch, filled with this step's K/V.
+            k_pages, v_pages: ``[L, num_blocks, block_size, Hkv, D]`` KV pool (model dtype, or
+                float16 / bfloat16 under a float32 model on the CPU).
+            k_new, v_new: ``[L, T, Hkv, D]`` scratch in the pool's dtype, filled with this
+                step's K/V.
             logits_rows: int64 rows whose logits are wanted (``None``: all rows).
             return_hidden: also return hidden states: ``True`` the final ones ``[T, hidden]``
                 (before the norm); a sequence of layer numbers (1 .. num_hidden_layers, the
@@ -360,7 +369,9 @@ class LlamaForCausalLM(LlamaWeights):
         ``fused_layers=False``), else None. The stack computes exactly what
         :meth:`_layers_one_by_one` does, in one call instead of about a dozen per layer."""
         if (t > self._serial_rows or self.device.type != "cpu" or x.dtype != self.dtype
-                or k_pages.dtype != self.dtype or not k_pages.is_contiguous()
+                or not (k_pages.dtype == self.dtype or self.dtype == torch.float32
+                        and k_pages.dtype in (torch.float16, torch.bfloat16))
+                or not k_pages.is_contiguous()
                 or (torch.is_grad_enabled() and x.requires_grad) or not self.fused_layers
                 or any(layer["ln1"] is None or "ln_hidden" in layer for layer in self.layers)
                 or not isinstance(self.linear, Linear)

@@ -101,11 +101,12 @@ def _checkpoint_files(path: str) -> List[str]:
 _MAX_HEADER_BYTES = 100 * 2**20
 
 
-def check_safetensors_header(file: str) -> None:
+def check_safetensors_header(file: str) -> dict:
     """The checks safetensors leaves out, made before it opens ``file``: a JSON header that fits
     the file and names each tensor once (JSON allows repeated keys; a reader would keep one of
     them). ValueError saying what is wrong; the library checks the rest (dtypes, shapes, offsets
-    within the file, no overlaps)."""
+    within the file, no overlaps). Returns the header (plus ``"__data_start__"``: where the
+    tensor data begins)."""
     size = os.path.getsize(file)
     with open(file, "rb") as f:
         head = f.read(8)
@@ -132,26 +133,88 @@ def check_safetensors_header(file: str) -> None:
         return dict(pairs)
 
     try:
-        json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates)
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ValueError(f"{file} is not a readable safetensors file (truncated or corrupt?): "
                          f"its header is not UTF-8 JSON ({type(e).__name__})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{file} is not a readable safetensors file (truncated or corrupt?): "
+                         "its header is not a JSON object")
+    header["__data_start__"] = 8 + n
+    return header
+
+
+def return_freed_memory() -> None:
+    """Hand the heap's freed pages back to the system (glibc ``malloc_trim``; nothing elsewhere):
+    a load frees hundreds of MB of tensors read and converted on the way, which the allocator
+    would otherwise keep as resident memory of the process."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
+
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+              "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+              "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
 def iter_tensors(path: str) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Yields (name, tensor) for every tensor of every shard, one at a time (memory-mapped)."""
-    from safetensors import SafetensorError, safe_open
-
+    """Yields (name, tensor) for every tensor of every shard, one at a time, each read into its
+    own memory with ordinary file reads (no memory map: a tensor the caller drops, e.g. a matrix
+    kept as codes, is gone at once, and the file never counts toward the process's memory).
+    Header entries are checked against the file: known dtype, integer shape, offsets inside
+    the data and matching the shape's size."""
     for file in _checkpoint_files(path):
-        check_safetensors_header(file)
+        header = check_safetensors_header(file)
+        start = header.pop("__data_start__")
+        header.pop("__metadata__", None)
+        size = os.path.getsize(file)
+
+        def bad(name, why):
+            return ValueError(f"{file} is not a readable safetensors file (truncated or "
+                              f"corrupt?): tensor {name!r} {why}")
+
         try:
-            with safe_open(file, framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
-        except SafetensorError as e:
-            raise ValueError(f"{file} is not a readable safetensors file (truncated or corrupt?): "
-                             f"{e}") from None
-        except (OSError, RuntimeError) as e:
+            with open(file, "rb", buffering=0) as f:
+                for name, info in header.items():
+                    if not isinstance(info, dict):
+                        raise bad(name, "has no dtype/shape/data_offsets entry")
+                    dtype = _ST_DTYPES.get(info.get("dtype"))
+                    shape, offs = info.get("shape"), info.get("data_offsets")
+                    if dtype is None:
+                        raise bad(name, f"has dtype {info.get('dtype')!r}; readable: "
+                                  + ", ".join(_ST_DTYPES))
+                    if not isinstance(shape, list) or not all(
+                            isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                            for d in shape):
+                        raise bad(name, f"has shape {shape!r}")
+                    if not (isinstance(offs, list) and len(offs) == 2 and all(
+                            isinstance(o, int) and not isinstance(o, bool) for o in offs)
+                            and 0 <= offs[0] <= offs[1]):
+                        raise bad(name, f"has data_offsets {offs!r}")
+                    numel = 1
+                    for d in shape:
+                        numel *= d
+                    nbytes = offs[1] - offs[0]
+                    if nbytes != numel * dtype.itemsize:
+                        raise bad(name, f"holds {nbytes} bytes; shape {shape} of "
+                                  f"{info['dtype']} needs {numel * dtype.itemsize}")
+                    if start + offs[1] > size:
+                        raise bad(name, f"runs past the end of the file ({size} bytes)")
+                    t = torch.empty(nbytes, dtype=torch.uint8)
+                    f.seek(start + offs[0])
+                    got = f.readinto(memoryview(t.numpy())) if nbytes else 0
+                    if got != nbytes:
+                        raise bad(name, f"could be read for {got} of its {nbytes} bytes")
+                    yield name, t.view(dtype).reshape(shape)
+        except OSError as e:
             raise ValueError(f"{file} could not be read (truncated or corrupt?): {e}") from None
 
 
@@ -208,12 +271,19 @@ class _Shapes:
 
 
 def load_weights(path: str, cfg: ModelConfig, dtype: torch.dtype,
-                 device: str = "cpu", dequantize: bool = False) -> Dict[str, torch.Tensor]:
+                 device: str = "cpu", dequantize: bool = False,
+                 pack_layers: bool = False) -> Dict[str, torch.Tensor]:
     """Reads, validates and converts all tensors. Errors name missing, unexpected or misshapen
     tensors. A 4-bit AWQ / GPTQ checkpoint's layer matrices come as codes-only
     :class:`~pyspec.linear.PackedWeight` (:mod:`pyspec.models.quantized`) for a float32 CPU model,
-    else (another dtype or device, or ``dequantize``) as the float matrices they stand for."""
-    from pyspec.linear import PackedWeight
+    else (another dtype or device, or ``dequantize``) as the float matrices they stand for.
+
+    ``pack_layers`` (a float32 CPU model loaded with ``packed_weights="codes"``): each decoder
+    layer matrix whose values are exactly a 4-bit or 8-bit block format
+    (:func:`pyspec.linear.pack_exact`) is kept as its codes alone as soon as it is read, so the
+    float32 layers are never all in memory at once (the load's peak stays near what the model
+    holds afterwards)."""
+    from pyspec.linear import PackedWeight, pack_exact
     from pyspec.models.quantized import quantization_config, quantized_tensors
 
     shapes = _Shapes(cfg)
@@ -250,7 +320,11 @@ def load_weights(path: str, cfg: ModelConfig, dtype: torch.dtype,
                              "(of quantized checkpoints, 4-bit AWQ and GPTQ load: see "
                              "docs/coming-from.md)")
         else:
-            out[name] = t.to(device=device, dtype=dtype)
+            t = t.to(device=device, dtype=dtype)
+            p = None
+            if pack_layers and name.startswith("model.layers.") and name.endswith("_proj.weight"):
+                p = pack_exact(t)
+            out[name] = t if p is None else p.drop_dense()
         required += want[1]
         del t
     quant = [n for n in unexpected if n.rpartition(".")[2] in ("qweight", "qzeros", "g_idx")]

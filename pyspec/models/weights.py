@@ -72,7 +72,7 @@ class LlamaWeights:
         self.lm_head = self.embed if cfg.tie_word_embeddings else lm
         self.norm = weights.pop("model.norm.weight")
         self.layers = []
-        from pyspec.linear import PackedWeight
+        from pyspec.linear import PackedWeight, pack_exact
 
         def cat(parts):  # codes-only matrices (AWQ / GPTQ checkpoints) stack as codes
             if any(isinstance(t, PackedWeight) for t in parts):
@@ -82,11 +82,17 @@ class LlamaWeights:
                             and torch.equal(p.perm, parts[0].perm)) for p in parts):
                     return PackedWeight.cat_rows(parts)
                 # Quantized and float matrices, or act-order column orders that differ, in one
-                # fused matrix: that matrix is held as floats.
+                # fused matrix: codes when the fused values are exactly a block format (parts
+                # packed as they loaded, of different formats), else floats.
+                fused = torch.cat([p.natural() if isinstance(p, PackedWeight) else p
+                                   for p in parts], 0)
+                packed = pack_exact(fused)
+                if packed is not None:
+                    return packed.drop_dense()
                 warnings.warn("matrices fused into one (q/k/v, gate/up) differ in quantization "
                               "or act-order column order: that fused matrix is held as float32",
                               stacklevel=4)
-                parts = [p.natural() if isinstance(p, PackedWeight) else p for p in parts]
+                return fused
             return torch.cat(parts, 0)
 
         for i in range(cfg.num_hidden_layers):

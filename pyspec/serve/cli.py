@@ -33,7 +33,8 @@ def build(args):
     options = serve_options(args)  # (checked before the model loads)
     llm = pyspec.LLM(model, draft, sc, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens,
                      device=getattr(args, "device", "cpu"),
-                     packed_weights=getattr(args, "packed_weights", "auto"),
+                     packed_weights=getattr(args, "packed_weights", "codes"),
+                     kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                      max_num_seqs=args.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens,
                      max_prefill_chunk=args.max_prefill_chunk)

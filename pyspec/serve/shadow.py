@@ -47,7 +47,8 @@ class Shadow:
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"shadow ratio must be in [0, 1]; got {ratio}")
         self.llm = llm  # its tokenizer detokenizes for stop strings
-        runner = ModelRunner(llm.model, shadow_blocks(llm, ratio), llm.runner.block_size)
+        runner = ModelRunner(llm.model, shadow_blocks(llm, ratio), llm.runner.block_size,
+                             kv_dtype=llm.runner.kv_dtype)
         self.engine = Engine(runner, drafter=draft_spec, max_num_seqs=16)
         self.name = name
         self.ratio = ratio

@@ -117,10 +117,11 @@ def sampling_params(max_tokens: int, temperature: float):
 def evaluate(target: Optional[str], drafts: Dict[str, str], prompts, *, max_tokens: int = 128,
              temperature: float = 0.0, dtype: str = "float32", adaptive: bool = True,
              progress: bool = True, where: Optional[List[str]] = None,
-             packed_weights: str = "auto") -> dict:
+             packed_weights: str = "codes", kv_cache_dtype: str = "auto") -> dict:
     """``where``: where each prompt came from (e.g. ``FILE:LINE``), for error messages.
     ``packed_weights``: as ``pyspec.LLM``'s; the report's ``weights`` says which the target read
-    ("packed" or "float32"), since speedups differ between them (outputs do not)."""
+    ("packed" or "float32"), since speedups differ between them (outputs do not).
+    ``kv_cache_dtype``: as ``pyspec.LLM``'s, for every engine of the evaluation."""
     import pyspec
     from tqdm import tqdm
 
@@ -129,7 +130,7 @@ def evaluate(target: Optional[str], drafts: Dict[str, str], prompts, *, max_toke
 
     params = sampling_params(max_tokens, temperature)
     base = pyspec.LLM(target, draft="none", dtype=dtype, kv_cache_tokens=1024, progress=progress,
-                      packed_weights=packed_weights)
+                      packed_weights=packed_weights, kv_cache_dtype=kv_cache_dtype)
     enc = [base.chat_prompt([{"role": "user", "content": p}]) for _, p in prompts]
     # Every prompt is checked against the context before any is evaluated: one too long would
     # otherwise fail the run when evaluation reaches it.
@@ -143,7 +144,8 @@ def evaluate(target: Optional[str], drafts: Dict[str, str], prompts, *, max_toke
     blocks = 8 + (max(len(ids) for ids in enc) + max_tokens + 64) // 16
 
     def engine(spec):
-        return Engine(ModelRunner(base.model, num_blocks=blocks, block_size=16), drafter=spec,
+        return Engine(ModelRunner(base.model, num_blocks=blocks, block_size=16,
+                                  kv_dtype=base.runner.kv_dtype), drafter=spec,
                       max_num_seqs=1, adaptive=adaptive)
 
     plain = engine("none")
@@ -170,7 +172,8 @@ def evaluate(target: Optional[str], drafts: Dict[str, str], prompts, *, max_toke
                 identical=r.token_ids == ref.token_ids, fallbacks=st.fallbacks))
     report = dict(target=base.model_path, max_tokens=max_tokens, temperature=temperature,
                   dtype=dtype, adaptive=adaptive,
-                  weights="packed" if base.model.packed_bytes else dtype, drafters={})
+                  weights="packed" if base.model.packed_bytes else dtype,
+                  kv_cache_dtype=str(base.runner.kv_dtype).replace("torch.", ""), drafters={})
     for name, rs in rows.items():
         s = _summary(rs)
         s["spec"] = drafts[name]
@@ -303,7 +306,8 @@ def record_in_manifest(draft_dir: str, report: dict, args) -> None:
                    + (f" --per-category {args.per_category}" if args.per_category else "")
                    + f" --temperature {args.temperature} --dtype {args.dtype}"
                    + ("" if report["adaptive"] else " --no-adaptive")
-                   + f" --packed-weights {args.packed_weights}",
+                   + f" --packed-weights {args.packed_weights}"
+                   + f" --kv-cache-dtype {getattr(args, 'kv_cache_dtype', 'auto')}",
         "prompts": c["prompts"], "prompts_file": os.path.basename(args.prompts),
         "limit": args.limit, "per_category": args.per_category, "max_tokens": report["max_tokens"],
         "temperature": report["temperature"], "dtype": report["dtype"],
@@ -382,7 +386,7 @@ def _cmd(args) -> int:
     report = evaluate(args.target, drafts, prompts, max_tokens=args.max_tokens,
                       temperature=args.temperature, dtype=args.dtype, adaptive=args.adaptive,
                       where=[f"{args.prompts}:{k}" for k, _, _ in rows],
-                      packed_weights=args.packed_weights)
+                      packed_weights=args.packed_weights, kv_cache_dtype=args.kv_cache_dtype)
     paths = write_report(report, args.out)
     if args.record_in_manifest:
         record_in_manifest(heads, report, args)

@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+import torch
 
 import pyspec
 from pyspec import cli
@@ -339,9 +340,15 @@ def test_bad_engine_sizes_and_drafter_layers(model_dir):
     for kw, name in (({"max_num_seqs": 1.5}, "max_num_seqs"),
                      ({"max_num_batched_tokens": "x"}, "max_num_batched_tokens"),
                      ({"enable_prefix_cache": "no"}, "enable_prefix_cache"),
-                     ({"kv_cache_tokens": 10 ** 12}, "kv_cache_tokens")):
+                     ({"kv_cache_tokens": 10 ** 12}, "kv_cache_tokens"),
+                     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype must be 'auto'.*got 'fp8'"),
+                     ({"kv_cache_dtype": "float16", "dtype": "bfloat16"},
+                      "float16 KV cache needs a float32 model")):
         with pytest.raises(ValueError, match=name):
             pyspec.LLM(model_dir, draft="ngram", **kw)
+    llm = pyspec.LLM(model_dir, draft="ngram", kv_cache_dtype="float16", kv_cache_tokens=64)
+    assert llm.runner.kv.k.dtype == torch.float16
+    assert llm.generate([[1, 2, 3]], pyspec.SamplingParams(max_tokens=4))[0].token_ids
 
     class ReadsLayer99(Drafter):
         name = "layer99"

@@ -182,6 +182,34 @@ def test_split_kv_and_kernels(device, isa):
         _C._set_attention_isa("auto")
 
 
+@pytest.mark.parametrize("kv_dtype", [F16, BF16])
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+def test_float32_queries_over_a_16_bit_kv_cache(kv_dtype, isa):
+    """A 16-bit KV cache under float32 activations: every CPU build of the kernel (float16 rows
+    through its vector conversion) equals the reference over the same 16-bit K/V, to float32
+    rounding. A build this CPU lacks fails to select, visibly."""
+    c = make_batch(40, 9, 16, 9, 3, 64, F32, "cpu")
+    for key in ("k_pages", "v_pages", "k_new", "v_new"):
+        c[key] = c[key].to(kv_dtype)
+    level = {"generic": 0, "avx2": 1, "avx512": 2}[isa]
+    have = {"generic": 0, "avx2": 1, "avx512": 2}[_C._attention_isa()] \
+        if _C._attention_isa() in ("generic", "avx2", "avx512") else 0
+    if level > have:
+        with pytest.raises(ValueError):
+            _C._set_attention_isa(isa)
+        return
+    used = _C._set_attention_isa(isa)
+    try:
+        assert used == isa
+        plan = plan_for(c, 9, 3)
+        out, lse = tree_attention(plan, c["q"], c["k_pages"], c["v_pages"], c["k_new"],
+                                  c["v_new"], return_lse=True)
+        assert out.dtype == F32
+        check(c, out, lse, F32, 1 / 8)
+    finally:
+        _C._set_attention_isa("auto")
+
+
 @pytest.mark.parametrize("device", devices())
 def test_chain_tree_equals_causal_chunk_and_plan_reuse(device):
     n = 6

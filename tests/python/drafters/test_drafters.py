@@ -5,6 +5,7 @@ test_merged.py, test_ngram.py, test_drafter_spec.py, test_suffix.py); how the en
 routes and adapts, in tests/python/engine."""
 
 import pytest
+import torch
 
 from pyspec.engine import Engine, SamplingParams
 from pyspec.runner import ModelRunner
@@ -44,3 +45,25 @@ def test_greedy_lossless_every_drafter(model, plain, tmp_path, kind, num_blocks)
     assert s.num_free_blocks == s.num_total_blocks
     if num_blocks == 14:
         assert s.num_preemptions > 0
+
+
+@pytest.mark.parametrize("kind", ["ngram", "lookahead", "layer-skip", "draft-model-tree",
+                                  "eagle", "ngram|suffix"])
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
+def test_greedy_lossless_over_a_16_bit_kv_cache(model, plain, tmp_path, kind, kv_dtype):
+    """A 16-bit KV cache rounds every K/V row once as it is computed, for plain and speculative
+    decoding alike: speculative output equals plain decoding's under the same cache dtype (the
+    drafter that shares the target's cache, layer-skip, reads it in 16 bits too)."""
+    from reference import decode_one
+
+    ref_runner = ModelRunner(model, num_blocks=64, block_size=8, kv_dtype=kv_dtype)
+    ps = prompts()
+    ref = [decode_one(ref_runner, p, MAX_TOKENS).tokens for p in ps]
+    assert ref_runner.kv.k.dtype == getattr(torch, kv_dtype)
+    runner = ModelRunner(model, num_blocks=64, block_size=8, kv_dtype=kv_dtype)
+    eng = Engine(runner, drafter=_drafter(kind, runner, model, str(tmp_path), plain),
+                 max_num_seqs=8, max_num_batched_tokens=80, max_prefill_chunk=16,
+                 adaptive=False)
+    res = eng.generate(ps, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [r.token_ids for r in res] == ref, kind
+    assert sum(r.stats.draft_tokens for r in res) > 0

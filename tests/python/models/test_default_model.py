@@ -18,17 +18,22 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def loaded():
+    """The default model as transformers computes it: float32 weights read from their exact
+    codes and a float32 KV cache (``LLM()``'s float16 cache rounds K/V: see
+    test_lean_defaults_hold_codes_only_and_a_float16_cache)."""
     import pyspec
 
-    return pyspec.LLM(draft="none", progress=False)
+    return pyspec.LLM(draft="none", progress=False, kv_cache_dtype="float32",
+                      packed_weights="auto")
 
 
-def _greedy(llm, ids, draft, max_tokens, gamma=None):
-    """Greedy tokens of ``llm``'s model on one engine with ``draft`` (fixed draft lengths)."""
+def _greedy(llm, ids, draft, max_tokens, gamma=None, kv=None):
+    """Greedy tokens of ``llm``'s model on one engine with ``draft`` (fixed draft lengths), its
+    KV cache of dtype ``kv`` (default the model's)."""
     from pyspec.engine import Engine
     from pyspec.runner import ModelRunner
 
-    eng = Engine(ModelRunner(llm.model, num_blocks=64, block_size=16), drafter=draft,
+    eng = Engine(ModelRunner(llm.model, num_blocks=64, block_size=16, kv_dtype=kv), drafter=draft,
                  gamma=gamma, adaptive=False)
     eos = list(llm.tokenizer.eos_token_ids)
     return eng.generate([ids], {"max_tokens": max_tokens, "stop_token_ids": eos})[0]
@@ -70,6 +75,18 @@ def test_speculative_greedy_is_identical_on_the_default_model(loaded):
     assert "apples" in text
 
 
+@pytest.mark.parametrize("draft", ["lookahead", "lookahead@context=0,window=6,nodes=12"])
+def test_lookahead_greedy_is_identical_on_the_default_model(loaded, draft):
+    """Lookahead decoding (its Jacobi guesses verified beside its n-gram pool) on the real model:
+    the plain greedy tokens, for prompts that repeat and prompts that do not."""
+    for prompt in PROMPTS[:2] + ["Repeat exactly: red, green, blue, red, green, blue."]:
+        ids = _chat_ids(loaded, prompt)
+        plain = _greedy(loaded, ids, "none", 48)
+        spec = _greedy(loaded, ids, draft, 48, gamma=4)
+        assert spec.token_ids == plain.token_ids, (draft, prompt)
+        assert spec.stats.draft_tokens > 0
+
+
 def test_default_model_runs_on_packed_weights_with_identical_output(loaded, monkeypatch):
     """The default model's weights came from a Q4_1 / Q8_0 GGUF: every dense matrix packs (4-bit
     layers, 8-bit lm_head) and greedy decoding, plain and speculative, gives the float32
@@ -96,3 +113,27 @@ def test_default_model_runs_on_packed_weights_with_identical_output(loaded, monk
             a = _greedy(loaded, ids, draft, 32, gamma=5 if draft == "ngram" else None).token_ids
             b = _greedy(dense, ids, draft, 32, gamma=5 if draft == "ngram" else None).token_ids
             assert a == b, (prompt, draft)
+
+
+def test_lean_defaults_hold_codes_only_and_a_float16_cache(loaded):
+    """``LLM()`` holds the decoder layers as codes alone and a float16 KV cache: greedy output
+    equals the float32-cache engine's on these prompts, and speculative equals plain under it."""
+    import pyspec
+
+    lean = pyspec.LLM(draft="none", progress=False)
+    m = lean.model
+    if not pyspec._C.LinearKernels().packed_available:
+        assert m._packed is None
+    else:
+        assert m._codes_only and all(not isinstance(v, torch.Tensor) for layer in m.layers
+                                     for k, v in layer.items() if k in ("wqkv", "wo", "wgu", "wd"))
+    assert lean.runner.kv.k.dtype == torch.float16
+    for prompt in PROMPTS:
+        ids = _chat_ids(loaded, prompt)
+        ref = _greedy(loaded, ids, "none", 32).token_ids
+        plain = lean.generate([ids], {"max_tokens": 32})[0].token_ids
+        assert plain == ref[:len(plain)], prompt
+        eng_plain = _greedy(lean, ids, "none", 32, kv=torch.float16).token_ids
+        spec = _greedy(lean, ids, "ngram", 32, gamma=4, kv=torch.float16).token_ids
+        assert spec == eng_plain == plain, prompt
+

@@ -26,9 +26,9 @@ def _model(dtype, bias=False, layers=2):
     return m
 
 
-def _steps(model, fused, monkeypatch, return_hidden=False):
+def _steps(model, fused, monkeypatch, return_hidden=False, kv_dtype=None):
     model.fused_layers = fused
-    runner = ModelRunner(model, num_blocks=32, block_size=16)
+    runner = ModelRunner(model, num_blocks=32, block_size=16, kv_dtype=kv_dtype)
     g = torch.Generator().manual_seed(0)
     v = model.cfg.vocab_size
     ctx = torch.randint(0, v, (40,), generator=g).tolist()
@@ -64,6 +64,59 @@ def test_fused_steps_equal_op_by_op(dtype, bias, monkeypatch):
     for a, b in zip(fused, plain):
         assert _same(a.logits, b.logits)
         assert _same(a.k_new, b.k_new) and _same(a.v_new, b.v_new)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+def test_fused_steps_equal_op_by_op_over_a_16_bit_kv_cache(kv_dtype, monkeypatch):
+    """float32 activations, K/V stored in 16 bits: the stack rounds each new K/V row once, as
+    the op-by-op path does, and both read the same rounded cache."""
+    m = _model(torch.float32)
+    fused = _steps(m, True, monkeypatch, kv_dtype=kv_dtype)
+    assert m._fused is not None and m._fused[2] is not None
+    plain = _steps(m, False, monkeypatch, kv_dtype=kv_dtype)
+    for a, b in zip(fused, plain):
+        assert a.k_new.dtype == kv_dtype
+        assert _same(a.logits, b.logits)
+        assert _same(a.k_new, b.k_new) and _same(a.v_new, b.v_new)
+    # Close to the float32 cache's logits (the rounding is the only difference).
+    full = _steps(m, True, monkeypatch)
+    for a, b in zip(fused, full):
+        torch.testing.assert_close(a.logits, b.logits, atol=0.05, rtol=0.02)
+        assert not _same(a.logits, b.logits)
+
+
+def test_kv_cache_dtype_errors():
+    m = _model(torch.float32)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto'.*got 'int8'"):
+        ModelRunner(m, 4, 16, kv_dtype="int8")
+    with pytest.raises(ValueError, match="needs a float32 model on the CPU; this model is "
+                                         "bfloat16"):
+        ModelRunner(_model(torch.bfloat16), 4, 16, kv_dtype="float16")
+    assert ModelRunner(_model(torch.bfloat16), 4, 16, kv_dtype="bfloat16").kv.k.dtype == \
+        torch.bfloat16
+    runner = ModelRunner(m, 4, 16, kv_dtype=torch.float16)
+    assert runner.kv.k.dtype == runner.kv.v.dtype == torch.float16
+    # The core checks the cache against the activations too.
+    layers = [{k: layer[k] for k in ("ln1", "ln2", "bqkv", "bo", "wqkv", "wo", "wgu", "wd")}
+              for layer in m.layers]
+    cfg = m.cfg
+    stack = _C.DecoderStack(layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+                            cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
+    from pyspec.attention import plan_attention
+
+    plan = plan_attention([0, 2], [0], [[0]], 16, num_blocks=4,
+                          num_q_heads=cfg.num_attention_heads,
+                          num_kv_heads=cfg.num_key_value_heads)
+    x = torch.randn(2, cfg.hidden_size)
+    cos, sin = m.rope_tables(torch.tensor([0, 1]))
+    kn = torch.empty(2, 2, cfg.num_key_value_heads, cfg.head_dim)
+    with pytest.raises(ValueError, match="'k_new' has dtype float32 but 'k_pages' has float16"):
+        stack.run(x, cos, sin, plan, runner.kv.k, runner.kv.v, kn, torch.empty_like(kn))
+    kn16 = kn.half()
+    stack.run(x, cos, sin, plan, runner.kv.k, runner.kv.v, kn16, torch.empty_like(kn16))
+    with pytest.raises(ValueError, match="'k_new' has dtype float16 but 'k_pages' has float32"):
+        stack.run(x, cos, sin, plan, ModelRunner(m, 4, 16).kv.k, ModelRunner(m, 4, 16).kv.v,
+                  kn16, torch.empty_like(kn16))
 
 
 def test_fused_tapped_layers_equal_op_by_op(monkeypatch):

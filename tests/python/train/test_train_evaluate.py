@@ -97,7 +97,8 @@ def test_eval_records_into_manifest(tiny, trained, tmp_path):
     assert ev["prompts"] == 1 and ev["acceptance_length"] >= 1.0 and "x" in ev[
         "per_category_acceptance_length"]
     assert ev["draft"] == "copy" and ev["max_tokens"] == 8
-    assert ev["weights"] == "float32" and ev["command"].endswith(" --packed-weights auto")
+    assert ev["weights"] == "float32" and ev["command"].endswith(
+        " --packed-weights codes --kv-cache-dtype auto")
     # A combined spec records into the folder it uses, under the spec that reproduces it.
     assert cli.main(["eval-draft", "--target", tiny, "--draft", "ngram|" + d, "--prompts",
                      str(prompts), "--max-tokens", "6", "--out", str(tmp_path / "r2"),
