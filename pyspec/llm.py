@@ -57,6 +57,11 @@ class SpecConfig:
         switch_below: switch a request to the router's next drafter when its acceptance EWMA stays
             below this, or when it starts plain because its drafter has been losing on this engine
             (0 = never switch).
+        long_prompt_tokens, long_prompt_draft: the long-prompt channel: a prompt of more than
+            ``long_prompt_tokens`` tokens is drafted by ``long_prompt_draft`` (a drafter spec;
+            default "ngram": prompt lookup over the whole context, which a long document feeds;
+            "none": such prompts decode plainly; None: no channel, every prompt drafted alike),
+            before ``router`` sees it. Requests carry ``stats.channel`` ("long" or "short").
     """
 
     num_speculative_tokens: Optional[int] = None
@@ -70,6 +75,8 @@ class SpecConfig:
     drafters: Dict[str, str] = field(default_factory=dict)
     router: Optional[Router] = None
     switch_below: float = 0.0
+    long_prompt_tokens: int = 4096
+    long_prompt_draft: Optional[str] = "ngram"
 
     def validate(self) -> None:
         """ValueError naming the first bad field and what it allows (NaN and infinities fail
@@ -95,11 +102,21 @@ class SpecConfig:
                 isinstance(k, str) and k for k in self.drafters):
             raise ValueError(f"drafters must be a dict of name -> drafter spec; got "
                              f"{type(self.drafters).__name__}")
+        if not is_int(self.long_prompt_tokens) or not 1 <= self.long_prompt_tokens <= 1 << 30:
+            raise ValueError(f"long_prompt_tokens must be an int >= 1; got "
+                             f"{self.long_prompt_tokens!r}")
+        if self.long_prompt_draft is not None and (
+                not isinstance(self.long_prompt_draft, str) or not self.long_prompt_draft):
+            raise ValueError(f"long_prompt_draft must be a drafter spec, 'none' or None; got "
+                             f"{self.long_prompt_draft!r}")
         if self.router is not None and not isinstance(self.router, Router):
             raise ValueError(f"router must be a pyspec.Router or None; got "
                              f"{type(self.router).__name__}")
         if not is_real(self.switch_below) or not 0.0 <= self.switch_below <= 1.0:
             raise ValueError(f"switch_below must be a number in [0, 1]; got {self.switch_below!r}")
+
+
+LONG_DRAFTER = "long"  # the long-prompt channel's drafter, among the engine's named drafters
 
 
 class LLM:
@@ -205,8 +222,17 @@ class LLM:
                              f"({type(e).__name__}); give fewer tokens") from None
         alpha = 2.0 / (spec.ewma_window + 1)
         self.spec = spec
+        drafters = dict(spec.drafters or {})
+        long_prompt = None
+        if spec.long_prompt_draft is not None:
+            if spec.long_prompt_draft == "none" or draft is None or draft == "none":
+                long_prompt = (spec.long_prompt_tokens, None)  # a channel decoded plainly
+            else:
+                drafters.setdefault(LONG_DRAFTER, spec.long_prompt_draft)
+                long_prompt = (spec.long_prompt_tokens, LONG_DRAFTER)
         self.engine = Engine(
-            self.runner, self.tokenizer, drafter=draft, drafters=spec.drafters or None,
+            self.runner, self.tokenizer, drafter=draft, drafters=drafters or None,
+            long_prompt=long_prompt,
             router=spec.router, gamma=spec.num_speculative_tokens, adaptive=spec.adaptive,
             switch_below=spec.switch_below, enable_prefix_cache=enable_prefix_cache,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

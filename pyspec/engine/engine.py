@@ -26,7 +26,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -105,7 +105,8 @@ class Engine:
                  drafters: Optional[Mapping[str, Union[str, Drafter]]] = None,
                  router: Optional[Router] = None, gamma: Optional[int] = None,
                  adaptive: bool = True, switch_below: float = 0.0,
-                 enable_prefix_cache: bool = True, **scheduler_kwargs):
+                 enable_prefix_cache: bool = True,
+                 long_prompt: Optional[Tuple[int, Optional[str]]] = None, **scheduler_kwargs):
         if gamma is not None and (not is_int(gamma) or not 0 <= gamma <= 255):
             raise ValueError(f"gamma must be an int in [0, 255]; got {gamma!r}")
         if not is_real(switch_below) or not 0.0 <= switch_below <= 1.0:
@@ -117,6 +118,18 @@ class Engine:
         self.drafters = self.drafting.drafters
         self.default_drafter = self.drafting.default
         self.router = router
+        # The long-prompt channel: (threshold, drafter name): prompts of more than ``threshold``
+        # tokens are drafted by that drafter (None: plainly), before the router sees them.
+        self.long_prompt = None
+        if long_prompt is not None:
+            n, lname = long_prompt
+            if not is_int(n) or n < 1:
+                raise ValueError(f"the long-prompt threshold must be an int >= 1 (tokens); "
+                                 f"got {n!r}")
+            if lname is not None and lname not in self.drafters:
+                raise ValueError(f"the long-prompt channel names drafter {lname!r}; the engine "
+                                 f"has {sorted(self.drafters)}")
+            self.long_prompt = (int(n), lname)
         if router is not None:
             for name in router.names():
                 if name is not None and name not in self.drafters:
@@ -201,9 +214,12 @@ class Engine:
                              f"fit in the KV pool ({cap} token slots)")
         stop = [int(t) for t in p.stop_token_ids]
         name = None
+        long = self.long_prompt is not None and len(prompt) > self.long_prompt[0]
         if self._speculate and p.speculative:
             name = self.default_drafter
-            if self.router is not None:
+            if long:
+                name = self.long_prompt[1]
+            elif self.router is not None:
                 name = self.router.route(RouteFeatures(
                     len(prompt), self.scheduler.num_running + self.scheduler.num_waiting))
         rid = self._next_id
@@ -214,6 +230,7 @@ class Engine:
         seed = int(p.seed) if p.seed is not None else random.getrandbits(63)
         r = _Req(p, seed, prompt, len(prompt), name)
         r.stats.drafter = name
+        r.stats.channel = "long" if long else "short"
         if name is not None:
             r.tried.append(name)
             r.stats.drafters_used.append(name)

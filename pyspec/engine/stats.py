@@ -39,6 +39,9 @@ class RequestStats:
     probes: int = 0
     switches: Dict[str, int] = field(default_factory=dict)
     token_acceptance: Optional[float] = None  # the cost model's per-token acceptance estimate
+    # "long": the prompt was longer than the engine's long-prompt threshold (its drafter is the
+    # long-prompt channel's); "short" otherwise.
+    channel: str = "short"
 
     @property
     def acceptance_length(self) -> float:

@@ -29,6 +29,8 @@ def build(args):
         draft = with_tree_width(draft, spec.tree_width)
     sc = pyspec.SpecConfig(**{"num_speculative_tokens": spec.gamma, "adaptive": spec.adaptive,
                               "fallback_on_alpha_below": spec.fallback_on_alpha_below,
+                              "long_prompt_tokens": spec.long_prompt_tokens,
+                              "long_prompt_draft": spec.long_prompt_draft,
                               **(foreign.spec_config_fields() if foreign else {})})
     options = serve_options(args)  # (checked before the model loads)
     llm = pyspec.LLM(model, draft, sc, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens,
@@ -92,7 +94,7 @@ def with_tree_width(draft: str, width: int) -> str:
 
 # Keys read once, when the engine is built: a reload keeps their old values.
 RESTART_KEYS = ("target_model", "draft_model", "gamma", "tree_width", "adaptive",
-                "fallback_on_alpha_below")
+                "fallback_on_alpha_below", "long_prompt_tokens", "long_prompt_draft")
 
 
 def reload_config(app, path) -> bool:

@@ -8,6 +8,9 @@
       tree_width: 1             # a draft-model folder: 1 = chain, > 1 = dynamic top-W trees
       adaptive: true
       fallback_on_alpha_below: 0.0  # hard acceptance floor (0 = none; the cost model decides)
+      long_prompt:              # the long-prompt channel (null: none, every prompt drafted alike)
+        threshold_tokens: 4096  # prompts longer than this ...
+        draft_model: ngram      # ... are drafted by this spec ("none": decoded plainly)
       quality_gate:
         kl_threshold: 0.05
         rollback_on_violation: true
@@ -31,7 +34,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Optional, Tuple
 
 SPEC_KEYS = {"enabled_ratio", "draft_model", "target_model", "gamma", "tree_width", "adaptive",
-             "fallback_on_alpha_below", "quality_gate"}
+             "fallback_on_alpha_below", "quality_gate", "long_prompt"}
+LONG_PROMPT_KEYS = {"threshold_tokens", "draft_model"}
 GATE_KEYS = {"kl_threshold", "rollback_on_violation", "sample_ratio"}
 TENANT_KEYS = {"enabled_ratio"}
 TENANT_SECTION_KEYS = {"speculative", "api_keys", "max_concurrency", "tokens_per_minute"}
@@ -61,6 +65,8 @@ class SpecSettings:
     adaptive: bool = True
     fallback_on_alpha_below: float = 0.0
     quality_gate: QualityGate = field(default_factory=QualityGate)
+    long_prompt_tokens: int = 4096
+    long_prompt_draft: Optional[str] = "ngram"  # None: no long-prompt channel
 
     def speculates(self, request_id: str) -> bool:
         """Deterministic by request id: the same id always gets the same answer."""
@@ -136,6 +142,26 @@ def _spec(d: Any, where: str, base: SpecSettings, allowed) -> SpecSettings:
             s.adaptive = _bool(v, key)
         elif k == "fallback_on_alpha_below":
             s.fallback_on_alpha_below = float(_num(v, key, 0.0, 0.99))
+        elif k == "long_prompt":
+            if v is None:
+                s.long_prompt_draft = None
+                continue
+            if not isinstance(v, dict):
+                raise ConfigError(f"{key} must be a mapping ({', '.join(sorted(LONG_PROMPT_KEYS))})"
+                                  " or null (no long-prompt channel)")
+            bad = set(v) - LONG_PROMPT_KEYS
+            if bad:
+                raise ConfigError(f"unknown key {key}.{sorted(bad)[0]}; allowed: "
+                                  f"{sorted(LONG_PROMPT_KEYS)}")
+            if "threshold_tokens" in v:
+                s.long_prompt_tokens = _num(v["threshold_tokens"], key + ".threshold_tokens", 1,
+                                            1 << 30, integer=True)
+            if "draft_model" in v:
+                d = v["draft_model"]
+                if not isinstance(d, str) or not d:
+                    raise ConfigError(f"{key}.draft_model must be a drafter spec or 'none'; got "
+                                      f"{d!r}")
+                s.long_prompt_draft = d
         elif k == "quality_gate":
             if not isinstance(v, dict):
                 raise ConfigError(f"{key} must be a mapping")

@@ -73,6 +73,19 @@ class Metrics:
                                         buckets=TOKEN_BUCKETS, registry=r)
         self.requests = Counter("pyspec_requests", "Finished requests by finish reason",
                                 ["finish_reason"], registry=r)
+        # The long-prompt channel ("long": prompts past the threshold; "short": the rest).
+        self.channel_requests = Counter("pyspec_channel_requests",
+                                        "Finished requests by prompt channel", ["channel"],
+                                        registry=r)
+        self.channel_drafts = Counter(p + "channel_drafts",
+                                      "Speculative steps of finished requests, by prompt channel",
+                                      ["channel"], registry=r)
+        self.channel_accepted = Counter(p + "channel_accepted_tokens",
+                                        "Draft tokens accepted in finished requests, by prompt "
+                                        "channel", ["channel"], registry=r)
+        self.channel_tpot = Histogram("pyspec_channel_time_per_output_token_seconds",
+                                      "Decode time per output token after the first, by prompt "
+                                      "channel", ["channel"], buckets=TOKEN_BUCKETS, registry=r)
         self.rejected = Counter("pyspec_requests_rejected",
                                 "Requests refused before reaching the engine, by reason (queue_full, "
                                 "tenant_concurrency, tenant_rate, unauthorized, origin, host, "
@@ -132,10 +145,17 @@ class Metrics:
             n = stats.fallbacks.get(k, 0) if stats is not None else 0
             if n:
                 self.fallbacks.labels(reason=k).inc(n)
+        channel = getattr(stats, "channel", None) or "short"
+        self.channel_requests.labels(channel=channel).inc()
+        if stats is not None and stats.drafts:
+            self.channel_drafts.labels(channel=channel).inc(stats.drafts)
+            self.channel_accepted.labels(channel=channel).inc(stats.accepted_tokens)
         if ttft is not None:
             self.ttft.observe(ttft)
             if n_tokens > 1:
                 self.tpot.observe((duration - ttft) / (n_tokens - 1))
+                self.channel_tpot.labels(channel=channel).observe(
+                    (duration - ttft) / (n_tokens - 1))
         self.duration.observe(duration)
 
 

@@ -86,6 +86,7 @@ class RequestTracer:
         s.set_attribute("pyspec.finish_reason", reason or "unknown")
         s.set_attribute("pyspec.completion_tokens", n_tokens)
         if h.stats is not None:
+            s.set_attribute("pyspec.channel", h.stats.channel)
             s.set_attribute("pyspec.drafts", h.stats.drafts)
             s.set_attribute("pyspec.accepted_tokens", h.stats.accepted_tokens)
             s.set_attribute("pyspec.acceptance_length", float(h.stats.acceptance_length))

@@ -21,10 +21,27 @@ from pyspec.serve.config import ConfigError, parse_config  # noqa: E402
     ({"speculative": {"quality_gate": {"nope": 1}}}, "quality_gate.nope"),
     ({"tenants": {"a": {"speculative": {"gamma": 3}}}}, "tenants.a.speculative.gamma"),
     ({"other": 1}, "other"),
+    ({"speculative": {"long_prompt": {"threshold_tokens": 0}}},
+     "speculative.long_prompt.threshold_tokens"),
+    ({"speculative": {"long_prompt": {"draft_model": ""}}}, "speculative.long_prompt.draft_model"),
+    ({"speculative": {"long_prompt": {"drafter": "ngram"}}}, "speculative.long_prompt.drafter"),
+    ({"speculative": {"long_prompt": 5}}, "speculative.long_prompt"),
+    ({"tenants": {"a": {"speculative": {"long_prompt": None}}}},
+     "tenants.a.speculative.long_prompt"),
 ])
 def test_config_errors_name_the_key(cfg, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         parse_config(cfg)
+
+
+def test_long_prompt_channel_config():
+    s = parse_config({"speculative": {"long_prompt": {"threshold_tokens": 2048,
+                                                      "draft_model": "lookahead"}}}).speculative
+    assert (s.long_prompt_tokens, s.long_prompt_draft) == (2048, "lookahead")
+    s = parse_config({"speculative": {"long_prompt": None}}).speculative
+    assert s.long_prompt_draft is None  # no channel
+    s = parse_config({}).speculative
+    assert (s.long_prompt_tokens, s.long_prompt_draft) == (4096, "ngram")
 
 
 def test_config_shape_and_ratio_is_deterministic():

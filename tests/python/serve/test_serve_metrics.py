@@ -91,3 +91,35 @@ def test_engine_counters_become_metric_deltas():
     assert get("pyspec_spec_decode_num_drafts_total") == 5
     assert get("pyspec_spec_decode_fallbacks_total", {"reason": "drafter_error"}) == 1
     assert get("pyspec_num_requests_running") == 1
+
+
+def test_long_prompt_channel_metrics(tmp_path):
+    """A server whose long-prompt channel starts at 24 tokens: a long and a short request are
+    counted under their channels, with their TPOT and (long: prompt lookup) their drafts."""
+    import pyspec
+    from models_support import write_tiny_model
+    from pyspec.serve.app import create_app
+    from pyspec.serve.config import parse_config
+    from serve_support import _start
+
+    path = write_tiny_model(tmp_path)
+    cfg = parse_config({"speculative": {"long_prompt": {"threshold_tokens": 24,
+                                                        "draft_model": "ngram"}}})
+    s = cfg.speculative
+    llm = pyspec.LLM(path, draft="ngram:2", kv_cache_tokens=512,
+                     spec=pyspec.SpecConfig(long_prompt_tokens=s.long_prompt_tokens,
+                                            long_prompt_draft=s.long_prompt_draft))
+    srv, th, base = _start(create_app(llm, cfg))
+    try:
+        for ids in ([5, 6, 7, 8] * 10, [9, 10, 11]):
+            r = httpx.post(base + "/v1/completions", json={
+                "model": "pyspec", "prompt": ids, "max_tokens": 12, "temperature": 0}, timeout=60)
+            assert r.status_code == 200, r.text
+        text = httpx.get(base + "/metrics").text
+        assert metric(base, 'pyspec_channel_requests_total{channel="long"}') == 1
+        assert metric(base, 'pyspec_channel_requests_total{channel="short"}') == 1
+        assert metric(base, 'pyspec_spec_decode_channel_drafts_total{channel="long"}') > 0
+        assert 'pyspec_channel_time_per_output_token_seconds_count{channel="long"} 1.0' in text
+    finally:
+        srv.should_exit = True
+        th.join(timeout=10)

@@ -48,3 +48,4 @@ def test_traces_have_request_draft_verify_accept_spans(server):
         "pyspec.completion_tokens"]
     assert all(s.start_time >= root.start_time and s.end_time <= root.end_time for s in kids)
     assert root.attributes["pyspec.finish_reason"] in ("length", "stop")
+    assert root.attributes["pyspec.channel"] == "short"  # a short prompt (the long-prompt channel)
