@@ -19,8 +19,13 @@ from models_support import write_tiny_model
 
 EXAMPLE = os.environ.get("PYSPEC_SPECULATE_EXAMPLE")
 pytestmark = pytest.mark.skipif(
-    not EXAMPLE or not os.access(EXAMPLE, os.X_OK),
-    reason="set PYSPEC_SPECULATE_EXAMPLE to a built cpp/examples/speculate.cc binary")
+    not EXAMPLE, reason="set PYSPEC_SPECULATE_EXAMPLE to a built cpp/examples/speculate.cc binary")
+
+
+def test_the_named_binary_exists():
+    """Named but missing (a build step that did not produce it): a failure, not a skip."""
+    assert os.access(EXAMPLE, os.X_OK), \
+        f"PYSPEC_SPECULATE_EXAMPLE={EXAMPLE!r} is not an executable file"
 
 # Repeats give prompt lookup something to copy; the last prompt is a single token (no prefill).
 PROMPTS = [
