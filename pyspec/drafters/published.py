@@ -103,18 +103,13 @@ def _load(file: str) -> Dict[str, torch.Tensor]:
 
         _tensor_names(file)  # header checks
         return load_file(file)
-    try:
-        obj = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - truncated or foreign bytes raise almost anything
-        from pyspec.models.loader import load_failure, pickled_global
+    from pyspec.models.loader import load_weights_only
 
-        name = pickled_global(e)
-        if name is not None:
-            raise ValueError(f"{file}: the file holds pickled Python objects (it names {name}), "
-                             "which pyspec does not load (unpickling can run any code); "
-                             "convert it to safetensors") from None
-        raise ValueError(f"{file}: not a readable PyTorch weights file ({load_failure(e)})") \
-            from None
+    obj = load_weights_only(
+        file, lambda name: f"{file}: the file holds pickled Python objects (it names {name}), "
+                           "which pyspec does not load (unpickling can run any code); convert it "
+                           "to safetensors",
+        lambda why: f"{file}: not a readable PyTorch weights file ({why})")
     if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                             for k, v in obj.items()):
         raise ValueError(f"{file}: must hold a dict of tensor name -> tensor")

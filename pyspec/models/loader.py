@@ -12,7 +12,7 @@ import json
 import os
 import re
 import struct
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -427,6 +427,20 @@ def pickled_global(e: Exception) -> Optional[str]:
     call it), or None when the load failed for another reason (bytes that are no pickle)."""
     m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
     return m.group(1) if m else None
+
+
+def load_weights_only(path: str, pickled: Callable[[str], str],
+                      unreadable: Callable[[str], str]):
+    """``torch.load(path, weights_only=True)`` on the CPU: nothing in the file runs. A file that
+    pickles a Python object is a ValueError with ``pickled(name)`` (``name``: the object it
+    names), any other failure (truncated or foreign bytes raise almost anything) one with
+    ``unreadable(why)`` (``why``: the error in one line)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        name = pickled_global(e)
+        raise ValueError(pickled(name) if name is not None else unreadable(load_failure(e))) \
+            from None
 
 
 def load_failure(e: Exception) -> str:

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional
 import torch
 
 from pyspec.drafters.base import Draft, Drafter
-from pyspec.models.loader import load_failure, pickled_global
+from pyspec.models.loader import load_weights_only
 
 TEMPLATES = [
     "Explain {t} to a curious teenager in a few paragraphs.",
@@ -486,23 +486,16 @@ def load_sequences(path: str, what: str = "--data",
     older pyspec, which pickled Python objects. ``regenerate``: how to make the file again, for
     the errors (default: generate the corpus again)."""
     hint = f"; {regenerate}" if regenerate else ""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    # Arbitrary bytes can raise almost any exception (UnpicklingError, RuntimeError, EOFError,
-    # ...), none of which says what was wrong with the file.
-    except Exception as e:  # noqa: BLE001
-        name = pickled_global(e)
-        if name is None:
-            raise ValueError(f"{what}: {path!r} is not a corpus saved by train-draft (its "
-                             f"data.pt) nor a corpus drafter folder: torch.load failed "
-                             f"({load_failure(e)}){hint}") from None
-        again = regenerate or "generate the corpus again (train-draft without --data)"
-        raise ValueError(
-            f"{what}: {path!r} holds pickled Python objects (it names {name}), which pyspec does "
-            "not load (unpickling can run any code): a corpus saved by an older pyspec, or not a "
-            f"corpus at all. To go on, {again}; or, only for a file you made yourself, convert it "
-            "once: python -c \"import pyspec.train.data as D; "
-            f"D.convert_pickled_corpus({path!r})\"") from None
+    again = regenerate or "generate the corpus again (train-draft without --data)"
+    state = load_weights_only(
+        path,
+        lambda name: f"{what}: {path!r} holds pickled Python objects (it names {name}), which "
+                     "pyspec does not load (unpickling can run any code): a corpus saved by an "
+                     f"older pyspec, or not a corpus at all. To go on, {again}; or, only for a "
+                     "file you made yourself, convert it once: python -c \"import "
+                     f"pyspec.train.data as D; D.convert_pickled_corpus({path!r})\"",
+        lambda why: f"{what}: {path!r} is not a corpus saved by train-draft (its data.pt) nor a "
+                    f"corpus drafter folder: torch.load failed ({why}){hint}")
     problem = _corpus_problem(state)
     if problem:
         raise ValueError(f"{what}: {path!r} is a torch file but not a corpus saved by train-draft "

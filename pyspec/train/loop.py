@@ -66,19 +66,14 @@ def resume(path: str, key: str, module: torch.nn.Module, opt: torch.optim.Optimi
     anything else is refused (it was not written by :func:`save`)."""
     if not os.path.isfile(path):
         return 0
-    restart = "delete it to train from the first epoch"
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - truncated or foreign bytes raise almost anything
-        from pyspec.models.loader import load_failure, pickled_global
+    from pyspec.models.loader import load_weights_only
 
-        name = pickled_global(e)
-        if name is not None:
-            raise ValueError(f"{path}: the checkpoint holds pickled Python objects (it names "
-                             f"{name}), which pyspec does not load (unpickling can run any code); "
-                             f"train-draft did not write it: {restart}") from None
-        raise ValueError(f"{path}: not a readable training checkpoint ({load_failure(e)}); "
-                         f"{restart}") from None
+    restart = "delete it to train from the first epoch"
+    state = load_weights_only(
+        path, lambda name: f"{path}: the checkpoint holds pickled Python objects (it names "
+                           f"{name}), which pyspec does not load (unpickling can run any code); "
+                           f"train-draft did not write it: {restart}",
+        lambda why: f"{path}: not a readable training checkpoint ({why}); {restart}")
     if not (isinstance(state, dict) and isinstance(state.get(key), dict)
             and isinstance(state.get("opt"), dict) and isinstance(state.get("epoch"), int)):
         raise ValueError(f"{path}: not a training checkpoint of this trainer (needs '{key}', "
