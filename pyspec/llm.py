@@ -20,12 +20,13 @@ import collections
 import os
 import time
 from dataclasses import dataclass, field, replace
-from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 from pyspec.engine import Engine, Router, StepError
 from pyspec.outputs import (Completion, GenerationOutput, OutputTracker, StreamChunk,
                             apply_outputs)
 from pyspec.params import SamplingParams, as_params, is_int, is_real, sample_seed, validate_params
+from pyspec.predictor import AcceptancePredictor, load_predictor
 from pyspec.runner import KV_DTYPES, ModelRunner, check_kv_dtype
 
 __all__ = ["LLM", "SpecConfig", "GenerationOutput", "Completion", "StreamChunk", "generate"]
@@ -62,6 +63,14 @@ class SpecConfig:
             default "ngram": prompt lookup over the whole context, which a long document feeds;
             "none": such prompts decode plainly; None: no channel, every prompt drafted alike),
             before ``router`` sees it. Requests carry ``stats.channel`` ("long" or "short").
+        predictor, predictor_min_acceptance: an acceptance predictor
+            (:mod:`pyspec.predictor`): a path to its file or an ``AcceptancePredictor``; None
+            (default): none (none is shipped: docs/performance.md#acceptance-predictor). A
+            short-prompt request of the default drafter that it predicts below
+            ``predictor_min_acceptance`` tokens per speculative step decodes plainly (one in 8
+            such requests speculates anyway, to keep it learning); finished speculative
+            requests update it online. ``stats.predicted_acceptance`` and
+            ``stats.predictor_plain`` say what it predicted and decided.
     """
 
     num_speculative_tokens: Optional[int] = None
@@ -77,6 +86,8 @@ class SpecConfig:
     switch_below: float = 0.0
     long_prompt_tokens: int = 4096
     long_prompt_draft: Optional[str] = "ngram"
+    predictor: Any = None
+    predictor_min_acceptance: float = 1.2
 
     def validate(self) -> None:
         """ValueError naming the first bad field and what it allows (NaN and infinities fail
@@ -109,6 +120,15 @@ class SpecConfig:
                 not isinstance(self.long_prompt_draft, str) or not self.long_prompt_draft):
             raise ValueError(f"long_prompt_draft must be a drafter spec, 'none' or None; got "
                              f"{self.long_prompt_draft!r}")
+        if self.predictor is not None and not isinstance(self.predictor, str) and \
+                not isinstance(self.predictor, AcceptancePredictor):
+            raise ValueError(f"predictor must be None, a predictor file's path or a "
+                             f"pyspec.predictor.AcceptancePredictor; got "
+                             f"{type(self.predictor).__name__}")
+        if not is_real(self.predictor_min_acceptance) or \
+                not 1.0 <= self.predictor_min_acceptance <= 64:
+            raise ValueError(f"predictor_min_acceptance must be a number in [1, 64]; got "
+                             f"{self.predictor_min_acceptance!r}")
         if self.router is not None and not isinstance(self.router, Router):
             raise ValueError(f"router must be a pyspec.Router or None; got "
                              f"{type(self.router).__name__}")
@@ -232,7 +252,8 @@ class LLM:
                 long_prompt = (spec.long_prompt_tokens, LONG_DRAFTER)
         self.engine = Engine(
             self.runner, self.tokenizer, drafter=draft, drafters=drafters or None,
-            long_prompt=long_prompt,
+            long_prompt=long_prompt, predictor=load_predictor(spec.predictor),
+            predictor_min_acceptance=float(spec.predictor_min_acceptance),
             router=spec.router, gamma=spec.num_speculative_tokens, adaptive=spec.adaptive,
             switch_below=spec.switch_below, enable_prefix_cache=enable_prefix_cache,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

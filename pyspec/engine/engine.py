@@ -39,12 +39,17 @@ from pyspec.engine.stats import (EngineStats, GenerationResult, RequestOutput, R
                                  StepError, StepTrace, count_speculative_step)
 from pyspec.models.loader import return_freed_memory
 from pyspec.params import SamplingParams, as_params, is_int, is_real, validate_params
+from pyspec.predictor import corpus_of, prompt_features
 from pyspec.runner import ModelRunner, SeqStep
 
 __all__ = ["Engine"]
 
 # Steps of at least this many tokens (prefill chunks) are followed by return_freed_memory().
 TRIM_STEP_TOKENS = 256
+# Of the requests the acceptance predictor would decode plainly, every EXPLORE_EVERY-th
+# speculates anyway; a finished request teaches the predictor after this many speculative steps.
+EXPLORE_EVERY = 8
+PREDICTOR_MIN_DRAFTS = 4
 
 _log = logging.getLogger("pyspec.engine")
 
@@ -61,6 +66,7 @@ class _Req:
     finish_reason: Optional[str] = None
     failed: bool = False  # its drafter failed: plain decoding from now on
     tried: List[str] = field(default_factory=list)
+    features: Optional[List[float]] = None  # its prompt's predictor features (when consulted)
 
     @property
     def generated(self) -> List[int]:
@@ -106,7 +112,9 @@ class Engine:
                  router: Optional[Router] = None, gamma: Optional[int] = None,
                  adaptive: bool = True, switch_below: float = 0.0,
                  enable_prefix_cache: bool = True,
-                 long_prompt: Optional[Tuple[int, Optional[str]]] = None, **scheduler_kwargs):
+                 long_prompt: Optional[Tuple[int, Optional[str]]] = None,
+                 predictor=None, predictor_min_acceptance: float = 1.2,
+                 **scheduler_kwargs):
         if gamma is not None and (not is_int(gamma) or not 0 <= gamma <= 255):
             raise ValueError(f"gamma must be an int in [0, 255]; got {gamma!r}")
         if not is_real(switch_below) or not 0.0 <= switch_below <= 1.0:
@@ -130,6 +138,21 @@ class Engine:
                 raise ValueError(f"the long-prompt channel names drafter {lname!r}; the engine "
                                  f"has {sorted(self.drafters)}")
             self.long_prompt = (int(n), lname)
+        # The acceptance predictor (pyspec.predictor.AcceptancePredictor): a short-channel
+        # request of the default drafter predicted below ``predictor_min_acceptance`` tokens
+        # per speculative step decodes plainly (every EXPLORE_EVERY-th such request speculates
+        # anyway, so the predictor keeps learning where it says no); finished speculative
+        # requests update it.
+        if predictor is not None and not hasattr(predictor, "predict_features"):
+            raise ValueError(f"predictor must be a pyspec.predictor.AcceptancePredictor; got "
+                             f"{type(predictor).__name__}")
+        if not is_real(predictor_min_acceptance) or not 1.0 <= predictor_min_acceptance <= 64:
+            raise ValueError(f"predictor_min_acceptance must be a number in [1, 64] (tokens per "
+                             f"speculative step); got {predictor_min_acceptance!r}")
+        self.predictor = predictor
+        self.predictor_min_acceptance = float(predictor_min_acceptance)
+        self._corpus = corpus_of(self.drafters.get(self.default_drafter or ""))
+        self._predicted_plain = 0
         if router is not None:
             for name in router.names():
                 if name is not None and name not in self.drafters:
@@ -222,6 +245,15 @@ class Engine:
             elif self.router is not None:
                 name = self.router.route(RouteFeatures(
                     len(prompt), self.scheduler.num_running + self.scheduler.num_waiting))
+        feats, predicted, plain = None, None, False
+        if self.predictor is not None and name is not None and name == self.default_drafter \
+                and not long:
+            feats = prompt_features(prompt, self._corpus)
+            predicted = self.predictor.predict_features(feats)
+            if predicted < self.predictor_min_acceptance:
+                self._predicted_plain += 1
+                if self._predicted_plain % EXPLORE_EVERY:
+                    name, plain = None, True
         rid = self._next_id
         self.scheduler.add_request(rid, prompt, max_tokens=int(p.max_tokens), stop_token_ids=stop,
                                    speculative=name is not None,
@@ -231,6 +263,8 @@ class Engine:
         r = _Req(p, seed, prompt, len(prompt), name)
         r.stats.drafter = name
         r.stats.channel = "long" if long else "short"
+        r.stats.predicted_acceptance, r.stats.predictor_plain = predicted, plain
+        r.features = feats
         if name is not None:
             r.tried.append(name)
             r.stats.drafters_used.append(name)
@@ -320,6 +354,8 @@ class Engine:
         r.finish_reason = reason
         if reason not in ("abort", "error"):
             self.drafting.learn(rid, r.context, r.params.learn_partition)
+            if r.features is not None and r.stats.drafts >= PREDICTOR_MIN_DRAFTS:
+                self.predictor.update(r.features, r.stats.acceptance_length)
         self.drafting.release(rid)
         if self.scheduler.has_request(rid):
             snap = self.scheduler.request(rid)

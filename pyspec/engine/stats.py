@@ -42,6 +42,10 @@ class RequestStats:
     # "long": the prompt was longer than the engine's long-prompt threshold (its drafter is the
     # long-prompt channel's); "short" otherwise.
     channel: str = "short"
+    # The acceptance predictor's estimate for this request (None: no predictor consulted), and
+    # whether it made the request decode plainly.
+    predicted_acceptance: Optional[float] = None
+    predictor_plain: bool = False
 
     @property
     def acceptance_length(self) -> float:

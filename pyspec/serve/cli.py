@@ -31,6 +31,8 @@ def build(args):
                               "fallback_on_alpha_below": spec.fallback_on_alpha_below,
                               "long_prompt_tokens": spec.long_prompt_tokens,
                               "long_prompt_draft": spec.long_prompt_draft,
+                              "predictor": spec.predictor,
+                              "predictor_min_acceptance": spec.predictor_min_acceptance,
                               **(foreign.spec_config_fields() if foreign else {})})
     options = serve_options(args)  # (checked before the model loads)
     llm = pyspec.LLM(model, draft, sc, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens,
@@ -94,7 +96,8 @@ def with_tree_width(draft: str, width: int) -> str:
 
 # Keys read once, when the engine is built: a reload keeps their old values.
 RESTART_KEYS = ("target_model", "draft_model", "gamma", "tree_width", "adaptive",
-                "fallback_on_alpha_below", "long_prompt_tokens", "long_prompt_draft")
+                "fallback_on_alpha_below", "long_prompt_tokens", "long_prompt_draft", "predictor",
+                "predictor_min_acceptance")
 
 
 def reload_config(app, path) -> bool:

@@ -11,6 +11,8 @@
       long_prompt:              # the long-prompt channel (null: none, every prompt drafted alike)
         threshold_tokens: 4096  # prompts longer than this ...
         draft_model: ngram      # ... are drafted by this spec ("none": decoded plainly)
+      predictor: null           # an acceptance predictor file (null: none) ...
+      predictor_min_acceptance: 1.2  # ... short requests predicted below decode plainly
       quality_gate:
         kl_threshold: 0.05
         rollback_on_violation: true
@@ -34,7 +36,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Optional, Tuple
 
 SPEC_KEYS = {"enabled_ratio", "draft_model", "target_model", "gamma", "tree_width", "adaptive",
-             "fallback_on_alpha_below", "quality_gate", "long_prompt"}
+             "fallback_on_alpha_below", "quality_gate", "long_prompt", "predictor",
+             "predictor_min_acceptance"}
 LONG_PROMPT_KEYS = {"threshold_tokens", "draft_model"}
 GATE_KEYS = {"kl_threshold", "rollback_on_violation", "sample_ratio"}
 TENANT_KEYS = {"enabled_ratio"}
@@ -67,6 +70,8 @@ class SpecSettings:
     quality_gate: QualityGate = field(default_factory=QualityGate)
     long_prompt_tokens: int = 4096
     long_prompt_draft: Optional[str] = "ngram"  # None: no long-prompt channel
+    predictor: Optional[str] = None  # "default" or a predictor file (pyspec.predictor)
+    predictor_min_acceptance: float = 1.2
 
     def speculates(self, request_id: str) -> bool:
         """Deterministic by request id: the same id always gets the same answer."""
@@ -142,6 +147,12 @@ def _spec(d: Any, where: str, base: SpecSettings, allowed) -> SpecSettings:
             s.adaptive = _bool(v, key)
         elif k == "fallback_on_alpha_below":
             s.fallback_on_alpha_below = float(_num(v, key, 0.0, 0.99))
+        elif k == "predictor":
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ConfigError(f"{key} must be a predictor file's path or null; got {v!r}")
+            s.predictor = v
+        elif k == "predictor_min_acceptance":
+            s.predictor_min_acceptance = float(_num(v, key, 1.0, 64.0))
         elif k == "long_prompt":
             if v is None:
                 s.long_prompt_draft = None

@@ -83,6 +83,10 @@ class Metrics:
         self.channel_accepted = Counter(p + "channel_accepted_tokens",
                                         "Draft tokens accepted in finished requests, by prompt "
                                         "channel", ["channel"], registry=r)
+        self.predictor_decisions = Counter("pyspec_predictor_decisions",
+                                           "Finished requests the acceptance predictor sent to "
+                                           "plain decoding or let speculate", ["decision"],
+                                           registry=r)
         self.channel_tpot = Histogram("pyspec_channel_time_per_output_token_seconds",
                                       "Decode time per output token after the first, by prompt "
                                       "channel", ["channel"], buckets=TOKEN_BUCKETS, registry=r)
@@ -146,6 +150,9 @@ class Metrics:
             if n:
                 self.fallbacks.labels(reason=k).inc(n)
         channel = getattr(stats, "channel", None) or "short"
+        if stats is not None and stats.predicted_acceptance is not None:
+            self.predictor_decisions.labels(
+                decision="plain" if stats.predictor_plain else "speculate").inc()
         self.channel_requests.labels(channel=channel).inc()
         if stats is not None and stats.drafts:
             self.channel_drafts.labels(channel=channel).inc(stats.drafts)

@@ -87,6 +87,9 @@ class RequestTracer:
         s.set_attribute("pyspec.completion_tokens", n_tokens)
         if h.stats is not None:
             s.set_attribute("pyspec.channel", h.stats.channel)
+            if h.stats.predicted_acceptance is not None:
+                s.set_attribute("pyspec.predicted_acceptance", h.stats.predicted_acceptance)
+                s.set_attribute("pyspec.predictor_plain", h.stats.predictor_plain)
             s.set_attribute("pyspec.drafts", h.stats.drafts)
             s.set_attribute("pyspec.accepted_tokens", h.stats.accepted_tokens)
             s.set_attribute("pyspec.acceptance_length", float(h.stats.acceptance_length))

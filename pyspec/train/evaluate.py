@@ -117,16 +117,22 @@ def sampling_params(max_tokens: int, temperature: float):
 def evaluate(target: Optional[str], drafts: Dict[str, str], prompts, *, max_tokens: int = 128,
              temperature: float = 0.0, dtype: str = "float32", adaptive: bool = True,
              progress: bool = True, where: Optional[List[str]] = None,
-             packed_weights: str = "codes", kv_cache_dtype: str = "auto") -> dict:
+             packed_weights: str = "codes", kv_cache_dtype: str = "auto",
+             predictor=None) -> dict:
     """``where``: where each prompt came from (e.g. ``FILE:LINE``), for error messages.
     ``packed_weights``: as ``pyspec.LLM``'s; the report's ``weights`` says which the target read
     ("packed" or "float32"), since speedups differ between them (outputs do not).
-    ``kv_cache_dtype``: as ``pyspec.LLM``'s, for every engine of the evaluation."""
+    ``kv_cache_dtype``: as ``pyspec.LLM``'s, for every engine of the evaluation. ``predictor``
+    (a :class:`pyspec.predictor.AcceptancePredictor`): each drafter's report gains how well it
+    predicted the requests' acceptance lengths (``predictor``: Spearman's correlation and the
+    mean absolute error)."""
     import pyspec
     from tqdm import tqdm
 
     from pyspec.engine import Engine, SamplingParams
     from pyspec.runner import ModelRunner
+
+    from pyspec.predictor import corpus_of, spearman
 
     params = sampling_params(max_tokens, temperature)
     base = pyspec.LLM(target, draft="none", dtype=dtype, kv_cache_tokens=1024, progress=progress,
@@ -153,6 +159,7 @@ def evaluate(target: Optional[str], drafts: Dict[str, str], prompts, *, max_toke
     for e in [plain, *engines.values()]:  # warm-up outside the timings
         e.generate([enc[0][:16]], SamplingParams(max_tokens=4))
     rows: Dict[str, List[dict]] = {n: [] for n in engines}
+    predicted: Dict[str, List[float]] = {n: [] for n in engines}
     for (cat, _), ids in tqdm(list(zip(prompts, enc)), desc="evaluating", disable=not progress):
         t0 = time.perf_counter()
         ref = plain.generate([ids], params)[0]
@@ -163,6 +170,9 @@ def evaluate(target: Optional[str], drafts: Dict[str, str], prompts, *, max_toke
             r = e.generate([ids], params)[0]
             secs = time.perf_counter() - t0
             st = r.stats
+            if predictor is not None:
+                predicted[name].append(predictor.predict(
+                    ids, corpus_of(e.drafters.get(e.default_drafter or ""))))
             rows[name].append(dict(
                 category=cat, tokens=len(r.token_ids), steps=st.steps, drafts=st.drafts,
                 draft_tokens=st.draft_tokens, accepted=st.accepted_tokens,
@@ -181,6 +191,13 @@ def evaluate(target: Optional[str], drafts: Dict[str, str], prompts, *, max_toke
         s["manifest"] = getattr(d, "manifest", None)
         s["per_category"] = {c: _summary([r for r in rs if r["category"] == c])
                              for c in dict.fromkeys(r["category"] for r in rs)}
+        if predictor is not None:
+            real = [1.0 + r["accepted"] / r["drafts"] if r["drafts"] else 1.0 for r in rs]
+            rho = spearman(predicted[name], real)
+            s["predictor"] = {
+                "spearman": None if rho != rho else round(rho, 3),
+                "mean_abs_error": round(sum(abs(p - y) for p, y in zip(predicted[name], real))
+                                        / max(1, len(real)), 3)}
         report["drafters"][name] = s
     return report
 
@@ -343,6 +360,9 @@ def add_parser(sub):
     p.add_argument("--threshold", type=float, default=0.05)
     p.add_argument("--gate-speedup", action="store_true", help="also gate on measured speedup")
     p.add_argument("--out", default="eval-draft", help="report folder")
+    p.add_argument("--predictor", default=None,
+                   help="an acceptance predictor file: report how well it predicts each "
+                        "request's acceptance length")
     p.add_argument("--record-in-manifest", action="store_true",
                    help="write the candidate's summary into its drafter.json manifest "
                         "('evaluation'), for a drafter folder")
@@ -383,17 +403,22 @@ def _cmd(args) -> int:
     drafts = {"candidate": args.draft}
     if args.baseline:
         drafts["baseline"] = args.baseline
+    from pyspec.predictor import load_predictor
+
     report = evaluate(args.target, drafts, prompts, max_tokens=args.max_tokens,
                       temperature=args.temperature, dtype=args.dtype, adaptive=args.adaptive,
                       where=[f"{args.prompts}:{k}" for k, _, _ in rows],
-                      packed_weights=args.packed_weights, kv_cache_dtype=args.kv_cache_dtype)
+                      packed_weights=args.packed_weights, kv_cache_dtype=args.kv_cache_dtype,
+                      predictor=load_predictor(args.predictor))
     paths = write_report(report, args.out)
     if args.record_in_manifest:
         record_in_manifest(heads, report, args)
     for name, s in report["drafters"].items():
         print(f"{name}: acceptance length {s['acceptance_length']:.2f}, tokens/step "
               f"{s['tokens_per_target_step']:.2f}, speedup {s['speedup']:.2f}x "
-              f"({s['identical_to_plain']}/{s['prompts']} identical to plain)")
+              f"({s['identical_to_plain']}/{s['prompts']} identical to plain)"
+              + (f"; predictor Spearman {s['predictor']['spearman']}, mean abs error "
+                 f"{s['predictor']['mean_abs_error']}" if "predictor" in s else ""))
     print("wrote " + ", ".join(paths))
     if args.baseline:
         bad = gate(report, "candidate", "baseline", args.threshold, args.gate_speedup)

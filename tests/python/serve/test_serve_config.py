@@ -26,6 +26,8 @@ from pyspec.serve.config import ConfigError, parse_config  # noqa: E402
     ({"speculative": {"long_prompt": {"draft_model": ""}}}, "speculative.long_prompt.draft_model"),
     ({"speculative": {"long_prompt": {"drafter": "ngram"}}}, "speculative.long_prompt.drafter"),
     ({"speculative": {"long_prompt": 5}}, "speculative.long_prompt"),
+    ({"speculative": {"predictor": 3}}, "speculative.predictor"),
+    ({"speculative": {"predictor_min_acceptance": 0.5}}, "speculative.predictor_min_acceptance"),
     ({"tenants": {"a": {"speculative": {"long_prompt": None}}}},
      "tenants.a.speculative.long_prompt"),
 ])
@@ -42,6 +44,10 @@ def test_long_prompt_channel_config():
     assert s.long_prompt_draft is None  # no channel
     s = parse_config({}).speculative
     assert (s.long_prompt_tokens, s.long_prompt_draft) == (4096, "ngram")
+    assert (s.predictor, s.predictor_min_acceptance) == (None, 1.2)
+    s = parse_config({"speculative": {"predictor": "p.json",
+                                      "predictor_min_acceptance": 1.4}}).speculative
+    assert (s.predictor, s.predictor_min_acceptance) == ("p.json", 1.4)
 
 
 def test_config_shape_and_ratio_is_deterministic():

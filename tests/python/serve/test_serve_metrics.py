@@ -123,3 +123,39 @@ def test_long_prompt_channel_metrics(tmp_path):
     finally:
         srv.should_exit = True
         th.join(timeout=10)
+
+
+def test_predictor_decisions_metric(tmp_path):
+    """A server with an acceptance predictor that predicts too little for every prompt: its
+    requests decode plainly and are counted as the predictor's "plain" decisions."""
+    import numpy as np
+
+    import pyspec
+    from models_support import write_tiny_model
+    from pyspec.predictor import FEATURES, AcceptancePredictor
+    from pyspec.serve.app import create_app
+    from pyspec.serve.config import parse_config
+    from serve_support import _start
+
+    k = len(FEATURES)
+    a = np.eye(k + 1) * 1e6
+    a[k, k] = 1.0
+    b = np.zeros(k + 1)
+    b[k] = 1.0  # every prediction: 1.0 tokens per speculative step
+    path_p = str(tmp_path / "pred.json")
+    AcceptancePredictor(np.zeros(k), np.ones(k), a, b, ridge=0.0).save(path_p)
+    cfg = parse_config({"speculative": {"predictor": path_p, "predictor_min_acceptance": 1.5}})
+    path = write_tiny_model(tmp_path)
+    llm = pyspec.LLM(path, draft="ngram", kv_cache_tokens=512,
+                     spec=pyspec.SpecConfig(predictor=cfg.speculative.predictor,
+                                            predictor_min_acceptance=1.5))
+    srv, th, base = _start(create_app(llm, cfg))
+    try:
+        r = httpx.post(base + "/v1/completions", json={
+            "model": "pyspec", "prompt": [5, 6, 7, 5, 6, 7], "max_tokens": 8,
+            "temperature": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert metric(base, 'pyspec_predictor_decisions_total{decision="plain"}') == 1
+    finally:
+        srv.should_exit = True
+        th.join(timeout=10)

@@ -106,3 +106,32 @@ def test_eval_records_into_manifest(tiny, trained, tmp_path):
     ev = json.load(open(os.path.join(d, "drafter.json")))["manifest"]["evaluation"]
     assert ev["draft"] == "ngram|copy" and ev["max_tokens"] == 6
     assert ev["command"].startswith("pyspec eval-draft --draft 'ngram|copy' ")
+
+
+def test_eval_draft_reports_the_predictors_accuracy(tiny, tmp_path, capsys):
+    """--predictor: each drafter's report says how the predictor's per-request estimates rank
+    against the realized acceptance lengths (Spearman) and how far they are (mean error)."""
+    import numpy as np
+
+    from pyspec.predictor import FEATURES, AcceptancePredictor
+
+    prompts = tmp_path / "p.jsonl"
+    with open(prompts, "w") as f:
+        for t in ["abc abc abc abc abc", "the cat sat", "one two one two one two", "hello"]:
+            f.write(json.dumps({"prompt": t, "category": "x"}) + "\n")
+    rng = np.random.default_rng(0)
+    x = rng.random((20, len(FEATURES)))
+    pred = AcceptancePredictor.fit(x, 1.0 + x[:, 1], ridge=0.1)  # more repeats, more accepted
+    path = str(tmp_path / "pred.json")
+    pred.save(path)
+    out = str(tmp_path / "rep")
+    assert cli.main(["eval-draft", "--target", tiny, "--draft", "ngram", "--prompts",
+                     str(prompts), "--max-tokens", "12", "--out", out, "--no-adaptive",
+                     "--predictor", path]) == 0
+    c = json.load(open(os.path.join(out, "report.json")))["drafters"]["candidate"]
+    assert set(c["predictor"]) == {"spearman", "mean_abs_error"}
+    assert c["predictor"]["mean_abs_error"] >= 0
+    assert "predictor Spearman" in capsys.readouterr().out
+    assert cli.main(["eval-draft", "--target", tiny, "--draft", "ngram", "--prompts",
+                     str(prompts), "--max-tokens", "4", "--out", out,
+                     "--predictor", str(tmp_path / "missing.json")]) != 0
