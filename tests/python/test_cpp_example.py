@@ -1,5 +1,6 @@
-"""The C++ embedding example (cpp/examples/speculate.cc) against pyspec.LLM(draft="ngram"): the
-same greedy token ids for the same prompt ids, from a tiny random Llama checkpoint.
+"""The C++ embedding example (cpp/examples/speculate.cc) against pyspec.LLM(draft="ngram") with
+a float32 KV cache, as the example's: the same greedy token ids for the same prompt ids, from a
+tiny random Llama checkpoint.
 
 The example is a C++ program built with the core (``pyspec_speculate`` in a CMake build's
 ``cpp/examples``, or ``speculate`` of ``tests/consumer`` against the installed package); these
@@ -82,7 +83,7 @@ def check_same(llm, prompt, max_new, cpp, py):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = write_tiny_model(tmp_path_factory.mktemp("cpp_example") / "model", layers=2, seed=3)
-    return path, pyspec.LLM(path, draft="ngram", progress=False)
+    return path, pyspec.LLM(path, draft="ngram", progress=False, kv_cache_dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +100,8 @@ def loopy(tmp_path_factory, tiny):
     w = load_file(os.path.join(src, "model.safetensors"))
     save_file({k: v * 0.03 if ("o_proj" in k or "down_proj" in k) else v for k, v in w.items()},
               str(dst / "model.safetensors"))
-    return str(dst), pyspec.LLM(str(dst), draft="ngram", progress=False)
+    return str(dst), pyspec.LLM(str(dst), draft="ngram", progress=False,
+                                kv_cache_dtype="float32")
 
 
 @pytest.mark.parametrize("model", ["tiny", "loopy"])
@@ -182,7 +184,7 @@ def test_qwen2_biases_and_tied_embeddings(tmp_path, tiny):
             w[f"model.layers.{layer}.self_attn.{name}_proj.bias"] = 0.1 * torch.randn(
                 n, generator=g)
     save_file(w, str(dst / "model.safetensors"))
-    llm = pyspec.LLM(str(dst), draft="ngram", progress=False)
+    llm = pyspec.LLM(str(dst), draft="ngram", progress=False, kv_cache_dtype="float32")
     for prompt in (PROMPTS[0], PROMPTS[3]):
         cpp, _, _ = run_example(dst, prompt, 32)
         check_same(llm, prompt, 32, cpp, python_ids(llm, prompt, 32))
@@ -218,7 +220,7 @@ def test_packed_checkpoint(tmp_path, tiny):
     dst = tmp_path / "model"
     shutil.copytree(src, dst)
     save_file(w, str(dst / "model.safetensors"))
-    llm = pyspec.LLM(str(dst), draft="ngram", progress=False)
+    llm = pyspec.LLM(str(dst), draft="ngram", progress=False, kv_cache_dtype="float32")
     packed = llm.describe()["packed"]
     if packed is None:
         pytest.skip("this CPU has no packed kernel (LinearPacked needs AVX2)")
@@ -240,7 +242,7 @@ def test_default_model():
     from pyspec.models.default import default_model_path
 
     path = default_model_path(progress=False)
-    llm = pyspec.LLM(path, draft="ngram", progress=False)
+    llm = pyspec.LLM(path, draft="ngram", progress=False, kv_cache_dtype="float32")
     prompt = llm.tokenizer.encode("def fib(n):\n    if n < 2:\n        return n\n    return "
                                   "fib(n - 1) + fib(n - 2)\n\nprint(fib(10))\n\ndef fib")
     n = 48
@@ -259,7 +261,7 @@ def test_half_precision_checkpoints(tmp_path, tiny, dtype):
     shutil.copytree(src, dst)
     w = load_file(os.path.join(src, "model.safetensors"))
     save_file({k: v.to(dtype) for k, v in w.items()}, str(dst / "model.safetensors"))
-    llm = pyspec.LLM(str(dst), draft="ngram", progress=False)
+    llm = pyspec.LLM(str(dst), draft="ngram", progress=False, kv_cache_dtype="float32")
     prompt, n = PROMPTS[0], 16
     cpp, _, _ = run_example(dst, prompt, n)
     check_same(llm, prompt, n, cpp, python_ids(llm, prompt, n))
