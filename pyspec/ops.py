@@ -71,6 +71,16 @@ def materialize_kv(scratch, pages, src_rows, dst_slots) -> None:
     _C.materialize_kv(scratch, pages, src_rows, dst_slots, _stream_of(scratch))
 
 
+def kv_storable(act_dtype, kv_dtype) -> bool:
+    """Whether K/V computed in ``act_dtype`` may be stored as ``kv_dtype``: the same dtype, or
+    float16 / bfloat16 under float32 activations (a 16-bit KV cache; the core's rotary op,
+    decoder stack and attention take that pair)."""
+    import torch
+
+    return kv_dtype == act_dtype or (act_dtype == torch.float32
+                                     and kv_dtype in (torch.float16, torch.bfloat16))
+
+
 def _core_ok(*tensors) -> bool:
     """True when the core's CPU layer ops can take these tensors: CPU, contiguous, float32 /
     bfloat16 / float16, and no autograd in play."""
@@ -132,8 +142,7 @@ def rotary_qkv(qkv, cos, sin, num_heads: int, num_kv_heads: int, k_out, v_out):
     d = cos.shape[-1]
     if (_core_ok(qkv, k_out, v_out) and cos.dtype == sin.dtype == torch.float32
             and cos.is_cpu and cos.is_contiguous() and sin.is_contiguous()
-            and k_out.dtype == v_out.dtype and (k_out.dtype == qkv.dtype or (
-                qkv.dtype == torch.float32 and k_out.dtype in (torch.float16, torch.bfloat16)))):
+            and k_out.dtype == v_out.dtype and kv_storable(qkv.dtype, k_out.dtype)):
         q = torch.empty(t, num_heads, d, dtype=qkv.dtype)
         _C.rotary_qkv(qkv, cos, sin, q, k_out, v_out)
         return q

@@ -93,7 +93,7 @@ def check_kv_dtype(model, kv_dtype) -> torch.dtype:
     want = KV_DTYPES.get(kv_dtype, kv_dtype) if isinstance(kv_dtype, str) else kv_dtype
     if want == model.dtype:
         return want
-    if want not in (torch.float16, torch.bfloat16):
+    if not ops.kv_storable(torch.float32, want):
         raise ValueError(f"kv_cache_dtype must be 'auto', float32, float16 or bfloat16; got "
                          f"{kv_dtype!r}")
     if model.dtype != torch.float32 or model.device.type != "cpu":

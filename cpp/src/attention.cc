@@ -308,18 +308,6 @@ PYSPEC_INLINE void LoadRow(const char* src, DType dtype, float* dst, int64_t n) 
   }
 }
 
-PYSPEC_INLINE void LoadRow(const char* src, DType dtype, float* dst, int64_t n) {
-  if (dtype == DType::kFloat32) {
-    std::memcpy(dst, src, n * sizeof(float));
-  } else if (dtype == DType::kBFloat16) {
-    const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-    for (int64_t i = 0; i < n; ++i) dst[i] = half::BF16ToFloat(s[i]);
-  } else {
-    const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-    for (int64_t i = 0; i < n; ++i) dst[i] = half::HalfToFloat(s[i]);
-  }
-}
-
 void StoreRow(const float* src, float mul, DType dtype, char* dst, int64_t n) {
   if (dtype == DType::kFloat32) {
     float* o = reinterpret_cast<float*>(dst);

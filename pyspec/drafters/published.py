@@ -197,15 +197,20 @@ def _head_shape(cfg: dict, cfg_path: str, target_cfg, what: str):
             _positive(cfg, cfg_path, "intermediate_size", target_cfg.intermediate_size))
 
 
-def _eagle(path: str, target_cfg) -> Tuple[dict, Dict[str, torch.Tensor]]:
+def _eagle_files(path: str, what: str):
+    """(weights file, config, config path) of a published EAGLE head folder."""
     file = _first(path, _EAGLE_FILES)
     cfg = _config(path)
     if file is None or cfg is None:
-        raise ValueError(f"{path!r}: an EAGLE head needs config.json and one of "
+        raise ValueError(f"{path!r}: an {what} head needs config.json and one of "
                          f"{', '.join(_EAGLE_FILES)}")
+    return file, cfg, os.path.join(path, "config.json")
+
+
+def _eagle(path: str, target_cfg) -> Tuple[dict, Dict[str, torch.Tensor]]:
+    file, cfg, cfg_path = _eagle_files(path, "EAGLE")
     t = _load(file)
     h = target_cfg.hidden_size
-    cfg_path = os.path.join(path, "config.json")
     nh, nkv, hd, inter = _head_shape(cfg, cfg_path, target_cfg, "EAGLE")
     out = {"fc.weight": _get(t, file, "fc.weight", (h, 2 * h))}
     if cfg.get("bias", True) or "fc.bias" in t:
@@ -253,12 +258,7 @@ def eagle3_layers(num_layers: int, aux_ids=None) -> Tuple[int, ...]:
 
 
 def _eagle3(path: str, target_cfg) -> Tuple[dict, Dict[str, torch.Tensor]]:
-    file = _first(path, _EAGLE_FILES)
-    cfg = _config(path)
-    if file is None or cfg is None:
-        raise ValueError(f"{path!r}: an EAGLE-3 head needs config.json and one of "
-                         f"{', '.join(_EAGLE_FILES)}")
-    cfg_path = os.path.join(path, "config.json")
+    file, cfg, cfg_path = _eagle_files(path, "EAGLE-3")
     h, v = target_cfg.hidden_size, target_cfg.vocab_size
     if cfg.get("target_hidden_size") not in (None, h):
         raise ValueError(f"{cfg_path}: target_hidden_size {cfg.get('target_hidden_size')} does "

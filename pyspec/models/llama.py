@@ -369,8 +369,7 @@ class LlamaForCausalLM(LlamaWeights):
         ``fused_layers=False``), else None. The stack computes exactly what
         :meth:`_layers_one_by_one` does, in one call instead of about a dozen per layer."""
         if (t > self._serial_rows or self.device.type != "cpu" or x.dtype != self.dtype
-                or not (k_pages.dtype == self.dtype or self.dtype == torch.float32
-                        and k_pages.dtype in (torch.float16, torch.bfloat16))
+                or not ops.kv_storable(self.dtype, k_pages.dtype)
                 or not k_pages.is_contiguous()
                 or (torch.is_grad_enabled() and x.requires_grad) or not self.fused_layers
                 or any(layer["ln1"] is None or "ln_hidden" in layer for layer in self.layers)

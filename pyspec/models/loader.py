@@ -104,9 +104,9 @@ _MAX_HEADER_BYTES = 100 * 2**20
 def check_safetensors_header(file: str) -> dict:
     """The checks safetensors leaves out, made before it opens ``file``: a JSON header that fits
     the file and names each tensor once (JSON allows repeated keys; a reader would keep one of
-    them). ValueError saying what is wrong; the library checks the rest (dtypes, shapes, offsets
-    within the file, no overlaps). Returns the header (plus ``"__data_start__"``: where the
-    tensor data begins)."""
+    them). ValueError saying what is wrong; :func:`iter_tensors` checks each entry it reads
+    (dtype, shape, offsets within the file), safetensors' own reader the rest. Returns the header
+    (plus ``"__data_start__"``: where the tensor data begins)."""
     size = os.path.getsize(file)
     with open(file, "rb") as f:
         head = f.read(8)

@@ -160,6 +160,7 @@ def evaluate(target: Optional[str], drafts: Dict[str, str], prompts, *, max_toke
         e.generate([enc[0][:16]], SamplingParams(max_tokens=4))
     rows: Dict[str, List[dict]] = {n: [] for n in engines}
     predicted: Dict[str, List[float]] = {n: [] for n in engines}
+    corpora = {n: corpus_of(e.drafters.get(e.default_drafter or "")) for n, e in engines.items()}
     for (cat, _), ids in tqdm(list(zip(prompts, enc)), desc="evaluating", disable=not progress):
         t0 = time.perf_counter()
         ref = plain.generate([ids], params)[0]
@@ -171,8 +172,7 @@ def evaluate(target: Optional[str], drafts: Dict[str, str], prompts, *, max_toke
             secs = time.perf_counter() - t0
             st = r.stats
             if predictor is not None:
-                predicted[name].append(predictor.predict(
-                    ids, corpus_of(e.drafters.get(e.default_drafter or ""))))
+                predicted[name].append(predictor.predict(ids, corpora[name]))
             rows[name].append(dict(
                 category=cat, tokens=len(r.token_ids), steps=st.steps, drafts=st.drafts,
                 draft_tokens=st.draft_tokens, accepted=st.accepted_tokens,

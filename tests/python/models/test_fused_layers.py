@@ -97,19 +97,7 @@ def test_kv_cache_dtype_errors():
     runner = ModelRunner(m, 4, 16, kv_dtype=torch.float16)
     assert runner.kv.k.dtype == runner.kv.v.dtype == torch.float16
     # The core checks the cache against the activations too.
-    layers = [{k: layer[k] for k in ("ln1", "ln2", "bqkv", "bo", "wqkv", "wo", "wgu", "wd")}
-              for layer in m.layers]
-    cfg = m.cfg
-    stack = _C.DecoderStack(layers, cfg.num_attention_heads, cfg.num_key_value_heads,
-                            cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
-    from pyspec.attention import plan_attention
-
-    plan = plan_attention([0, 2], [0], [[0]], 16, num_blocks=4,
-                          num_q_heads=cfg.num_attention_heads,
-                          num_kv_heads=cfg.num_key_value_heads)
-    x = torch.randn(2, cfg.hidden_size)
-    cos, sin = m.rope_tables(torch.tensor([0, 1]))
-    kn = torch.empty(2, 2, cfg.num_key_value_heads, cfg.head_dim)
+    _, stack, plan, x, cos, sin, kn = _stack_step(m)
     with pytest.raises(ValueError, match="'k_new' has dtype float32 but 'k_pages' has float16"):
         stack.run(x, cos, sin, plan, runner.kv.k, runner.kv.v, kn, torch.empty_like(kn))
     kn16 = kn.half()
@@ -225,23 +213,31 @@ def test_silu_mul_matches_torch(dtype):
         _C.silu_mul(torch.empty(9, 7, dtype=dtype), torch.empty(9, 3, dtype=dtype))
 
 
-def test_decoder_stack_argument_errors():
-    m = _model(torch.float32)
+def _stack_step(m):
+    """A decoder stack over ``m``'s layers and the arguments of a 2-row step on 4 blocks:
+    (layers, stack, plan, x, cos, sin, k_new) (v_new: like k_new)."""
+    from pyspec.attention import plan_attention
+
     layers = [{k: layer[k] for k in ("ln1", "ln2", "bqkv", "bo", "wqkv", "wo", "wgu", "wd")}
               for layer in m.layers]
     cfg = m.cfg
     stack = _C.DecoderStack(layers, cfg.num_attention_heads, cfg.num_key_value_heads,
                             cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
-    assert len(stack) == 2
-    runner = ModelRunner(m, num_blocks=4, block_size=16)
-    from pyspec.attention import plan_attention
-
     plan = plan_attention([0, 2], [0], [[0]], 16, num_blocks=4,
                           num_q_heads=cfg.num_attention_heads,
                           num_kv_heads=cfg.num_key_value_heads)
     x = torch.randn(2, cfg.hidden_size)
     cos, sin = m.rope_tables(torch.tensor([0, 1]))
     kn = torch.empty(2, 2, cfg.num_key_value_heads, cfg.head_dim)
+    return layers, stack, plan, x, cos, sin, kn
+
+
+def test_decoder_stack_argument_errors():
+    m = _model(torch.float32)
+    layers, stack, plan, x, cos, sin, kn = _stack_step(m)
+    cfg = m.cfg
+    assert len(stack) == 2
+    runner = ModelRunner(m, num_blocks=4, block_size=16)
     vn = torch.empty_like(kn)
     stack.run(x, cos, sin, plan, runner.kv.k, runner.kv.v, kn, vn)
     with pytest.raises(ValueError, match="'k_new'"):
