@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 
-CONFIGS = {
-    # ~1.1B parameters, Llama-3.2-1B-like shapes with a 32k vocabulary.
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-               num_attention_heads=32, num_key_value_heads=8, vocab_size=32000),
-    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, vocab_size=111),
-}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from oracle_support import LAYOUTS as CONFIGS, layout_config  # noqa: E402
 
 
 def repetitive_prompt(vocab: int, length: int = 48, seed: int = 1):
@@ -61,16 +58,12 @@ def main(argv=None):
 
     from pyspec import TokenTree
     from pyspec.engine import Engine, SamplingParams
-    from pyspec.models.config import ModelConfig
     from pyspec.models.llama import LlamaForCausalLM, resolve_device
     from pyspec.models.loader import resolve_dtype
     from pyspec.runner import ModelRunner, SeqStep
 
     device = resolve_device(args.device)
-    c = CONFIGS[args.config]
-    cfg = ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5,
-                                     max_position_embeddings=8192, tie_word_embeddings=False, **c),
-                                source=args.config)
+    cfg = layout_config(args.config)
     t0 = time.perf_counter()
     model = LlamaForCausalLM.random(cfg, seed=0, dtype=resolve_dtype(args.dtype)).to(device)
     params = sum(p.numel() for p in [model.embed, model.lm_head, model.norm]) + sum(

@@ -25,13 +25,10 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from oracle_support import chain_tokens  # noqa: E402
+
 DEPTHS = (1, 2, 4, 8)
-
-
-def chain_tokens(a: float, depth: int) -> float:
-    """Expected tokens per step of a ``depth``-draft chain, each draft right with probability
-    ``a`` given the ones before it (the target's own token always counts)."""
-    return float(depth + 1) if a >= 1.0 else (1.0 - a ** (depth + 1)) / (1.0 - a)
 
 
 def needed_acceptance(cost: float, depth: int, goal: float) -> float:

@@ -5,7 +5,9 @@
 #   3. runs compute-sanitizer memcheck on a short CUDA smoke program, then racecheck and synccheck
 #      on its attention kernels (skipped, and said so, where the tool cannot attach, e.g. gVisor),
 #   4. runs the kernel benchmarks (bench/bench_gpu_kernels.py),
-#   5. runs the model on the GPU (bench/bench_gpu_model.py: verify cost, engine tokens/s).
+#   5. runs the model on the GPU (bench/bench_gpu_model.py: verify cost, engine tokens/s),
+#   6. measures speedup against draft acceptance (bench/bench_oracle_scaling.py: the oracle
+#      drafter on random 1B and 8B layouts, batch 1 and 32).
 # Writes $OUT/gpu_check.json (what ran, pass/fail, timings) and $OUT/gpu_check.log, plus the
 # benchmark JSON and the pytest report. Exit status 0 only if build, tests and benchmarks passed
 # and memcheck reported no error where it ran. Budget: BUDGET seconds (450 by default).
@@ -125,17 +127,24 @@ PYEOF
   (cd /tmp && run_step model_bench 150 "$PY" "$ROOT/bench/bench_gpu_model.py" --device cuda \
       --out "$OUT/gpu_model.json"; echo "${status[model_bench]}" > "$OUT/.model_bench_rc")
   status[model_bench]=$(cat "$OUT/.model_bench_rc" 2>/dev/null || echo 1)
+
+  # Speedup against draft acceptance: the oracle drafter (true continuations, each token replaced
+  # with probability 1 - alpha) on random 1B and 8B layouts, bf16, batch 1 and 32.
+  (cd /tmp && run_step oracle 120 "$PY" "$ROOT/bench/bench_oracle_scaling.py" --device cuda \
+      --layouts 1b,8b --weights bf16 --alphas 0.6,0.8,0.9 --shapes chain4,tree16 --batch 1,32 \
+      --max-tokens 32 --out "$OUT/gpu_oracle.json"; echo "${status[oracle]}" > "$OUT/.oracle_rc")
+  status[oracle]=$(cat "$OUT/.oracle_rc" 2>/dev/null || echo 1)
 fi
 
 total=$(( $(date +%s) - start ))
 "$PY" - "$OUT" "$total" "${status[build]:-x}" "${status[cuda_tests]:-x}" "${status[memcheck]:-x}" \
   "${status[bench]:-x}" "${status[model_bench]:-x}" "${status[racecheck]:-x}" \
-  "${status[synccheck]:-x}" <<'PYEOF'
+  "${status[synccheck]:-x}" "${status[oracle]:-x}" <<'PYEOF'
 import json, os, sys
-out, total, build, tests, memcheck, bench, model_bench, racecheck, synccheck = sys.argv[1:]
+out, total, build, tests, memcheck, bench, model_bench, racecheck, synccheck, oracle = sys.argv[1:]
 summary = {"seconds": int(total), "build_rc": build, "cuda_tests_rc": tests,
            "memcheck_rc": memcheck, "racecheck_rc": racecheck, "synccheck_rc": synccheck,
-           "bench_rc": bench, "model_bench_rc": model_bench}
+           "bench_rc": bench, "model_bench_rc": model_bench, "oracle_rc": oracle}
 xml = os.path.join(out, "cuda_tests.xml")
 if os.path.exists(xml):
     import xml.etree.ElementTree as ET
@@ -150,7 +159,7 @@ print(json.dumps(summary, indent=1))
 PYEOF
 ok=0
 [ "${status[build]:-1}" = 0 ] && [ "${status[cuda_tests]:-1}" = 0 ] && [ "${status[bench]:-1}" = 0 ] \
-  && [ "${status[model_bench]:-1}" = 0 ] || ok=1
+  && [ "${status[model_bench]:-1}" = 0 ] && [ "${status[oracle]:-1}" = 0 ] || ok=1
 for tool in memcheck racecheck synccheck; do
   case "${status[$tool]:-skipped}" in 0|skipped) ;; *) ok=1 ;; esac
 done

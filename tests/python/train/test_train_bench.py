@@ -1,5 +1,6 @@
-"""The training-related scripts of bench/: the offline accuracy benchmark's unseen topics and the
-oracle benchmark's arithmetic."""
+"""The training-related scripts of bench/: the offline accuracy benchmark's unseen topics, the
+oracle benchmark's arithmetic, and the oracle drafter of controlled acceptance with its scaling
+benchmark."""
 
 import os
 
@@ -38,3 +39,90 @@ def test_oracle_bench_acceptance_needed_for_a_speedup():
     assert bench.chain_tokens(need - 0.01, 4) / 1.2 < 2.0
     assert bench.needed_acceptance(1.01, 1, 2.0) == float("inf")  # 2 tokens at best, over 1.01
     assert bench.needed_acceptance(1.0, 1, 2.0) == pytest.approx(1.0)
+
+
+def test_oracle_drafter_controls_acceptance_and_stays_lossless():
+    """bench/oracle_support.py: the oracle drafter drafts the true continuation with each token
+    wrong with probability 1 - alpha; alpha 1 accepts every draft of a chain, alpha 0 none, a
+    tree adds random siblings to the same spine; output equals plain decoding either way."""
+    import torch
+
+    from pyspec.engine import Engine, SamplingParams
+    from pyspec.runner import ModelRunner
+
+    sup = _bench_module("oracle_support")
+    assert sup.shape_nodes("chain4") == (4, 4) and sup.shape_nodes("tree16") == (16, 4)
+    for bad in ("tree6", "chain0", "star8"):
+        with pytest.raises(ValueError, match="chainD"):
+            sup.shape_nodes(bad)
+    with pytest.raises(ValueError, match="weights must be one of"):
+        sup.random_model("tiny", "int3")
+    for weights in ("q8", "bf16"):
+        if weights == "q8":
+            from pyspec import _C
+
+            if not _C.LinearKernels().packed_available:
+                with pytest.raises(RuntimeError, match="packed codes"):
+                    sup.random_model("tiny", weights)
+                continue
+        model = sup.random_model("tiny", weights)
+        if weights == "q8":
+            assert model.describe()["packed"]["codes_only"]
+        prompts = [torch.randint(0, 111, (12,), generator=torch.Generator().manual_seed(s)).tolist()
+                   for s in range(2)]
+        sp = SamplingParams(max_tokens=20, ignore_eos=True)
+
+        def run(drafter=None, depth=0):
+            runner = ModelRunner(model, num_blocks=32, block_size=16)
+            eng = (Engine(runner, drafter="none", max_num_seqs=2) if drafter is None else
+                   Engine(runner, drafter=drafter, max_num_seqs=2, gamma=depth, adaptive=False,
+                          initial_draft_tokens=depth))
+            return eng.generate(prompts, sp)
+
+        plain = run()
+        truths = [p + list(r.token_ids) for p, r in zip(prompts, plain)]
+        for shape, alpha in (("chain4", 1.0), ("tree16", 1.0), ("chain4", 0.0)):
+            d = sup.make_oracle(truths, alpha, shape)
+            d.vocab = 111
+            res = run(d, 4)
+            assert [r.token_ids for r in res] == [r.token_ids for r in plain]
+            s = [r.stats for r in res]
+            if alpha == 1.0:  # every step but a last short one accepts all 4
+                assert all(x.accepted_tokens >= 4 * (x.drafts - 1) for x in s)
+                nodes = 16 if shape == "tree16" else 4
+                assert all(x.draft_tokens <= nodes * x.drafts for x in s)
+                assert sum(x.draft_tokens for x in s) > 4 * sum(x.drafts for x in s) \
+                    if shape == "tree16" else True  # the siblings were verified too
+            else:
+                assert sum(x.drafts for x in s) > 0 and sum(x.accepted_tokens for x in s) == 0
+        tree = sup.make_oracle(truths, 1.0, "tree16")
+        tree.vocab = 111
+        from pyspec.drafters.base import DraftRequest
+
+        (dr,) = tree.propose([DraftRequest(0, truths[0][:13], 12, [0], 16, max_depth=4)])
+        assert len(dr.tokens) == 17 and dr.parents[:5] == [-1, 0, 0, 0, 0]
+        spine = [dr.tokens[i] for i in (1, 5, 9, 13)]
+        assert spine == truths[0][13:17]  # the first child of each level is the truth
+        assert tree.propose([DraftRequest(0, [7, 7, 7], 2, [0], 16)])[0].tokens == [7]
+
+
+def test_oracle_scaling_bench_runs(tmp_path):
+    """bench/bench_oracle_scaling.py end to end on the tiny layout: a speedup per (batch, shape,
+    alpha), outputs identical to plain, and its chart."""
+    import json
+
+    bench = _bench_module("bench_oracle_scaling")
+    out, chart = tmp_path / "o.json", tmp_path / "o.svg"
+    bench.main(["--layouts", "tiny", "--weights", "bf16", "--alphas", "0.5,1", "--shapes",
+                "chain2,tree8", "--batch", "1,2", "--max-tokens", "8", "--out", str(out),
+                "--chart", str(chart)])
+    r = json.loads(out.read_text())
+    (row,) = r["rows"]
+    assert [e["batch"] for e in row["batches"]] == [1, 2]
+    for e in row["batches"]:
+        assert len(e["runs"]) == 4 and e["plain_tok_s"] > 0
+        assert all(x["speedup"] > 0 and x["identical_to_plain"].split("/")[0] ==
+                   x["identical_to_plain"].split("/")[1] for x in e["runs"])
+    assert chart.stat().st_size > 1000
+    with pytest.raises(SystemExit):
+        bench.main(["--shapes", "tree6"])
