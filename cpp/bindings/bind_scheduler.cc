@@ -225,6 +225,11 @@ that do not match the last step) raise ValueError.)doc")
            py::arg("spec_disable_batch_size"),
            "Update the batch-aware speculation limits (draft tokens per step shared by the batch, "
            "0 = unlimited; batch size at which speculation stops, 0 = never).")
+      .def("reset_policy", &Scheduler::ResetPolicy,
+           "The speculation policy back to where it started (a rollback): the constructor's "
+           "settings (costs, batch-aware limits), the cost model's measurements and the "
+           "deployment-wide acceptance evidence forgotten; requests in flight keep their own "
+           "estimates. Between update() and step() or with no step open.")
       .def("set_memory_bound_tokens", &Scheduler::SetMemoryBoundTokens, py::arg("tokens"),
            "Tokens a step can run before it is compute-bound (0 = unknown): draft tokens are "
            "limited to what the batch leaves of it.")

@@ -107,6 +107,7 @@ Scheduler::Scheduler(const SchedulerConfig& config, int64_t num_blocks, int bloc
 Scheduler::Scheduler(const SchedulerConfig& config, std::unique_ptr<BlockManager> block_manager)
     : config_(config), bm_(std::move(block_manager)) {
   config_.Validate();
+  initial_config_ = config_;
   PYSPEC_CHECK(bm_ != nullptr, "block_manager must not be null");
   PYSPEC_CHECK(bm_->num_requests() == 0, "the block manager must hold no requests; it holds ",
                bm_->num_requests());
@@ -430,6 +431,13 @@ void Scheduler::SetCostModel(double draft_cost, double verify_cost) {
   c.verify_cost = verify_cost;
   c.Validate();
   config_ = c;
+}
+
+void Scheduler::ResetPolicy() {
+  config_ = initial_config_;
+  cost_ = StepCostModel();
+  deploy_fb_.clear();
+  deploy_ewma_ = -1.0;
 }
 
 void Scheduler::SetSpecBudget(int64_t spec_token_budget, int64_t spec_disable_batch_size) {

@@ -22,6 +22,7 @@ back and re-probes, and says when a request should switch drafter (:mod:`pyspec.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import random
 import time
@@ -150,6 +151,8 @@ class Engine:
             raise ValueError(f"predictor_min_acceptance must be a number in [1, 64] (tokens per "
                              f"speculative step); got {predictor_min_acceptance!r}")
         self.predictor = predictor
+        # As loaded, for reset_policy (online updates since then are dropped there).
+        self._predictor_start = copy.deepcopy(predictor)
         self.predictor_min_acceptance = float(predictor_min_acceptance)
         self._corpus = corpus_of(self.drafters.get(self.default_drafter or ""))
         self._predicted_plain = 0
@@ -197,6 +200,31 @@ class Engine:
         # row j = the target logits the request's emitted token j was drawn from.
         self._record: Dict[int, List[torch.Tensor]] = {}
 
+    def channel_of(self, prompt_tokens: int) -> str:
+        """The prompt channel of a prompt this many tokens long: ``"long"`` past the long-prompt
+        threshold, ``"short"`` otherwise (what a request's ``stats.channel`` will say)."""
+        return "long" if self.long_prompt is not None and prompt_tokens > self.long_prompt[0] \
+            else "short"
+
+    def set_default_drafter(self, name: Optional[str]) -> None:
+        """Requests added from now on are drafted by ``name`` (one of :attr:`drafters`; None:
+        decoded plainly) where they would have been by the default drafter (a rollback to a
+        drafter's previous version kept loaded beside it, and back); requests in flight keep
+        theirs. Call between steps."""
+        if name is not None and name not in self.drafters:
+            raise ValueError(f"no drafter named {name!r}; the engine has {sorted(self.drafters)}")
+        self.default_drafter = name
+        self._corpus = corpus_of(self.drafters.get(name or ""))
+
+    def reset_policy(self) -> None:
+        """The speculation policy back to where it started (a rollback): the scheduler's
+        learned costs, batch-aware limits and deployment-wide acceptance evidence
+        (``Scheduler.reset_policy``), and the acceptance predictor as it was loaded (its online
+        updates dropped). Requests in flight keep their own estimates. Call between steps."""
+        self.scheduler.reset_policy()
+        self.predictor = copy.deepcopy(self._predictor_start)
+        self._predicted_plain = 0
+
     @property
     def stats(self) -> EngineStats:
         """Deployment-wide counters, with the scheduler's adaptive speculation measurements."""
@@ -237,7 +265,7 @@ class Engine:
                              f"fit in the KV pool ({cap} token slots)")
         stop = [int(t) for t in p.stop_token_ids]
         name = None
-        long = self.long_prompt is not None and len(prompt) > self.long_prompt[0]
+        long = self.channel_of(len(prompt)) == "long"
         if self._speculate and p.speculative:
             name = self.default_drafter
             if long:

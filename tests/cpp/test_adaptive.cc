@@ -172,7 +172,7 @@ TEST(SchedulerAdaptive, NoCalibrationWithoutAdaptive) {
   p.max_tokens = 1000;
   s.AddRequest(1, {1, 2, 3}, p);
   for (int64_t b : RunDecodeSteps(s, 1, 2 * kCalibrationSteps + 4)) EXPECT_GT(b, 0);
-  EXPECT_EQ(s.cost_model_stats().calibration_steps, 0);
+  EXPECT_DOUBLE_EQ(s.cost_model_stats().verify_cost, StepCostModel().stats().verify_cost);
 }
 
 TEST(SchedulerAdaptive, RefitsEveryIntervalFromReportedTimes) {
@@ -186,6 +186,37 @@ TEST(SchedulerAdaptive, RefitsEveryIntervalFromReportedTimes) {
   RunDecodeSteps(s, 1, kRefitInterval);  // the refit comes with the kRefitInterval-th update
   EXPECT_GT(s.config().memory_bound_tokens, 0);
   EXPECT_GT(s.config().verify_cost, 0.0);
+}
+
+TEST(SchedulerAdaptive, ResetPolicyForgetsWhatWasLearned) {
+  SchedulerConfig c = Adaptive();
+  c.verify_cost = 0.03;
+  Scheduler s(c, 64, 16);
+  SamplingParams p;
+  p.max_tokens = 1000;
+  s.AddRequest(1, {1, 2, 3}, p);
+  s.AddRequest(2, {4, 5, 6}, p);
+  for (int i = 0; i < 8; ++i) s.ObserveStepTime(2, 2 + 2 * i, 0.010 + 0.002 * (2 + 2 * i));
+  RunDecodeSteps(s, 1, kRefitInterval);
+  s.SetSpecBudget(5, 3);
+  ASSERT_GT(s.config().memory_bound_tokens, 0);  // (what the refit measured)
+  ASSERT_NE(s.config().verify_cost, 0.03);
+  ASSERT_GE(s.deployment_acceptance_ewma(), 0.0);
+  ASSERT_GT(s.DeploymentEvidence(0).second, 0.0);
+  ASSERT_TRUE(s.cost_model_stats().spec_free_tokens.has_value());
+  s.ResetPolicy();
+  EXPECT_FALSE(s.cost_model_stats().spec_free_tokens.has_value());
+  EXPECT_EQ(s.config().memory_bound_tokens, 0);
+  EXPECT_DOUBLE_EQ(s.config().verify_cost, 0.03);
+  EXPECT_EQ(s.config().spec_token_budget, c.spec_token_budget);
+  EXPECT_EQ(s.config().spec_disable_batch_size, c.spec_disable_batch_size);
+  EXPECT_LT(s.deployment_acceptance_ewma(), 0.0);
+  EXPECT_EQ(s.DeploymentEvidence(0).second, 0.0);
+  EXPECT_DOUBLE_EQ(s.cost_model_stats().verify_cost, StepCostModel().stats().verify_cost);
+  // The requests in flight go on speculating.
+  for (int64_t b : RunDecodeSteps(s, 1, 3)) EXPECT_GE(b, 0);
+  EXPECT_EQ(s.GetRequest(1).state(), RequestState::kRunningSpeculative);
+  s.CheckInvariants();
 }
 
 // A scheduler (config `c`, max_draft_tokens = initial_draft_tokens = `draft`) holding request 1

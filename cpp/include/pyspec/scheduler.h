@@ -270,6 +270,11 @@ class Scheduler {
   // an engine that measures when its forward turns compute-bound narrows them at run time.
   void SetSpecBudget(int64_t spec_token_budget, int64_t spec_disable_batch_size);
   void SetMemoryBoundTokens(int64_t tokens);  // >= 0; see SchedulerConfig
+  // The speculation policy back to where it started (a rollback): the configuration given to
+  // the constructor (costs, batch-aware limits), the cost model's measurements and the
+  // deployment-wide acceptance evidence forgotten. Requests in flight keep their own estimates;
+  // new ones start from the priors. Allowed between steps.
+  void ResetPolicy();
   // ---- adaptive speculation (adaptive.h; with config.measure_costs) ----
   // A decode-only step (no prefill) of `batch` requests ran `tokens` rows in `seconds`.
   void ObserveStepTime(int64_t batch, int64_t tokens, double seconds);
@@ -325,6 +330,7 @@ class Scheduler {
             int64_t budget, int64_t num_slots);
 
   SchedulerConfig config_;
+  SchedulerConfig initial_config_;  // as constructed (ResetPolicy)
   std::unique_ptr<BlockManager> bm_;
   std::unordered_map<int64_t, std::unique_ptr<Request>> requests_;
   std::deque<int64_t> waiting_;   // WAITING and PREEMPTED, front first
