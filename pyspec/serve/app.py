@@ -27,6 +27,7 @@ from pyspec.serve.metrics import Metrics, set_memory_gauges
 from pyspec.serve.options import ServeOptions
 from pyspec.serve.protocol import (RequestError, RequestReader, disconnected, error_response,
                                    get_field, spec_stats, stream_usage, usage)
+from pyspec.serve.rollback import Rollbacks
 
 __all__ = ["create_app"]
 
@@ -41,9 +42,9 @@ class _Responder:
     aborts)."""
 
     def __init__(self, loop: EngineLoop, tokenizer, gate, shadow, admission: Admission,
-                 options: ServeOptions):
+                 options: ServeOptions, state: dict):
         self.loop, self.tokenizer, self.gate, self.shadow = loop, tokenizer, gate, shadow
-        self.admission, self.options = admission, options
+        self.admission, self.options, self.state = admission, options, state
 
     def deadlines(self, body: dict):
         """(deadline, queue deadline) in perf_counter seconds for a request arriving now: its own
@@ -65,10 +66,14 @@ class _Responder:
         ticket = self.admission.admit(tenant, len(prompts) * p.n, cost, reservation)
         aloop = asyncio.get_running_loop()
         handles = []
+        cfg = self.state["config"]
         try:
             for ids in prompts:
+                # The config's decision for this tenant and prompt class (deterministic by id).
+                spec = cfg.speculates(req_id, tenant, self.loop.engine.channel_of(len(ids)))
                 for k in range(p.n):
-                    sp = replace(p, n=1, seed=None if p.seed is None else sample_seed(p.seed, k))
+                    sp = replace(p, n=1, seed=None if p.seed is None else sample_seed(p.seed, k),
+                                 speculative=spec)
                     key = f"{req_id}-{len(handles)}"
                     h = Handle(aloop, ids, sp, self.tokenizer)
                     h.deadline, h.queue_deadline = deadlines
@@ -252,7 +257,11 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
     loop_.shadow = shadow
     set_memory_gauges(metrics, llm, shadow)
     admission = Admission(loop_, state, metrics, options.max_waiting_requests)
-    responder = _Responder(loop_, llm.tokenizer, gate, shadow, admission, options)
+    responder = _Responder(loop_, llm.tokenizer, gate, shadow, admission, options, state)
+    rollbacks = Rollbacks(metrics, state, loop_)
+    gate.roll_back = rollbacks.speculation
+    loop_.rollbacks = rollbacks
+    rollbacks.apply_config(None, state["config"])
     log_prompt = _PromptLog(prompt_log, prompt_log_ratio)
 
     @asynccontextmanager
@@ -274,6 +283,7 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
     app.state.metrics = metrics
     app.state.config = state
     app.state.quality_gate = gate
+    app.state.rollbacks = rollbacks
     app.state.shadow = shadow
     app.state.admission = admission
     app.state.draining = False  # set on SIGTERM: /ready answers 503, new requests get a 503

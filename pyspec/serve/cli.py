@@ -17,8 +17,9 @@ def build(args):
     import pyspec
     from pyspec.serve.app import create_app
     from pyspec.serve.config import load_config
+    from pyspec.serve.rollback import PREVIOUS_DRAFTER
 
-    cfg = load_config(args.config)
+    cfg = load_config(args.config, getattr(args, "region", None))
     spec = cfg.speculative
     model = args.model or (None if spec.target_model == "default" else spec.target_model)
     from pyspec.drafters.foreign import settings_from_args
@@ -34,6 +35,8 @@ def build(args):
                               "predictor": spec.predictor,
                               "predictor_min_acceptance": spec.predictor_min_acceptance,
                               **(foreign.spec_config_fields() if foreign else {})})
+    if spec.previous_draft_model:  # kept loaded for the drafter rollback
+        sc.drafters = {**sc.drafters, PREVIOUS_DRAFTER: spec.previous_draft_model}
     options = serve_options(args)  # (checked before the model loads)
     llm = pyspec.LLM(model, draft, sc, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens,
                      device=getattr(args, "device", "cpu"),
@@ -97,17 +100,18 @@ def with_tree_width(draft: str, width: int) -> str:
 # Keys read once, when the engine is built: a reload keeps their old values.
 RESTART_KEYS = ("target_model", "draft_model", "gamma", "tree_width", "adaptive",
                 "fallback_on_alpha_below", "long_prompt_tokens", "long_prompt_draft", "predictor",
-                "predictor_min_acceptance")
+                "predictor_min_acceptance", "previous_draft_model")
 
 
 def reload_config(app, path) -> bool:
     """SIGHUP: validate the file again and apply it to new requests (running requests keep their
-    settings): ``enabled_ratio`` (also per tenant) and ``quality_gate``. The keys of
+    settings): ``enabled_ratio`` (also per tenant and prompt class), ``quality_gate`` and
+    ``rollback`` (:meth:`Rollbacks.apply_config`; a speculation rollback ends). The keys of
     ``RESTART_KEYS`` need a restart to change; a reload keeps their old values and says so."""
     from pyspec.serve.config import ConfigError, load_config
 
     try:
-        new = load_config(path)
+        new = load_config(path, app.state.config["config"].region)
     except ConfigError as e:
         log.error("config reload failed, keeping the old config: %s", e)
         return False
@@ -120,9 +124,9 @@ def reload_config(app, path) -> bool:
         for k in kept:
             setattr(new.speculative, k, getattr(old.speculative, k))
     app.state.config["config"] = new
-    gate = getattr(app.state, "quality_gate", None)
-    if gate is not None:
-        gate.rolled_back = False  # a new config decides again
+    rollbacks = getattr(app.state, "rollbacks", None)
+    if rollbacks is not None:
+        rollbacks.apply_config(old, new)  # (a speculation rollback ends with the old config)
     log.info("config reloaded from %s", path)
     return True
 
@@ -187,6 +191,8 @@ def cmd_serve(args) -> int:
 def add_parser(sub):
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching)")
     p.add_argument("--config", default=None, help="YAML config (see README); SIGHUP reloads it")
+    p.add_argument("--region", default=None,
+                   help="this server's region: the config's regions.<REGION> overrides apply")
     p.add_argument("--model", default=None, help="model folder (default: config / embedded)")
     p.add_argument("--draft", default=None, help="drafter spec (default: config / 'default')")
     p.add_argument("--served-model-name", default="pyspec")

@@ -23,10 +23,25 @@
         max_concurrency: 8      # requests (samples) in flight at once; past it: 429
         tokens_per_minute: 60000  # prompt + max_tokens of its requests per minute; past it: 429
 
-Everything under ``speculative`` is optional (defaults below). Tenant overrides may set
+    classes:                    # optional: per prompt class ("short", "long": the prompt channel)
+      long:
+        speculative: {enabled_ratio: 0.0}
+    regions:                    # optional: per region (this server's is --region NAME)
+      eu-west:
+        speculative: {draft_model: ngram, enabled_ratio: 0.5}
+    rollback:                   # optional: rollbacks (each counted in pyspec_rollbacks_total)
+      drafter: false            # true: draft with speculative.previous_draft_model again
+      policy: false             # true (when loaded): the adaptive policy back to its start
+      drafter_below_acceptance: 0  # > 0: roll the drafter back by itself when the mean
+      window: 64                   #   acceptance length of its last `window` requests falls below
+
+Everything under ``speculative`` is optional (defaults below). Tenant and class overrides may set
 ``enabled_ratio`` (the other settings belong to the shared engine: model, drafter, draft length
 bounds and adaptivity are the same for every tenant). A tenant is named by its API key when keys
-are on (``--api-key`` or any ``api_keys`` here), else by the ``X-Tenant`` header.
+are on (``--api-key`` or any ``api_keys`` here), else by the ``X-Tenant`` header. A request's
+settings: ``speculative`` with this server's region's overrides (any key: one file serves every
+region), then its prompt class's, then its tenant's, each overriding what it sets; a speculation
+rollback (the quality gate's) overrides them all until the config is reloaded.
 """
 
 from __future__ import annotations
@@ -37,11 +52,14 @@ from typing import Any, Dict, Optional, Tuple
 
 SPEC_KEYS = {"enabled_ratio", "draft_model", "target_model", "gamma", "tree_width", "adaptive",
              "fallback_on_alpha_below", "quality_gate", "long_prompt", "predictor",
-             "predictor_min_acceptance"}
+             "predictor_min_acceptance", "previous_draft_model"}
 LONG_PROMPT_KEYS = {"threshold_tokens", "draft_model"}
 GATE_KEYS = {"kl_threshold", "rollback_on_violation", "sample_ratio"}
 TENANT_KEYS = {"enabled_ratio"}
 TENANT_SECTION_KEYS = {"speculative", "api_keys", "max_concurrency", "tokens_per_minute"}
+TOP_KEYS = ("speculative", "tenants", "classes", "regions", "rollback")
+PROMPT_CLASSES = ("short", "long")  # the prompt channel (the engine's long-prompt threshold)
+ROLLBACK_KEYS = {"drafter", "policy", "drafter_below_acceptance", "window"}
 
 
 class ConfigError(ValueError):
@@ -72,6 +90,8 @@ class SpecSettings:
     long_prompt_draft: Optional[str] = "ngram"  # None: no long-prompt channel
     predictor: Optional[str] = None  # "default" or a predictor file (pyspec.predictor)
     predictor_min_acceptance: float = 1.2
+    # A drafter spec kept loaded beside draft_model: the drafter rollback goes back to it.
+    previous_draft_model: Optional[str] = None
 
     def speculates(self, request_id: str) -> bool:
         """Deterministic by request id: the same id always gets the same answer."""
@@ -91,13 +111,42 @@ class TenantLimits:
 
 
 @dataclass
+class RollbackSettings:
+    drafter: bool = False  # serve with previous_draft_model
+    policy: bool = False  # reset the adaptive policy when a config saying so is loaded
+    drafter_below_acceptance: float = 0.0  # automatic drafter rollback threshold (0: off)
+    window: int = 64  # finished speculative requests it averages
+
+
+@dataclass
 class ServerConfig:
     speculative: SpecSettings = field(default_factory=SpecSettings)
+    # Per tenant: its settings (speculative with its overrides), and the keys it sets itself.
     tenants: Dict[str, SpecSettings] = field(default_factory=dict)
     limits: Dict[str, TenantLimits] = field(default_factory=dict)
+    tenant_overrides: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    classes: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # prompt class -> keys set
+    region: Optional[str] = None  # this server's region (its overrides are in speculative)
+    rollback: RollbackSettings = field(default_factory=RollbackSettings)
+    # Speculation rolled back (the quality gate): every request decodes plainly until a reload.
+    plain_only: bool = False
 
     def for_tenant(self, tenant: Optional[str]) -> SpecSettings:
         return self.tenants.get(tenant or "", self.speculative)
+
+    def settings_for(self, tenant: Optional[str], prompt_class: Optional[str]) -> SpecSettings:
+        """A request's settings: ``speculative`` (with the region's overrides), then its prompt
+        class's overrides, then its tenant's."""
+        over = {**self.classes.get(prompt_class or "", {}),
+                **self.tenant_overrides.get(tenant or "", {})}
+        return replace(self.speculative, **over) if over else self.speculative
+
+    def speculates(self, request_id: str, tenant: Optional[str] = None,
+                   prompt_class: Optional[str] = None) -> bool:
+        """Whether a request speculates (deterministic by request id): never after a
+        speculation rollback, else by its settings' ``enabled_ratio``."""
+        return not self.plain_only and \
+            self.settings_for(tenant, prompt_class).speculates(request_id)
 
     def limits_for(self, tenant: Optional[str]) -> TenantLimits:
         return self.limits.get(tenant or "", _NO_LIMITS)
@@ -139,6 +188,11 @@ def _spec(d: Any, where: str, base: SpecSettings, allowed) -> SpecSettings:
             if not isinstance(v, str) or not v:
                 raise ConfigError(f"{key} must be a non-empty string; got {v!r}")
             setattr(s, k, v)
+        elif k == "previous_draft_model":
+            if v is not None and (not isinstance(v, str) or not v or v == "none"):
+                raise ConfigError(f"{key} must be a drafter spec (the version a drafter rollback "
+                                  f"goes back to) or null; got {v!r}")
+            s.previous_draft_model = v
         elif k == "gamma":
             s.gamma = _num(v, key, 1, 64, integer=True)
         elif k == "tree_width":
@@ -191,25 +245,78 @@ def _spec(d: Any, where: str, base: SpecSettings, allowed) -> SpecSettings:
     return s
 
 
-def parse_config(d: Any) -> ServerConfig:
+def _overrides(d: Any, where: str, base: SpecSettings, allowed) -> Dict[str, Any]:
+    """The keys a ``speculative`` override section sets (validated as ``_spec`` does)."""
+    s = _spec(d, where, base, allowed)
+    return {k: getattr(s, k) for k in d}
+
+
+def _sections(d: Any, where: str, inner=("speculative",)) -> Dict[str, dict]:
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where} must be a mapping of name -> settings; got "
+                          f"{type(d).__name__}")
+    out = {}
+    for name, over in d.items():
+        name = str(name)
+        if not isinstance(over, dict) or set(over) - set(inner):
+            raise ConfigError(f"{where}.{name} may only hold {sorted(inner)}")
+        out[name] = over
+    return out
+
+
+def _rollback(d: Any, spec: SpecSettings) -> RollbackSettings:
+    if not isinstance(d, dict):
+        raise ConfigError(f"rollback must be a mapping ({', '.join(sorted(ROLLBACK_KEYS))})")
+    bad = set(d) - ROLLBACK_KEYS
+    if bad:
+        raise ConfigError(f"unknown key rollback.{sorted(bad)[0]}; allowed: {sorted(ROLLBACK_KEYS)}")
+    r = RollbackSettings()
+    if "drafter" in d:
+        r.drafter = _bool(d["drafter"], "rollback.drafter")
+    if "policy" in d:
+        r.policy = _bool(d["policy"], "rollback.policy")
+    if "drafter_below_acceptance" in d:
+        r.drafter_below_acceptance = float(_num(d["drafter_below_acceptance"],
+                                                "rollback.drafter_below_acceptance", 0.0, 64.0))
+    if "window" in d:
+        r.window = _num(d["window"], "rollback.window", 1, 100_000, integer=True)
+    if (r.drafter or r.drafter_below_acceptance > 0) and not spec.previous_draft_model:
+        what = "rollback.drafter" if r.drafter else "rollback.drafter_below_acceptance"
+        raise ConfigError(f"{what} needs speculative.previous_draft_model (the drafter version to "
+                          "go back to, kept loaded beside draft_model)")
+    return r
+
+
+def parse_config(d: Any, region: Optional[str] = None) -> ServerConfig:
+    """The validated config; ``region``: this server's region (``regions.<region>``'s overrides
+    apply; every region's section is checked either way)."""
     if d is None:
-        return ServerConfig()
+        d = {}
     if not isinstance(d, dict):
         raise ConfigError(f"the config must be a mapping at the top level; got {type(d).__name__}")
-    unknown = set(d) - {"speculative", "tenants"}
+    unknown = set(d) - set(TOP_KEYS)
     if unknown:
-        raise ConfigError(f"unknown key {sorted(unknown)[0]}; allowed: speculative, tenants")
+        raise ConfigError(f"unknown key {sorted(unknown)[0]}; allowed: {', '.join(TOP_KEYS)}")
     spec = _spec(d.get("speculative") or {}, "speculative", SpecSettings(), SPEC_KEYS)
-    tenants, limits, owner = {}, {}, {}
-    t = d.get("tenants") or {}
-    if not isinstance(t, dict):
-        raise ConfigError("tenants must be a mapping of tenant name -> overrides")
-    for name, over in t.items():
-        name = str(name)
-        if not isinstance(over, dict) or set(over) - TENANT_SECTION_KEYS:
-            raise ConfigError(f"tenants.{name} may only hold {sorted(TENANT_SECTION_KEYS)}")
-        tenants[name] = _spec(over.get("speculative") or {}, f"tenants.{name}.speculative",
-                              spec, TENANT_KEYS)
+    mine = spec
+    for name, over in _sections(d.get("regions") or {}, "regions").items():
+        merged = _spec(over.get("speculative") or {}, f"regions.{name}.speculative", spec,
+                       SPEC_KEYS)
+        if name == region:
+            mine = merged
+    spec = mine
+    classes = {}
+    for name, over in _sections(d.get("classes") or {}, "classes").items():
+        if name not in PROMPT_CLASSES:
+            raise ConfigError(f"classes.{name}: not a prompt class; the classes are "
+                              f"{', '.join(PROMPT_CLASSES)} (the prompt channel)")
+        classes[name] = _overrides(over.get("speculative") or {}, f"classes.{name}.speculative",
+                                   spec, TENANT_KEYS)
+    tenants, limits, owner, tenant_over = {}, {}, {}, {}
+    for name, over in _sections(d.get("tenants") or {}, "tenants", TENANT_SECTION_KEYS).items():
+        tenant_over[name] = _overrides(over.get("speculative") or {},
+                                       f"tenants.{name}.speculative", spec, TENANT_KEYS)
+        tenants[name] = replace(spec, **tenant_over[name])
         keys = over.get("api_keys") or []
         if not isinstance(keys, list) or not all(
                 isinstance(k, str) and len(k) >= 8 and k == k.strip() for k in keys):
@@ -229,12 +336,13 @@ def parse_config(d: Any) -> ServerConfig:
                                          f"tenants.{name}.tokens_per_minute", 1, 1 << 40,
                                          integer=True)
         limits[name] = lim
-    return ServerConfig(spec, tenants, limits)
+    rollback = _rollback(d.get("rollback") or {}, spec)
+    return ServerConfig(spec, tenants, limits, tenant_over, classes, region, rollback)
 
 
-def load_config(path: Optional[str]) -> ServerConfig:
+def load_config(path: Optional[str], region: Optional[str] = None) -> ServerConfig:
     if path is None:
-        return ServerConfig()
+        return ServerConfig(region=region)
     import yaml
 
     try:
@@ -244,4 +352,4 @@ def load_config(path: Optional[str]) -> ServerConfig:
         raise ConfigError(f"cannot read config {path!r}: {e.strerror}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML ({e})") from None
-    return parse_config(data)
+    return parse_config(data, region)

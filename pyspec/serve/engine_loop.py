@@ -125,6 +125,7 @@ class EngineLoop:
                                  f"{0 if name == 'max_restarts' else 1}; got {v!r}")
         self.gate = gate
         self.shadow = None
+        self.rollbacks = None  # pyspec.serve.rollback.Rollbacks: told of every finished request
         self.tracer = None
         if tracer is not None:
             from pyspec.serve.tracing import RequestTracer
@@ -294,6 +295,8 @@ class EngineLoop:
         dur = time.perf_counter() - t.t0
         ttft = t.time_to_first_token
         self.metrics.request_finished(res.stats, reason, ttft, dur, len(t.tokens))
+        if self.rollbacks is not None and reason != "abort":
+            self.rollbacks.observe(res.stats)
         if reason == "abort":
             self._abort_shadow(h)
         elif h.shadow_key is not None and self.shadow is not None and ttft is not None and \

@@ -325,11 +325,11 @@ class RequestReader:
                     key == "best_of" and body[key] == n):
                 raise RequestError(400, f"'{key}' is not supported by this server (allowed: "
                                         f"leave it out, or {json.dumps(default)})", key)
-        settings = self.state["config"].for_tenant(tenant)
+        # Whether it speculates is decided per prompt when it is submitted (its prompt class).
         p = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                            top_k=top_k, min_p=min_p, seed=seed, stop=stop, n=n,
                            ignore_eos=g(body, "ignore_eos", bool, False, None, "true or false"),
-                           speculative=settings.speculates(rid), learn_partition=tenant or None)
+                           learn_partition=tenant or None)
         try:
             return self.llm._params(p)  # validates
         except ValueError as e:  # its message starts with the field's name

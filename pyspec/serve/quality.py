@@ -8,8 +8,8 @@ distributions at the request's temperature (the unfiltered softmax, so top-k/top
 fall differently at a near-tie do not make it infinite). For a correct engine this is rounding
 noise (the tests require < 1e-4 in float32); a wrong tree mask, stale KV or a bad materialization
 shows up as a large divergence. Above ``kl_threshold`` with ``rollback_on_violation``, speculation
-is switched off for new requests (``enabled_ratio = 0`` for every tenant), and the event is logged
-and counted.
+is switched off for new requests until the config is reloaded (the ``speculation`` rollback of
+:mod:`pyspec.serve.rollback`), and the event is logged and counted.
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ class QualityGate:
                                   "Scored requests above kl_threshold", registry=r)
         self.rollbacks = Counter("pyspec_quality_gate_rollbacks",
                                  "Times speculation was switched off by the gate", registry=r)
-        self.rolled_back = False
+        # Switches speculation off (pyspec.serve.rollback.Rollbacks.speculation); True if it did.
+        self.roll_back = None
 
     def wants(self, request_id: str, speculative: bool) -> bool:
         g = self.state["config"].speculative.quality_gate
@@ -94,11 +95,8 @@ class QualityGate:
         if kl > g.kl_threshold:
             self.violations.inc()
             log.warning("quality gate: KL %.3g above threshold %.3g", kl, g.kl_threshold)
-            if g.rollback_on_violation and not self.rolled_back:
-                self.rolled_back = True
-                cfg.speculative.enabled_ratio = 0.0
-                for t in cfg.tenants.values():
-                    t.enabled_ratio = 0.0
+            if g.rollback_on_violation and self.roll_back is not None and \
+                    self.roll_back("quality_gate"):
                 self.rollbacks.inc()
                 log.error("quality gate: speculation switched off for new requests (rollback)")
         return kl

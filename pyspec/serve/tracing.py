@@ -49,6 +49,10 @@ class RequestTracer:
         h.span = self.tracer.start_span("pyspec.request", start_time=self.ns(h.track.t0),
                                         attributes=attrs)
 
+    def event(self, name: str, attrs: dict) -> None:
+        """A deployment event (a rollback): a span of its own, of no duration."""
+        self.tracer.start_span(name, attributes=attrs).end()
+
     def _child(self, h, name, t0, t1, attrs=None):
         from opentelemetry import trace
 

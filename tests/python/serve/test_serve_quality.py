@@ -42,7 +42,9 @@ def test_quality_gate_scores_and_rolls_back(server, monkeypatch):
         httpx.post(base + "/v1/completions", json=body, timeout=30)
         assert metric(base, "pyspec_quality_gate_violations_total") == 1
         assert metric(base, "pyspec_quality_gate_rollbacks_total") == 1
-        assert app.state.config["config"].speculative.enabled_ratio == 0.0
+        assert app.state.config["config"].plain_only  # the speculation rollback
+        assert metric(base, 'pyspec_rollbacks_total{direction="speculation",'
+                            'reason="quality_gate"}') == 1
         after = httpx.post(base + "/v1/completions", json=body, timeout=30).json()
         assert after["speculation"][0]["drafts"] == 0  # plain decoding now
     finally:
