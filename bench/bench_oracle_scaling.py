@@ -5,8 +5,8 @@ bfloat16.
 
 The drafter is the oracle of ``oracle_support.py``: each prompt's true greedy continuation (from
 the plain pass, which is also the baseline), every token replaced by a wrong one with probability
-``1 - alpha``. Speculation runs at a fixed shape (adaptive speculation off, so what is measured is
-the shape, not the controller): chains of 2, 4 and 8, and a 16-node tree (a 4-deep chain with 3
+``1 - alpha``. Speculation runs at a fixed shape (adaptive speculation off and the draft length
+pinned, so what is measured is the shape, not the controller): chains of 2, 4 and 8, and a 16-node tree (a 4-deep chain with 3
 random siblings per level). Plain and speculative decoding of the same prompts run side by side in
 one process, greedy, at each batch size; the output is checked against plain (identical unless a
 random model's near-tie falls differently, which the run counts). On a GPU (``--device cuda``,
@@ -49,6 +49,12 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
+def fixed_shape(depth: int) -> dict:
+    """Engine settings that hold every request at ``depth`` draft levels: no adaptive speculation
+    and no draft-length adaptation (a rejection would otherwise shorten the next draft)."""
+    return dict(gamma=depth, adaptive=False, initial_draft_tokens=depth, adapt_draft_length=False)
+
+
 def run_layout(layout: str, weights: str, alphas, shapes, prompts: int, max_tokens: int,
                batches=(1,), device: str = "cpu"):
     """One model: for each batch size, plain decoding, every (shape, alpha), plain again."""
@@ -75,8 +81,7 @@ def run_layout(layout: str, weights: str, alphas, shapes, prompts: int, max_toke
             runner = ModelRunner(model, num_blocks=blocks, block_size=16)
             if drafter is None:
                 return Engine(runner, drafter="none", max_num_seqs=b)
-            return Engine(runner, drafter=drafter, max_num_seqs=b, gamma=depth, adaptive=False,
-                          initial_draft_tokens=depth)
+            return Engine(runner, drafter=drafter, max_num_seqs=b, **fixed_shape(depth))
 
         def timed(eng):
             eng.generate(ps[:1], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up

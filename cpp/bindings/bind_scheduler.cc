@@ -190,7 +190,8 @@ that do not match the last step) raise ValueError.)doc")
                        int64_t spec_disable_batch_size, double ewma_alpha,
                        double min_acceptance_rate, int64_t warmup_steps, int64_t probe_interval,
                        bool record_transitions, bool cost_model, double draft_cost,
-                       double verify_cost, bool measure_costs, double deployment_ewma_alpha) {
+                       double verify_cost, bool measure_costs, double deployment_ewma_alpha,
+                       bool adapt_draft_length) {
              SchedulerConfig c;
              c.max_num_batched_tokens = max_num_batched_tokens;
              c.max_num_seqs = max_num_seqs;
@@ -209,6 +210,7 @@ that do not match the last step) raise ValueError.)doc")
              c.verify_cost = verify_cost;
              c.measure_costs = measure_costs;
              c.deployment_ewma_alpha = deployment_ewma_alpha;
+             c.adapt_draft_length = adapt_draft_length;
              return new Scheduler(c, num_blocks, block_size, enable_prefix_cache);
            }),
            py::arg("num_blocks"), py::arg("block_size"), py::kw_only(),
@@ -220,7 +222,8 @@ that do not match the last step) raise ValueError.)doc")
            py::arg("warmup_steps") = 4, py::arg("probe_interval") = 32,
            py::arg("record_transitions") = false, py::arg("cost_model") = false,
            py::arg("draft_cost") = 0.0, py::arg("verify_cost") = 0.02,
-           py::arg("measure_costs") = false, py::arg("deployment_ewma_alpha") = 2.0 / 65.0)
+           py::arg("measure_costs") = false, py::arg("deployment_ewma_alpha") = 2.0 / 65.0,
+           py::arg("adapt_draft_length") = true)
       .def("set_spec_budget", &Scheduler::SetSpecBudget, py::arg("spec_token_budget"),
            py::arg("spec_disable_batch_size"),
            "Update the batch-aware speculation limits (draft tokens per step shared by the batch, "

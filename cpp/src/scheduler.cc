@@ -736,7 +736,9 @@ void Scheduler::ApplyDecode(Request& r, const StepResult::Entry& e, RequestOutpu
     auto& [group_hits, group_trials] = deploy_fb_[r.params.evidence_group];
     group_hits = kDeploymentEvidenceDecay * group_hits + static_cast<double>(a);
     group_trials = kDeploymentEvidenceDecay * group_trials + trials;
-    if (config_.cost_model) {
+    if (!config_.adapt_draft_length) {
+      // (a fixed shape: draft_len stays)
+    } else if (config_.cost_model) {
       r.draft_len = OptimalDraftLength(st.TokenAcceptance(), config_.draft_cost,
                                        config_.verify_cost, config_.max_draft_tokens);
       cost_gain = OptimisticGain(st, config_);

@@ -97,7 +97,9 @@ class Engine:
         **scheduler_kwargs: further :class:`pyspec._C.Scheduler` options (``max_prefill_chunk``,
             ``max_draft_tokens``, ``initial_draft_tokens``, ``spec_token_budget``,
             ``spec_disable_batch_size``, ``ewma_alpha``, ``min_acceptance_rate``,
-            ``warmup_steps``, ``probe_interval``, ``record_transitions``); ``ewma_alpha`` also
+            ``warmup_steps``, ``probe_interval``, ``record_transitions``, ``adapt_draft_length``:
+            False holds every request at ``initial_draft_tokens`` levels, for measurements of one
+            draft shape); ``ewma_alpha`` also
             weighs the deployment-wide ``stats.acceptance_ewma`` (default there: 2 / 65).
 
     Attributes for measurements (per engine): ``serial_host_steps`` (default True: a small

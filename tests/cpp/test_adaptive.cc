@@ -254,6 +254,32 @@ TEST(SchedulerAdaptive, SwitchReasons) {
   EXPECT_THROW(s.GetSwitchReason(99, 0.5), ValueError);
 }
 
+TEST(SchedulerAdaptive, FixedDraftLengthHoldsWhateverIsAccepted) {
+  for (bool cost_model : {false, true}) {
+    SchedulerConfig c;
+    c.adapt_draft_length = false;
+    c.cost_model = cost_model;
+    std::unique_ptr<Scheduler> sp = OneRunning(c, 3, 100);
+    Scheduler& s = *sp;
+    for (int64_t accepted : {0, 0, 3, 1, 0}) {  // (adapting would shorten, then lengthen)
+      ScheduleOutput out = s.Step();
+      ASSERT_EQ(out.draft_budget[0], 3);
+      StepResult res;
+      res.AddDecode(1, std::vector<int32_t>(accepted + 1, 7), 3, accepted);
+      s.Update(res);
+    }
+  }
+  // Adapting (the default), two rejected steps shorten the draft.
+  std::unique_ptr<Scheduler> sp = OneRunning(SchedulerConfig(), 3, 100);
+  for (int i = 0; i < 2; ++i) {
+    ScheduleOutput out = sp->Step();
+    StepResult res;
+    res.AddDecode(1, {7}, out.draft_budget[0], 0);
+    sp->Update(res);
+  }
+  EXPECT_LT(sp->Step().draft_budget[0], 3);
+}
+
 TEST(SchedulerAdaptive, DeploymentAcceptanceAverage) {
   SchedulerConfig c;
   c.deployment_ewma_alpha = 0.5;

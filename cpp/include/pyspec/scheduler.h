@@ -94,6 +94,9 @@ struct SchedulerConfig {
   int64_t probe_interval = 32;            // plain steps before speculation is probed again (base)
   bool record_transitions = false;        // keep Request::history (tests)
   bool cost_model = false;                // draft_len from the Leviathan cost model (see above)
+  // false: draft_len stays at initial_draft_tokens whatever is accepted (no cost model, no
+  // heuristic): measurements of one fixed draft shape.
+  bool adapt_draft_length = true;
   // Tokens a step can run before its forward turns compute-bound (SetMemoryBoundTokens, or with
   // measure_costs the scheduler's fit; 0 = unknown). When set, the draft tokens of a step are
   // limited to what is left of it after the batch's own tokens: none once the batch alone

@@ -51,6 +51,7 @@ def test_oracle_drafter_controls_acceptance_and_stays_lossless():
     from pyspec.runner import ModelRunner
 
     sup = _bench_module("oracle_support")
+    fixed = _bench_module("bench_oracle_scaling").fixed_shape
     assert sup.shape_nodes("chain4") == (4, 4) and sup.shape_nodes("tree16") == (16, 4)
     for bad in ("tree6", "chain0", "star8"):
         with pytest.raises(ValueError, match="chainD"):
@@ -75,8 +76,7 @@ def test_oracle_drafter_controls_acceptance_and_stays_lossless():
         def run(drafter=None, depth=0):
             runner = ModelRunner(model, num_blocks=32, block_size=16)
             eng = (Engine(runner, drafter="none", max_num_seqs=2) if drafter is None else
-                   Engine(runner, drafter=drafter, max_num_seqs=2, gamma=depth, adaptive=False,
-                          initial_draft_tokens=depth))
+                   Engine(runner, drafter=drafter, max_num_seqs=2, **fixed(depth)))
             return eng.generate(prompts, sp)
 
         plain = run()
@@ -93,8 +93,10 @@ def test_oracle_drafter_controls_acceptance_and_stays_lossless():
                 assert all(x.draft_tokens <= nodes * x.drafts for x in s)
                 assert sum(x.draft_tokens for x in s) > 4 * sum(x.drafts for x in s) \
                     if shape == "tree16" else True  # the siblings were verified too
-            else:
+            else:  # nothing accepted, and still 4 drafts a step (the shape is held; the last
+                # 3 steps have room for 3, 2, 1 only)
                 assert sum(x.drafts for x in s) > 0 and sum(x.accepted_tokens for x in s) == 0
+                assert all(x.draft_tokens == 4 * (x.drafts - 3) + 6 for x in s)
         tree = sup.make_oracle(truths, 1.0, "tree16")
         tree.vocab = 111
         from pyspec.drafters.base import DraftRequest
