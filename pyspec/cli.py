@@ -198,11 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_smoke)
     from pyspec.train.cli import add_parser as add_train
+    from pyspec.train.cli import add_synth_parser
     from pyspec.train.evaluate import add_parser as add_eval
 
     from pyspec.serve.cli import add_parser as add_serve
 
     add_train(sub)
+    add_synth_parser(sub)
     add_eval(sub)
     add_serve(sub)
     p = sub.add_parser("convert-gguf", help="convert a llama GGUF file into a safetensors folder")

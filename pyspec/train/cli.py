@@ -444,3 +444,63 @@ def add_parser(sub):
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=lambda a: (train_draft(a), 0)[1])
     return p
+
+
+def synth_prompts(args) -> dict:
+    """``pyspec synth-prompts``: the target's own requests to a JSONL file (resumable), and a
+    report of their diversity and overlap with ``--reference``."""
+    import pyspec
+    from pyspec.train.evaluate import read_prompts
+    from pyspec.train.prompts import diversity_report, synthesize_prompts
+
+    if args.n < 1:
+        raise ValueError(f"--n must be >= 1; got {args.n}")
+    if not 0.0 < args.near_duplicate <= 1.0:
+        raise ValueError(f"--near-duplicate must be in (0, 1]; got {args.near_duplicate}")
+    if not 0.0 < args.temperature <= 2.0:
+        raise ValueError(f"--temperature must be in (0, 2]; got {args.temperature}")
+    reference = [text for _, text in read_prompts(args.reference)] if args.reference else []
+    llm = pyspec.LLM(args.target, draft="none", dtype=args.dtype, progress=True)
+    if not 0.0 <= args.min_latin <= 1.0:
+        raise ValueError(f"--min-latin must be in [0, 1]; got {args.min_latin}")
+    run = synthesize_prompts(llm, args.n, out=args.out, seed=args.seed, batch=args.batch,
+                             max_tokens=args.max_tokens, temperature=args.temperature,
+                             near_duplicate=args.near_duplicate, min_latin=args.min_latin,
+                             min_words=args.min_words)
+    prompts = run.pop("prompts")
+    report = {"command": " ".join(["pyspec synth-prompts"] + [
+        f"--{k.replace('_', '-')} {v}" for k, v in sorted(vars(args).items())
+        if k not in ("func", "command") and v is not None]),
+              "run": run,
+              "diversity": diversity_report(prompts, reference) if prompts else None}
+    path = args.report or os.path.splitext(args.out)[0] + ".report.json"
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"{run['kept']} requests in {args.out} ({run['new']} new in {run['seconds']} s: "
+          f"{run['prompts_per_hour']} prompts/hour, {run['tokens_per_hour']} generated "
+          f"tokens/hour); dropped {run['dropped']}; report {path}")
+    return report
+
+
+def add_synth_parser(sub):
+    p = sub.add_parser("synth-prompts", help="the target writes its own requests (Magpie-style), "
+                       "filtered and deduplicated, to JSONL")
+    p.add_argument("--target", default=None, help="target model folder (default: the embedded)")
+    p.add_argument("--n", type=int, required=True, help="requests wanted in --out")
+    p.add_argument("--out", required=True, help="JSONL file (appended; a rerun resumes)")
+    p.add_argument("--report", default=None, help="report JSON (default: OUT.report.json)")
+    p.add_argument("--reference", default=None,
+                   help="prompts the set must not resemble (JSONL; e.g. MT-bench questions)")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--near-duplicate", type=float, default=0.7,
+                   help="word 3-gram Jaccard similarity at which a request counts as a copy")
+    p.add_argument("--min-words", type=int, default=4, help="shortest request kept (words)")
+    p.add_argument("--min-latin", type=float, default=0.9,
+                   help="least share of a request's letters in the Latin script (a language "
+                   "filter; 0: none)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=lambda a: (synth_prompts(a), 0)[1])
+    return p

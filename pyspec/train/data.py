@@ -361,51 +361,20 @@ def self_prompts(llm, n: int, seed: int = 0, *, batch: int = 64, max_tokens: int
     samples a user turn after :func:`user_turn_prefix`. Kept: requests that end their turn within
     ``max_tokens`` tokens, have at least ``min_words`` words, and are not duplicates; the rest
     are drawn again, up to ``10 * n`` tries in all (fewer than ``n`` then comes back, with a
-    note)."""
-    from tqdm import tqdm
+    note). :func:`pyspec.train.prompts.synthesize_prompts` with its filters relaxed (no language
+    filter, only exact duplicates dropped)."""
+    from pyspec.train.prompts import synthesize_prompts
 
-    from pyspec.engine import Engine, SamplingParams
-    from pyspec.runner import ModelRunner
-
-    if n < 1:
-        raise ValueError(f"n must be >= 1; got {n}")
-    prefix = user_turn_prefix(llm)
-    eos = [int(e) for e in llm.tokenizer.eos_token_ids]
-    blocks = batch * ((len(prefix) + max_tokens + 32) // 16 + 2)
-    runner = ModelRunner(llm.model, num_blocks=blocks, block_size=16)
-    eng = Engine(runner, drafter=None, max_num_seqs=batch, max_num_batched_tokens=4096,
-                 enable_prefix_cache=False, adaptive=False)
-    out: List[str] = []
-    seen = set()
-    tries = 0
-    bar = tqdm(total=n, desc="writing prompts", disable=not progress, unit="prompt")
-    while len(out) < n and tries < 10 * n:
-        k = min(batch, 10 * n - tries)
-        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                 seed=seed * 1_000_003 + 500_000_000 + tries + i,
-                                 stop_token_ids=eos) for i in range(k)]
-        tries += k
-        rids = [eng.add_request(list(prefix), sp) for sp in params]
-        while eng.has_unfinished():
-            eng.step()
-        for rid in rids:
-            res = eng.result(rid, pop=True)
-            if res.finish_reason != "stop" or len(out) >= n:
-                continue  # ran past max_tokens: a truncated request
-            text = llm.tokenizer.decode([t for t in res.token_ids if t not in eos]).strip()
-            key = " ".join(text.lower().split())
-            if len(text.split()) < min_words or key in seen:
-                continue
-            seen.add(key)
-            out.append(text)
-            bar.update(1)
-    bar.close()
-    if len(out) < n:
-        print(f"note: the target wrote {len(out)} distinct requests in {tries} tries; "
+    r = synthesize_prompts(llm, n, seed=seed, batch=batch, max_tokens=max_tokens,
+                           temperature=temperature, top_p=top_p, min_words=min_words,
+                           max_words=1 << 30, min_latin=0.0, near_duplicate=1.0,
+                           progress=progress)
+    if r["kept"] < n:
+        print(f"note: the target wrote {r['kept']} distinct requests in {r['draws']} tries; "
               f"{n} were asked for")
     elif progress:
-        print(f"the target wrote {len(out)} distinct requests in {tries} tries")
-    return out
+        print(f"the target wrote {r['kept']} distinct requests in {r['draws']} tries")
+    return r["prompts"]
 
 
 class _Recorder(Drafter):
