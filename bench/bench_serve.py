@@ -5,7 +5,11 @@ The server runs in this process (uvicorn on 127.0.0.1, its own engine thread); c
 streaming `/v1/chat/completions` with httpx and timing tokens as they arrive (TTFT = first content
 chunk; TPOT = (last chunk - first chunk) / (tokens - 1), per request). A level runs a bounded number
 of requests (--requests-per-level, at least 2 x concurrency), each client issuing its next request
-when the previous one finishes. Speculation on/off is the config's enabled_ratio 1 / 0 (swapped on
+when the previous one finishes; request i asks for max_tokens scaled by a factor in [0.5, 1.5]
+(--length-spread 0.5), the same sequence at every level, so that requests finish at different
+times as in real traffic (with equal lengths plain decoding runs in waves whose prefills all
+fall before the wave's first tokens, which flatters its TPOT and hurts its TTFT; speculation breaks
+the waves up). The engine's steps, draft tokens and forward time per step are reported too. Speculation on/off is the config's enabled_ratio 1 / 0 (swapped on
 the running server, as a SIGHUP reload would). JSON + PNG.
 
     python bench/bench_serve.py --draft default --out bench/results/serve.json
@@ -40,6 +44,11 @@ def main(argv=None):
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--requests-per-level", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--length-spread", type=float, default=0.5,
+                    help="request i asks for max_tokens scaled by a factor in [1 - S, 1 + S] "
+                         "(the same sequence at every level): requests of one wave finish at "
+                         "different times, as in real traffic, instead of in lockstep (0: every "
+                         "request asks for max_tokens)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "serve.json"))
     args = ap.parse_args(argv)
 
@@ -67,9 +76,17 @@ def main(argv=None):
         time.sleep(0.05)
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
 
-    def one(prompt):
+    if not 0.0 <= args.length_spread < 1.0:
+        ap.error("--length-spread must be in [0, 1)")
+
+    def max_tokens_of(i):
+        frac = (i * 0.6180339887) % 1.0  # a low-discrepancy sequence over request indices
+        return max(1, round(args.max_tokens * (1 - args.length_spread
+                                               + 2 * args.length_spread * frac)))
+
+    def one(prompt, max_tokens):
         body = {"model": "pyspec", "messages": [{"role": "user", "content": prompt}],
-                "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
+                "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}}
         t0 = time.perf_counter()
         first = last = None
@@ -105,10 +122,13 @@ def main(argv=None):
                     if not work:
                         return
                     i = work.pop(0)
-                r = one(prompts[i % len(prompts)])
+                r = one(prompts[i % len(prompts)], max_tokens_of(i))
                 with lock:
                     results.append(r)
 
+        es0 = llm.engine.stats
+        before = (es0.steps, es0.drafts, es0.draft_tokens, es0.accepted_tokens,
+                  es0.draft_seconds, es0.verify_seconds)
         t0 = time.perf_counter()
         ts = [threading.Thread(target=client) for _ in range(conc)]
         for t in ts:
@@ -119,13 +139,23 @@ def main(argv=None):
         ttft = [r["ttft"] for r in results]
         tpot = [r["tpot"] for r in results if r["tpot"] is not None]
         usage_tokens = sum(r["tokens"] for r in results)
+        es = llm.engine.stats
+        steps, drafts, dtok, acc, dsec, vsec = (b - a for a, b in zip(before, (
+            es.steps, es.drafts, es.draft_tokens, es.accepted_tokens, es.draft_seconds,
+            es.verify_seconds)))
+        # The engine's side: its steps, how many verified drafts, draft tokens and accepted
+        # ones, and the time it spent drafting and in target forwards per step.
+        engine = dict(steps=steps, draft_steps=drafts, draft_tokens=dtok, accepted_tokens=acc,
+                      draft_ms_per_step=1e3 * dsec / max(steps, 1),
+                      forward_ms_per_step=1e3 * vsec / max(steps, 1))
         return dict(concurrency=conc, speculation=spec_on, requests=len(results), seconds=wall,
+                    engine=engine,
                     tokens_per_second=usage_tokens / wall,
                     ttft_p50=pct(ttft, 50), ttft_p99=pct(ttft, 99),
                     tpot_p50=pct(tpot, 50), tpot_p99=pct(tpot, 99),
                     tpot_mean=statistics.mean(tpot) if tpot else None)
 
-    one(prompts[0])  # warm-up
+    one(prompts[0], args.max_tokens)  # warm-up
     out = []
     for conc in [int(c) for c in args.concurrency.split(",")]:
         for spec_on in (True, False):  # same level back to back
@@ -133,8 +163,8 @@ def main(argv=None):
             out.append(r)
             print(f"c={conc:3d} spec={'on ' if spec_on else 'off'} {r['tokens_per_second']:7.1f} "
                   f"tok/s  TTFT p50 {r['ttft_p50'] * 1e3:7.1f} ms p99 {r['ttft_p99'] * 1e3:7.1f} ms"
-                  f"  TPOT p50 {r['tpot_p50'] * 1e3:6.1f} ms p99 {r['tpot_p99'] * 1e3:6.1f} ms",
-                  flush=True)
+                  f"  TPOT p50 {r['tpot_p50'] * 1e3:6.1f} ms p99 {r['tpot_p99'] * 1e3:6.1f} ms"
+                  f"  | {json.dumps(r['engine'])}", flush=True)
     srv.should_exit = True
     th.join(timeout=10)
     report = dict(config=vars(args), drafter=llm.drafter_name, levels=out)
