@@ -149,9 +149,18 @@ def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Dra
             tm = target_runner.model
             # As the target was loaded: its kernels, packed codes where exact unless the target
             # said "off".
+            cross = _cross_tokenizers(path, tm)
+            if cross is not None and "width" in over:
+                raise ValueError(f"{path!r} has another tokenizer than the target's: its drafts "
+                                 "are chains re-tokenized through text; tree= does not apply")
             model = LlamaForCausalLM.from_pretrained(
                 path, dtype=tm.dtype, packed_weights=getattr(tm, "packed_weights", "auto"),
                 kernels=getattr(tm, "kernels", None))
+            if cross is not None:
+                from pyspec.drafters.cross import CrossTokenizerDrafter
+
+                return CrossTokenizerDrafter(model, *cross, target_vocab=tm.cfg.vocab_size,
+                                             max_depth=over.get("max_depth", 5))
             return ModelDrafter(model, target_runner, **{"width": 1, "max_depth": 5, **over})
         raise ValueError(f"{path!r} holds neither drafter.json (EAGLE/Medusa heads) nor "
                          "config.json (a draft model)")
@@ -161,6 +170,31 @@ def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Dra
     if os.sep in path or path.startswith((".", "~")):
         raise ValueError(f"drafter folder {path!r} does not exist")
     raise ValueError(f"unknown drafter {spec!r}; use {DRAFT_CHOICES}")
+
+
+def _cross_tokenizers(path: str, target_model):
+    """(draft tokenizer, target tokenizer) when the draft-model folder ``path`` has a tokenizer
+    other than the target's (drafts then go through text), else None (the same vocabulary: ids
+    are shared). A draft model of another vocabulary size needs both tokenizers."""
+    from pyspec.drafters.cross import same_vocabulary
+    from pyspec.tokenizer import Tokenizer
+
+    mine = os.path.isfile(os.path.join(path, "tokenizer.json"))
+    source = getattr(target_model, "source_path", None)
+    theirs = source is not None and os.path.isfile(os.path.join(source, "tokenizer.json"))
+    if mine and theirs:
+        dt, tt = Tokenizer.from_pretrained(path), Tokenizer.from_pretrained(source)
+        return None if same_vocabulary(dt, tt) else (dt, tt)
+    from pyspec.models.config import ModelConfig
+
+    vocab = ModelConfig.from_file(path).vocab_size
+    if vocab != target_model.cfg.vocab_size:
+        raise ValueError(f"{path!r}: the draft model's vocabulary ({vocab} tokens) differs from the "
+                         f"target's ({target_model.cfg.vocab_size}); drafting through text needs "
+                         f"both tokenizers (tokenizer.json in the draft folder"
+                         f"{'' if mine else ' (missing)'} and a target loaded from a folder with "
+                         f"one{'' if theirs else ' (missing)'})")
+    return None
 
 
 def is_draft_model_folder(spec: str) -> bool:

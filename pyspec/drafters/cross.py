@@ -1,0 +1,145 @@
+"""Drafting with a model of another tokenizer: proposals re-tokenized through text.
+
+Per request and step: the target's context is decoded to text and encoded with the draft model's
+tokenizer; the draft model (its own KV pool, its own positions) runs what is new since its last
+step (the longest common prefix of draft tokens keeps its KV) and greedily writes a few tokens;
+their text is encoded with the target's tokenizer after the context's last few tokens, and the
+target tokens past those are the draft: a chain the target verifies like any other. The target
+decides every token, so the output is plain decoding's whatever the draft model writes (greedy
+and sampled alike: the chain is deterministic, verified by the target-only walk).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+from pyspec.drafters.base import Draft, Drafter
+from pyspec.runner import ModelRunner, SeqStep
+
+__all__ = ["CrossTokenizerDrafter", "same_vocabulary"]
+
+# Target tokens of context decoded with the draft's text, to re-encode the proposal against: the
+# re-encoding may merge the context's last tokens with the proposal's first characters, so the
+# proposal starts after the tokens that came back unchanged.
+WINDOW = 8
+
+
+def same_vocabulary(a, b) -> bool:
+    """Two tokenizers (pyspec.tokenizer.Tokenizer) map every token to the same id."""
+    return a.vocab_size == b.vocab_size and \
+        a._tk.get_vocab(with_added_tokens=True) == b._tk.get_vocab(with_added_tokens=True)
+
+
+def _strip_partial(text: str) -> str:
+    """``text`` without the replacement characters a cut-off UTF-8 sequence decodes to at its
+    end."""
+    return text.rstrip("\ufffd")
+
+
+class CrossTokenizerDrafter(Drafter):
+    """Args:
+        model: the draft model (any vocabulary).
+        draft_tokenizer, target_tokenizer: :class:`pyspec.tokenizer.Tokenizer` of each.
+        max_depth: most target tokens drafted per step (the request's budget caps it too).
+        kv_tokens: the draft model's KV pool, in tokens, shared by the requests in flight (a
+            request that does not fit gets no draft until others finish).
+    """
+
+    name = "cross-tokenizer"
+
+    def __init__(self, model, draft_tokenizer, target_tokenizer, *, target_vocab: int,
+                 max_depth: int = 5, kv_tokens: int = 16384, block_size: int = 16):
+        if not isinstance(max_depth, int) or not 1 <= max_depth <= 64:
+            raise ValueError(f"max_depth must be an int in [1, 64]; got {max_depth!r}")
+        if not isinstance(kv_tokens, int) or kv_tokens < block_size:
+            raise ValueError(f"kv_tokens must be an int >= {block_size}; got {kv_tokens!r}")
+        self.model = model
+        self.dtok, self.ttok = draft_tokenizer, target_tokenizer
+        self.target_vocab = int(target_vocab)
+        self.max_draft_depth = max_depth
+        self.block_size = block_size
+        self.runner = ModelRunner(model, -(-kv_tokens // block_size), block_size)
+        self._free = list(range(self.runner.kv.num_blocks))[::-1]
+        self._tables: Dict[int, List[int]] = {}
+        self._ids: Dict[int, List[int]] = {}  # draft tokens whose KV is in the request's pages
+        self._limit = int(model.cfg.context_limit)
+        self._eos = set(int(e) for e in draft_tokenizer.eos_token_ids)
+
+    def describe(self) -> str:
+        return f"cross-tokenizer draft model (draft vocabulary {self.dtok.vocab_size})"
+
+    # ---- the draft model's KV ----
+
+    def release(self, request_id: int) -> None:
+        self._free.extend(self._tables.pop(request_id, []))
+        self._ids.pop(request_id, None)
+
+    def _reserve(self, rid: int, tokens: int) -> Optional[List[int]]:
+        table = self._tables.setdefault(rid, [])
+        need = -(-tokens // self.block_size) - len(table)
+        if need > len(self._free):
+            return None
+        for _ in range(max(0, need)):
+            table.append(self._free.pop())
+        return table
+
+    def _continue(self, rid: int, ids: List[int], n: int) -> List[int]:
+        """The draft model's greedy continuation (``n`` tokens at most, stopping at its
+        end-of-sequence) of draft tokens ``ids``; [] when it does not fit."""
+        if len(ids) + n > self._limit:
+            n = self._limit - len(ids)
+        table = self._reserve(rid, len(ids) + n) if n > 0 else None
+        if table is None:
+            return []
+        have = self._ids.get(rid, [])
+        p = 0
+        while p < min(len(have), len(ids) - 1) and have[p] == ids[p]:
+            p += 1
+        bs = self.block_size
+        out: List[int] = []
+        new, start = list(ids[p:]), p
+        for _ in range(n):
+            o = self.runner.step([SeqStep(new, start, table, None, "last")])
+            slots = [table[q // bs] * bs + q % bs for q in range(start, start + len(new))]
+            self.runner.commit_kv(o, 0, range(len(new)), slots)
+            tok = int(o.logits[-1].argmax())
+            start += len(new)
+            if tok in self._eos:
+                break
+            out.append(tok)
+            new = [tok]
+        # KV is written for ids and every token of out but the last.
+        self._ids[rid] = list(ids) + out[:-1] if out else list(ids)
+        return out
+
+    # ---- drafting ----
+
+    def propose(self, reqs) -> List[Draft]:
+        return [self._propose(r) for r in reqs]
+
+    def _propose(self, r) -> Draft:
+        ctx = [int(t) for t in r.context]
+        root = Draft([ctx[-1]], [-1])
+        depth = min(self.max_draft_depth, r.depth_limit)
+        if depth < 1:
+            return root
+        ids = self.dtok.encode(self.ttok.decode(ctx), add_special_tokens=False)
+        if not ids:
+            return root
+        # A few more draft tokens than target ones: the vocabularies cut text differently.
+        cont = self._continue(r.request_id, ids, depth + 2)
+        text = _strip_partial(self.dtok.decode(cont))
+        if not text:
+            return root
+        tail = ctx[-WINDOW:]
+        enc = self.ttok.encode(self.ttok.decode(tail) + text, add_special_tokens=False)
+        if enc[:len(tail)] == tail:
+            prop = enc[len(tail):]
+        else:  # the context's last tokens re-tokenize otherwise: the text alone
+            prop = self.ttok.encode(text, add_special_tokens=False)
+        prop = prop[:depth]
+        for i, t in enumerate(prop):
+            if not 0 <= t < self.target_vocab:
+                prop = prop[:i]
+                break
+        return Draft([ctx[-1]] + prop, list(range(-1, len(prop))))
