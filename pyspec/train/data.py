@@ -20,6 +20,7 @@ import torch
 
 from pyspec.drafters.base import Draft, Drafter
 from pyspec.models.loader import load_weights_only
+from pyspec.train.prompts import user_turn_prefix  # noqa: F401 (the 'self' prompt set's)
 
 TEMPLATES = [
     "Explain {t} to a curious teenager in a few paragraphs.",
@@ -337,21 +338,6 @@ def seed_prompts(n: int, seed: int = 0, prompt_set: str = "diverse") -> List[str
             seen.add(p)
             out.append(p)
     return out
-
-
-def user_turn_prefix(llm) -> List[int]:
-    """The token ids of the target's chat template up to where a user's text starts (the system
-    turn the template adds by default, then the user turn's header)."""
-    mark = "\u2063pyspec-user-text\u2063"
-    if not llm.tokenizer.chat_template:
-        raise ValueError(f"the model at {llm.model_path} has no chat template: the 'self' prompt "
-                         f"set needs one")
-    text = llm.tokenizer.apply_chat_template([{"role": "user", "content": mark}],
-                                             add_generation_prompt=False)
-    if text.count(mark) != 1:
-        raise ValueError("the target's chat template does not place a user's text verbatim; "
-                         "the 'self' prompt set needs one that does")
-    return llm.tokenizer.encode(text[:text.index(mark)], add_special_tokens=False)
 
 
 def self_prompts(llm, n: int, seed: int = 0, *, batch: int = 64, max_tokens: int = 128,

@@ -21,7 +21,7 @@ from typing import Iterable, List, Optional, Sequence, Set
 
 import numpy as np
 
-__all__ = ["normalize", "shingles", "jaccard", "NearDuplicates", "latin_share",
+__all__ = ["user_turn_prefix", "normalize", "shingles", "jaccard", "NearDuplicates", "latin_share",
            "synthesize_prompts", "diversity_report"]
 
 _WORD = re.compile(r"[^\W_]+(?:'[^\W_]+)?", re.UNICODE)
@@ -123,6 +123,21 @@ def _state_path(out: str) -> str:
     return out + ".state.json"
 
 
+def user_turn_prefix(llm) -> List[int]:
+    """The token ids of the target's chat template up to where a user's text starts (the system
+    turn the template adds by default, then the user turn's header)."""
+    mark = "\u2063pyspec-user-text\u2063"
+    if not llm.tokenizer.chat_template:
+        raise ValueError(f"the model at {llm.model_path} has no chat template: the 'self' prompt "
+                         f"set needs one")
+    text = llm.tokenizer.apply_chat_template([{"role": "user", "content": mark}],
+                                             add_generation_prompt=False)
+    if text.count(mark) != 1:
+        raise ValueError("the target's chat template does not place a user's text verbatim; "
+                         "the 'self' prompt set needs one that does")
+    return llm.tokenizer.encode(text[:text.index(mark)], add_special_tokens=False)
+
+
 def synthesize_prompts(llm, n: int, *, out: Optional[str] = None, seed: int = 0, batch: int = 64,
                        max_tokens: int = 128, temperature: float = 1.0, top_p: float = 0.95,
                        min_words: int = 4, max_words: int = 200, min_latin: float = 0.9,
@@ -138,8 +153,6 @@ def synthesize_prompts(llm, n: int, *, out: Optional[str] = None, seed: int = 0,
 
     from pyspec.engine import Engine, SamplingParams
     from pyspec.runner import ModelRunner
-    from pyspec.train.data import user_turn_prefix
-
     if n < 1:
         raise ValueError(f"n must be >= 1; got {n}")
     if batch < 1 or max_tokens < 1 or min_words < 1 or max_words < min_words:
