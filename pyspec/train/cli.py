@@ -7,6 +7,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import time
 
 import torch
@@ -77,7 +78,8 @@ _METHOD_OPTIONS = {"draft_layers": ("draft-model",), "medusa_heads": ("medusa",)
                    "epochs": ("eagle", "medusa", "draft-model"),
                    "lr": ("eagle", "medusa", "draft-model"),
                    "batch_tokens": ("eagle", "medusa", "draft-model")}
-_GENERATION_OPTIONS = ("prompts", "prompt_set", "prompt_file", "max_tokens", "batch")
+_GENERATION_OPTIONS = ("prompts", "prompt_set", "prompt_file", "max_tokens", "batch",
+                       "shard_prompts")
 
 
 def _recorded_command(args, generated: bool, used_gen_dtype: bool) -> str:
@@ -181,8 +183,8 @@ def _check_options(args) -> None:
     ranges = {**_RANGES, **_TREE_RANGES.get(args.method, {})}
     for name in ("prompts", "max_tokens", "batch", "epochs", "draft_vocab", "intermediate_size",
                  "draft_layers", "medusa_heads", "unroll_steps", "tree_width", "tree_depth",
-                 "tree_nodes", "batch_tokens"):
-        v = getattr(args, name)
+                 "tree_nodes", "batch_tokens", "shard_prompts"):
+        v = getattr(args, name, None)
         lo, hi = ranges.get(name, (1, None))
         if v is None or (lo <= v and (hi is None or v <= hi)):
             continue
@@ -266,10 +268,15 @@ def train_draft(args) -> str:
             seqs.extend(part)
     else:
         seqs = []
-        for prompts in _prompt_lists(gen, args):  # one corpus per list, as separate runs do
-            seqs.extend(D.generate_corpus(gen, prompts, max_tokens=args.max_tokens,
-                                          batch=args.batch, seed=args.seed))
+        for k, prompts in enumerate(_prompt_lists(gen, args)):  # one corpus per list
+            kw = dict(max_tokens=args.max_tokens, batch=args.batch, seed=args.seed)
+            if args.shard_prompts:  # saved shard by shard: an interrupted run resumes
+                seqs.extend(D.generate_sharded(gen, prompts, args.out, f"set{k}",
+                                               shard=args.shard_prompts, **kw))
+            else:
+                seqs.extend(D.generate_corpus(gen, prompts, **kw))
         D.save_sequences(seqs, data_path)
+        shutil.rmtree(os.path.join(args.out, "shards"), ignore_errors=True)
     # Features from one teacher-forced pass over the tokens: for other layers than the recorded
     # final one, and for a corpus drafter's documents, which have none (not needed by a corpus).
     recompute = layers or (args.method != "suffix" and any(s.hidden is None for s in seqs))
@@ -414,6 +421,9 @@ def add_parser(sub):
                    "size and feature layers are kept")
     p.add_argument("--max-tokens", type=int, default=192)
     p.add_argument("--batch", type=int, default=64, help="generation batch size")
+    p.add_argument("--shard-prompts", type=int, default=None,
+                   help="generate the corpus in shards of this many prompts, each saved when "
+                   "done (DIR/shards/), so an interrupted run resumes mid-generation")
     p.add_argument("--gen-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="the target's dtype while it generates the corpus; auto: bfloat16 where "
                    "the CPU multiplies it natively (AMX or AVX-512 BF16), else float32 (on an "

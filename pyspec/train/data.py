@@ -511,9 +511,11 @@ def corpus_sequences(path: str, vocab_size: int) -> List[Sequence_]:
 
 
 def generate_corpus(llm, prompts: List[str], *, max_tokens: int = 256, batch: int = 64,
-                    temperature_mix=(0.0, 0.7), seed: int = 0, progress: bool = True
-                    ) -> List[Sequence_]:
-    """Run the target over ``prompts`` (chat template) and return tokens + hidden states."""
+                    temperature_mix=(0.0, 0.7), seed: int = 0, progress: bool = True,
+                    first: int = 0) -> List[Sequence_]:
+    """Run the target over ``prompts`` (chat template) and return tokens + hidden states.
+    ``first``: the index of ``prompts[0]`` in a longer list generated in shards (each prompt's
+    temperature and seed follow its index, so shards give what one run over the list gives)."""
     from tqdm import tqdm
 
     from pyspec.engine import Engine, SamplingParams
@@ -532,8 +534,9 @@ def generate_corpus(llm, prompts: List[str], *, max_tokens: int = 256, batch: in
         chunk = prompts[lo:lo + batch]
         ids = [llm.chat_prompt([{"role": "user", "content": p}]) for p in chunk]
         params = [SamplingParams(max_tokens=max_tokens,
-                                 temperature=temperature_mix[(lo + i) % len(temperature_mix)],
-                                 seed=seed * 1_000_003 + lo + i, stop_token_ids=eos)
+                                 temperature=temperature_mix[(first + lo + i)
+                                                             % len(temperature_mix)],
+                                 seed=seed * 1_000_003 + first + lo + i, stop_token_ids=eos)
                   for i in range(len(chunk))]
         rids = [eng.add_request(p, sp) for p, sp in zip(ids, params)]
         while eng.has_unfinished():
@@ -548,6 +551,32 @@ def generate_corpus(llm, prompts: List[str], *, max_tokens: int = 256, batch: in
             out.append(Sequence_(toks, torch.stack([h[k] for k in range(n)]), len(p)))
         bar.update(len(chunk))
     bar.close()
+    return out
+
+
+def generate_sharded(llm, prompts: List[str], out_dir: str, tag: str, *, shard: int,
+                     progress: bool = True, **kw) -> List[Sequence_]:
+    """:func:`generate_corpus` over ``prompts`` in shards of ``shard`` prompts, each saved as
+    ``out_dir/shards/{tag}-NNNNN.pt`` when done: a rerun loads the finished shards and generates
+    only the rest (the same sequences as one run: seeds follow the prompt index). The shards are
+    removed by the caller once the whole corpus is saved."""
+    if shard < 1:
+        raise ValueError(f"the shard size must be >= 1 prompts; got {shard}")
+    folder = os.path.join(out_dir, "shards")
+    os.makedirs(folder, exist_ok=True)
+    out: List[Sequence_] = []
+    for k, lo in enumerate(range(0, len(prompts), shard)):
+        path = os.path.join(folder, f"{tag}-{k:05d}.pt")
+        if os.path.isfile(path):
+            part = load_sequences(path, "--out (a finished shard)",
+                                  f"delete {path} to generate that shard again")
+            if progress:
+                print(f"loaded shard {k} ({len(part)} sequences) from {path}")
+        else:
+            part = generate_corpus(llm, prompts[lo:lo + shard], first=lo, progress=progress,
+                                   **kw)
+            save_sequences(part, path)
+        out.extend(part)
     return out
 
 

@@ -217,3 +217,40 @@ def test_train_draft_self_prompt_set(tiny, tmp_path, monkeypatch, capsys):
     assert cli.main(["train-draft", "--target", tiny, "--out", str(tmp_path / "none"),
                      "--prompt-set", "self", "--prompts", "3"]) == 2
     assert "wrote no complete request" in capsys.readouterr().err
+
+
+def test_sharded_generation_resumes_and_equals_one_run(tiny, tmp_path, monkeypatch):
+    """train-draft --shard-prompts saves each shard as it finishes; a run stopped mid-corpus
+    resumes from the finished shards, and the corpus equals an unsharded run's."""
+    from pyspec.train import data as D
+
+    args = ["--target", tiny, "--prompt-set", "basic", "--prompts", "5", "--max-tokens", "4",
+            "--epochs", "1", "--draft-vocab", "80", "--intermediate-size", "32", "--batch", "2"]
+    whole = str(tmp_path / "whole")
+    assert cli.main(["train-draft", "--out", whole] + args) == 0
+    sharded = str(tmp_path / "sharded")
+    real = D.generate_corpus
+    calls = []
+
+    def stop_at_third(llm, prompts, **kw):
+        calls.append(kw.get("first", 0))
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # stopped mid-corpus
+        return real(llm, prompts, **kw)
+
+    monkeypatch.setattr(D, "generate_corpus", stop_at_third)
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["train-draft", "--out", sharded, "--shard-prompts", "2"] + args)
+    assert sorted(os.listdir(os.path.join(sharded, "shards"))) == ["set0-00000.pt",
+                                                                   "set0-00001.pt"]
+    calls.clear()
+    monkeypatch.setattr(D, "generate_corpus", lambda llm, prompts, **kw: (
+        calls.append(kw.get("first", 0)), real(llm, prompts, **kw))[1])
+    assert cli.main(["train-draft", "--out", sharded, "--shard-prompts", "2"] + args) == 0
+    assert calls == [4]  # only the last shard was generated again
+    assert not os.path.exists(os.path.join(sharded, "shards"))
+    a = load_sequences(os.path.join(whole, "data.pt"))
+    b = load_sequences(os.path.join(sharded, "data.pt"))
+    assert [x.tokens for x in a] == [x.tokens for x in b]
+    assert cli.main(["train-draft", "--out", str(tmp_path / "x"), "--shard-prompts", "0"]
+                    + args) == 2
