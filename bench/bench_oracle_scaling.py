@@ -21,7 +21,6 @@ bf16) the same script measures the GPU issue's oracle goals on the 1b and 8b lay
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
@@ -119,9 +118,7 @@ def run_layout(layout: str, weights: str, alphas, shapes, prompts: int, max_toke
                  "plain_drift": round(again / plain_s, 3), "runs": runs}
         row["batches"].append(entry)
         print(json.dumps({k: v for k, v in entry.items() if k != "runs"}), flush=True)
-    del model
-    gc.collect()
-    return row
+    return row  # (the model is freed with this frame, before the next layout is built)
 
 
 def chart(result, path: str) -> None:

@@ -45,7 +45,7 @@ def layout_config(name: str):
                                       **LAYOUTS[name]), source=name)
 
 
-def _q8_matrix(n: int, k: int, g) -> "torch.Tensor":
+def _q8_matrix(n: int, k: int, g):
     """A float32 [n, k] matrix of std ~1/sqrt(k) whose values are exactly d * q per group of 32
     (q int8 in -127..127, d a float16 value): what pyspec.linear.pack_exact holds as codes."""
     import torch

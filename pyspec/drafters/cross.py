@@ -11,7 +11,7 @@ and sampled alike: the chain is deterministic, verified by the target-only walk)
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 from pyspec.drafters.base import Draft, Drafter
 from pyspec.runner import ModelRunner, SeqStep
@@ -108,7 +108,8 @@ class CrossTokenizerDrafter(Drafter):
                 break
             out.append(tok)
             new = [tok]
-        # KV is written for ids and every token of out but the last.
+        # KV is written for ids and every token of out but the last (all of out when the loop
+        # stopped at an end-of-sequence token: keeping one fewer only reruns it).
         self._ids[rid] = list(ids) + out[:-1] if out else list(ids)
         return out
 
@@ -128,7 +129,14 @@ class CrossTokenizerDrafter(Drafter):
             return root
         # A few more draft tokens than target ones: the vocabularies cut text differently.
         cont = self._continue(r.request_id, ids, depth + 2)
-        text = _strip_partial(self.dtok.decode(cont))
+        if not cont:
+            return root
+        # The continuation's text as it reads after the context (decoded alone, a SentencePiece
+        # vocabulary would drop its first token's leading space).
+        before = self.dtok.decode(ids)
+        after = self.dtok.decode(ids + cont)
+        text = _strip_partial(after[len(before):] if after.startswith(before)
+                              else self.dtok.decode(cont))
         if not text:
             return root
         tail = ctx[-WINDOW:]

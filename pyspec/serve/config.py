@@ -47,6 +47,7 @@ rollback (the quality gate's) overrides them all until the config is reloaded.
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Optional, Tuple
 
@@ -60,6 +61,9 @@ TENANT_SECTION_KEYS = {"speculative", "api_keys", "max_concurrency", "tokens_per
 TOP_KEYS = ("speculative", "tenants", "classes", "regions", "rollback")
 PROMPT_CLASSES = ("short", "long")  # the prompt channel (the engine's long-prompt threshold)
 ROLLBACK_KEYS = {"drafter", "policy", "drafter_below_acceptance", "window"}
+
+
+log = logging.getLogger("pyspec.serve")
 
 
 class ConfigError(ValueError):
@@ -234,7 +238,8 @@ def _spec(d: Any, where: str, base: SpecSettings, allowed) -> SpecSettings:
             if bad:
                 raise ConfigError(f"unknown key {key}.{sorted(bad)[0]}; allowed: {sorted(GATE_KEYS)}")
             g = s.quality_gate
-            g.sample_ratio = 0.05
+            if g.sample_ratio == 0.0:  # a gate section turns sampling on (an inherited ratio stays)
+                g.sample_ratio = 0.05
             if "kl_threshold" in v:
                 g.kl_threshold = float(_num(v["kl_threshold"], key + ".kl_threshold", 0.0, 100.0))
             if "rollback_on_violation" in v:
@@ -304,6 +309,9 @@ def parse_config(d: Any, region: Optional[str] = None) -> ServerConfig:
                        SPEC_KEYS)
         if name == region:
             mine = merged
+    if region is not None and d.get("regions") and region not in d["regions"]:
+        log.warning("config: this server's region %r has no section under regions (%s): the "
+                    "base settings apply", region, ", ".join(map(str, d["regions"])))
     spec = mine
     classes = {}
     for name, over in _sections(d.get("classes") or {}, "classes").items():

@@ -296,7 +296,10 @@ class EngineLoop:
         ttft = t.time_to_first_token
         self.metrics.request_finished(res.stats, reason, ttft, dur, len(t.tokens))
         if self.rollbacks is not None and reason != "abort":
-            self.rollbacks.observe(res.stats)
+            try:
+                self.rollbacks.observe(res.stats)
+            except Exception:  # noqa: BLE001 - a rollback's bookkeeping never fails a request
+                log.exception("rollback evidence")
         if reason == "abort":
             self._abort_shadow(h)
         elif h.shadow_key is not None and self.shadow is not None and ttft is not None and \

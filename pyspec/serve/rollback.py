@@ -19,6 +19,7 @@ Requests in flight keep what they started with; engine changes run in the engine
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 
 log = logging.getLogger("pyspec.serve")
@@ -46,6 +47,8 @@ class Rollbacks:
         self.current = loop.engine.default_drafter  # the drafter a rollback steps back from
         self.drafter_back = False
         self._recent: deque = deque()  # the current drafter's recent acceptance lengths
+        # drafter() runs in the SIGHUP handler (reloads) and in the engine thread (observe).
+        self._lock = threading.RLock()
 
     def _record(self, direction: str, reason: str) -> None:
         self.count.labels(direction=direction, reason=reason).inc()
@@ -66,19 +69,23 @@ class Rollbacks:
         self._record("speculation", reason)
         return True
 
+    def has_previous(self) -> bool:
+        return PREVIOUS_DRAFTER in self.loop.engine.drafters
+
     def drafter(self, reason: str, back: bool = True) -> bool:
         """New requests drafted by the previous drafter (``back``) or the current one again;
         False when already so."""
-        if back == self.drafter_back:
-            return False
-        if PREVIOUS_DRAFTER not in self.loop.engine.drafters:
-            raise ValueError("a drafter rollback needs speculative.previous_draft_model (the "
-                             "drafter version to go back to)")
-        self.drafter_back = back
-        name = PREVIOUS_DRAFTER if back else self.current
-        self.loop.call(lambda engine: engine.set_default_drafter(name))
-        self._recent.clear()
-        self.active.labels(direction="drafter").set(int(back))
+        with self._lock:
+            if back == self.drafter_back:
+                return False
+            if not self.has_previous():
+                raise ValueError("a drafter rollback needs speculative.previous_draft_model (the "
+                                 "drafter version to go back to), loaded when the server started")
+            self.drafter_back = back
+            name = PREVIOUS_DRAFTER if back else self.current
+            self.loop.call(lambda engine: engine.set_default_drafter(name))
+            self._recent.clear()
+            self.active.labels(direction="drafter").set(int(back))
         if back:
             self._record("drafter", reason)
         else:
@@ -90,28 +97,35 @@ class Rollbacks:
         self._record("policy", reason)
 
     def apply_config(self, old, new) -> None:
-        """A config was loaded (``old``: the one before, None at start): its rollback section
-        decides the drafter and, where it newly says so, resets the policy. The speculation
-        rollback ends with the old config object."""
+        """A config was loaded (``old``: the one before, None at start): where its
+        ``rollback.drafter`` changed it decides the drafter (an automatic rollback stays through
+        reloads that leave the key as it was), and where it newly says ``rollback.policy`` the
+        policy is reset. The speculation rollback ends with the old config object."""
         self.active.labels(direction="speculation").set(int(new.plain_only))
-        if PREVIOUS_DRAFTER in self.loop.engine.drafters:
-            self.drafter("config", back=new.rollback.drafter)
-        elif new.rollback.drafter:  # (named in a reload: the engine loads drafters once)
-            log.error("config: rollback.drafter needs speculative.previous_draft_model loaded "
-                      "at start; restart the server to load it")
-        if new.rollback.policy and not (old is not None and old.rollback.policy):
+        rb = new.rollback
+        if not self.has_previous():
+            if rb.drafter or rb.drafter_below_acceptance > 0:
+                # (named in a reload: the engine loads drafters once, when the server starts)
+                log.error("config: rollback.drafter and rollback.drafter_below_acceptance need "
+                          "speculative.previous_draft_model loaded at start; restart the server "
+                          "to load it (ignored until then)")
+        elif old is None or old.rollback.drafter != rb.drafter:
+            self.drafter("config", back=rb.drafter)
+        if rb.policy and not (old is not None and old.rollback.policy):
             self.policy("config")
 
     def observe(self, stats) -> None:
         """A request finished (engine thread): the automatic drafter rollback's evidence."""
         rb = self.state["config"].rollback
-        if rb.drafter_below_acceptance <= 0 or self.drafter_back or not stats.drafts or \
-                stats.drafter != self.current:
+        if rb.drafter_below_acceptance <= 0 or not stats.drafts or not self.has_previous():
             return
-        self._recent.append(float(stats.acceptance_length))
-        while len(self._recent) > rb.window:
-            self._recent.popleft()
-        if len(self._recent) == rb.window and \
-                sum(self._recent) / rb.window < rb.drafter_below_acceptance:
-            self.drafter("acceptance")
-
+        with self._lock:
+            if self.drafter_back or stats.drafter != self.current:
+                return
+            self._recent.append(float(stats.acceptance_length))
+            while len(self._recent) > rb.window:
+                self._recent.popleft()
+            low = len(self._recent) == rb.window and \
+                sum(self._recent) / rb.window < rb.drafter_below_acceptance
+            if low:
+                self.drafter("acceptance")

@@ -469,10 +469,13 @@ def synth_prompts(args) -> dict:
         raise ValueError(f"--near-duplicate must be in (0, 1]; got {args.near_duplicate}")
     if not 0.0 < args.temperature <= 2.0:
         raise ValueError(f"--temperature must be in (0, 2]; got {args.temperature}")
-    reference = [text for _, text in read_prompts(args.reference)] if args.reference else []
-    llm = pyspec.LLM(args.target, draft="none", dtype=args.dtype, progress=True)
     if not 0.0 <= args.min_latin <= 1.0:
         raise ValueError(f"--min-latin must be in [0, 1]; got {args.min_latin}")
+    for flag in ("batch", "max_tokens", "min_words"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}")
+    reference = [text for _, text in read_prompts(args.reference)] if args.reference else []
+    llm = pyspec.LLM(args.target, draft="none", dtype=args.dtype, progress=True)
     run = synthesize_prompts(llm, args.n, out=args.out, seed=args.seed, batch=args.batch,
                              max_tokens=args.max_tokens, temperature=args.temperature,
                              near_duplicate=args.near_duplicate, min_latin=args.min_latin,

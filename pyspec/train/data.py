@@ -348,7 +348,7 @@ def self_prompts(llm, n: int, seed: int = 0, *, batch: int = 64, max_tokens: int
     ``max_tokens`` tokens, have at least ``min_words`` words, and are not duplicates; the rest
     are drawn again, up to ``10 * n`` tries in all (fewer than ``n`` then comes back, with a
     note). :func:`pyspec.train.prompts.synthesize_prompts` with its filters relaxed (no language
-    filter, only exact duplicates dropped)."""
+    filter, only duplicates up to case, spacing and punctuation dropped)."""
     from pyspec.train.prompts import synthesize_prompts
 
     r = synthesize_prompts(llm, n, seed=seed, batch=batch, max_tokens=max_tokens,
@@ -560,10 +560,27 @@ def generate_sharded(llm, prompts: List[str], out_dir: str, tag: str, *, shard: 
     ``out_dir/shards/{tag}-NNNNN.pt`` when done: a rerun loads the finished shards and generates
     only the rest (the same sequences as one run: seeds follow the prompt index). The shards are
     removed by the caller once the whole corpus is saved."""
+    import hashlib
+    import json
+    import shutil
+
     if shard < 1:
         raise ValueError(f"the shard size must be >= 1 prompts; got {shard}")
     folder = os.path.join(out_dir, "shards")
+    # What the shards were made from: shards of other prompts or options are not reused.
+    key = hashlib.sha256(json.dumps([prompts, shard, sorted(kw.items())], default=str)
+                         .encode("utf-8")).hexdigest()
+    manifest = os.path.join(folder, f"{tag}.json")
+    if os.path.isfile(manifest):
+        with open(manifest) as f:
+            same = json.load(f).get("key") == key
+        if not same:
+            print(f"the shards in {folder} were made from other prompts or options: "
+                  "generating again")
+            shutil.rmtree(folder)
     os.makedirs(folder, exist_ok=True)
+    with open(manifest, "w") as f:
+        json.dump({"key": key, "prompts": len(prompts), "shard": shard}, f)
     out: List[Sequence_] = []
     for k, lo in enumerate(range(0, len(prompts), shard)):
         path = os.path.join(folder, f"{tag}-{k:05d}.pt")

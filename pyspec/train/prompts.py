@@ -123,6 +123,15 @@ def _state_path(out: str) -> str:
     return out + ".state.json"
 
 
+def _drop_partial_line(path: str) -> None:
+    """Cut a JSONL file back to its last complete line (a process killed mid-write leaves the
+    rest of a line)."""
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+
+
 def user_turn_prefix(llm) -> List[int]:
     """The token ids of the target's chat template up to where a user's text starts (the system
     turn the template adds by default, then the user turn's header)."""
@@ -166,6 +175,7 @@ def synthesize_prompts(llm, n: int, *, out: Optional[str] = None, seed: int = 0,
     if out is not None and os.path.isfile(out):
         from pyspec.train.evaluate import read_prompts
 
+        _drop_partial_line(out)  # a run killed mid-write
         for _, text in read_prompts(out):
             if dedup.add(text):
                 kept.append(text)
@@ -221,9 +231,11 @@ def synthesize_prompts(llm, n: int, *, out: Optional[str] = None, seed: int = 0,
                     sink.write(json.dumps({"prompt": text}) + "\n")
             if sink is not None:
                 sink.flush()
-                with open(_state_path(out), "w") as f:
+                tmp = _state_path(out) + ".tmp"
+                with open(tmp, "w") as f:
                     json.dump({"seed": seed, "batch": batch, "tries": tries,
                                "dropped": dict(counts)}, f)
+                os.replace(tmp, _state_path(out))  # never a half-written state
     finally:
         bar.close()
         if sink is not None:

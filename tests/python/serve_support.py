@@ -1,6 +1,7 @@
 """Helpers of the serve tests: the optional packages they need, a uvicorn server on a free port,
 reading /metrics, and a request's output from a plain engine of its own."""
 
+import contextlib
 import socket
 import threading
 import time
@@ -44,6 +45,18 @@ def _start(app, **server_kwargs):
             break
         time.sleep(0.05)
     return srv, th, f"http://127.0.0.1:{port}"
+
+
+@contextlib.contextmanager
+def served(app):
+    """``app`` served on a free port (:func:`_start`) for the ``with`` block; yields its base
+    URL and stops the server after."""
+    srv, th, base = _start(app)
+    try:
+        yield base
+    finally:
+        srv.should_exit = True
+        th.join(timeout=10)
 
 
 def metric(base, name):

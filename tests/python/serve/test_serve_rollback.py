@@ -13,7 +13,7 @@ import httpx  # noqa: E402
 import pyspec  # noqa: E402
 from helpers import require_module  # noqa: E402
 from pyspec.serve.config import ConfigError, parse_config  # noqa: E402
-from serve_support import _start, metric  # noqa: E402
+from serve_support import metric, served  # noqa: E402
 
 
 @pytest.mark.parametrize("cfg, key", [
@@ -56,6 +56,11 @@ def test_settings_precedence_region_class_tenant():
     assert (us.speculative.gamma, us.speculative.enabled_ratio) == (3, 0.5)
     assert parse_config(d, region="asia").speculative.enabled_ratio == 0.5  # no section: base
     assert parse_config(d).speculative.draft_model == "ngram"
+    # A region's quality gate section keeps the sampling ratio it inherits.
+    g = parse_config({"speculative": {"quality_gate": {"sample_ratio": 0.2}},
+                      "regions": {"eu": {"speculative": {"quality_gate": {"kl_threshold": 0.1}}}}},
+                     region="eu").speculative.quality_gate
+    assert (g.sample_ratio, g.kl_threshold) == (0.2, 0.1)
     ids = [f"r{i}" for i in range(400)]
     assert not any(eu.speculates(i, "quiet", "long") for i in ids)
     assert all(eu.speculates(i, "vip", "long") for i in ids)
@@ -85,8 +90,7 @@ def test_class_overrides_follow_the_prompt_channel(server):
     llm = _llm(server["path"])
     cfg = parse_config({"classes": {"long": {"speculative": {"enabled_ratio": 0.0}}}})
     app = create_app(llm, cfg, options=ServeOptions(speculation_stats=True))
-    srv, th, base = _start(app)
-    try:
+    with served(app) as base:
         short = _post(base)
         assert short["speculation"][0]["drafts"] > 0
         long_prompt = "abc " * 40  # past the 24-token threshold: the long class
@@ -94,9 +98,6 @@ def test_class_overrides_follow_the_prompt_channel(server):
         r = _post(base, prompt=long_prompt)
         assert r["speculation"][0]["drafts"] == 0  # the class says plain
         assert metric(base, 'pyspec_channel_requests_total{channel="long"}') == 1
-    finally:
-        srv.should_exit = True
-        th.join(timeout=10)
 
 
 def test_drafter_rollback_from_config_and_back(server, tmp_path):
@@ -106,9 +107,8 @@ def test_drafter_rollback_from_config_and_back(server, tmp_path):
     llm = _llm(server["path"])
     d = {"speculative": {"previous_draft_model": "lookahead"}}
     app = create_app(llm, parse_config(d))
-    srv, th, base = _start(app)
     name = 'pyspec_rollbacks_total{direction="drafter",reason="config"}'
-    try:
+    with served(app) as base:
         assert llm.engine.default_drafter == "ngram"
         assert metric(base, 'pyspec_rollback_active{direction="drafter"}') == 0
         p = tmp_path / "c.yaml"
@@ -118,30 +118,27 @@ def test_drafter_rollback_from_config_and_back(server, tmp_path):
         assert llm.engine.default_drafter == "previous"
         assert metric(base, name) == 1
         assert metric(base, 'pyspec_rollback_active{direction="drafter"}') == 1
-        rid = llm.engine.add_request([5, 6, 7], pyspec.SamplingParams(max_tokens=2))
-        assert llm.engine._reqs[rid].stats.drafter == "previous"
-        llm.engine.abort(rid)
         p.write_text("speculative: {previous_draft_model: lookahead}\nrollback: {drafter: false}\n")
         assert reload_config(app, str(p))
         _post(base)
         assert llm.engine.default_drafter == "ngram"  # forward again
         assert metric(base, 'pyspec_rollback_active{direction="drafter"}') == 0
         assert metric(base, name) == 1  # going forward is not a rollback
-    finally:
-        srv.should_exit = True
-        th.join(timeout=10)
+
+
+def _auto_rollback_app(llm, window):
+    """An app whose drafter rolls back by itself below an acceptance length no drafter reaches
+    (64 tokens per step), over ``window`` requests."""
+    from pyspec.serve.app import create_app
+
+    return create_app(llm, parse_config({"speculative": {"previous_draft_model": "lookahead"},
+                                         "rollback": {"drafter_below_acceptance": 64.0,
+                                                      "window": window}}))
 
 
 def test_drafter_rolls_back_by_itself_on_low_acceptance(server):
-    from pyspec.serve.app import create_app
-
     llm = _llm(server["path"])
-    # An acceptance length no drafter reaches (64 tokens per step): two requests trip it.
-    app = create_app(llm, parse_config({"speculative": {"previous_draft_model": "lookahead"},
-                                        "rollback": {"drafter_below_acceptance": 64.0,
-                                                     "window": 2}}))
-    srv, th, base = _start(app)
-    try:
+    with served(_auto_rollback_app(llm, 2)) as base:  # two requests trip it
         _post(base)
         assert llm.engine.default_drafter == "ngram"  # one request: the window is not full
         _post(base, seed=1)
@@ -149,9 +146,39 @@ def test_drafter_rolls_back_by_itself_on_low_acceptance(server):
         assert llm.engine.default_drafter == "previous"
         assert metric(base, 'pyspec_rollbacks_total{direction="drafter",reason="acceptance"}') \
             == 1
-    finally:
-        srv.should_exit = True
-        th.join(timeout=10)
+
+
+def test_rollback_settings_without_a_loaded_previous_drafter_never_fail_requests(server,
+                                                                                  tmp_path):
+    """A reload may name previous_draft_model (kept at its old value: the engine loads drafters
+    once) with an automatic drafter rollback: it is logged and ignored, never a failed request;
+    and a reload that leaves rollback.drafter as it was keeps an automatic rollback."""
+    from pyspec.serve.app import create_app
+    from pyspec.serve.cli import reload_config
+
+    plain = pyspec.LLM(server["path"], draft="ngram", kv_cache_tokens=4096)
+    app = create_app(plain, parse_config({}))
+    with served(app) as base:
+        p = tmp_path / "c.yaml"
+        p.write_text("speculative: {previous_draft_model: lookahead}\n"
+                     "rollback: {drafter_below_acceptance: 64.0, window: 1}\n")
+        assert reload_config(app, str(p))
+        for seed in range(3):
+            r = _post(base, seed=seed)
+            assert r["choices"][0]["finish_reason"] in ("length", "stop")
+        assert plain.engine.default_drafter == "ngram"
+    llm = _llm(server["path"])
+    app = _auto_rollback_app(llm, 1)
+    with served(app) as base:
+        _post(base)
+        _post(base, seed=1)
+        assert llm.engine.default_drafter == "previous"  # rolled back by itself
+        p = tmp_path / "d.yaml"
+        p.write_text("speculative: {previous_draft_model: lookahead, enabled_ratio: 0.9}\n"
+                     "rollback: {drafter_below_acceptance: 64.0, window: 1}\n")
+        assert reload_config(app, str(p))  # an unrelated change
+        _post(base, seed=2)
+        assert llm.engine.default_drafter == "previous"  # still rolled back
 
 
 def test_policy_rollback_resets_the_engine_once_per_config(server, tmp_path, monkeypatch):
@@ -163,8 +190,7 @@ def test_policy_rollback_resets_the_engine_once_per_config(server, tmp_path, mon
     real = llm.engine.reset_policy
     monkeypatch.setattr(llm.engine, "reset_policy", lambda: (calls.append(1), real()))
     app = create_app(llm, parse_config({}))
-    srv, th, base = _start(app)
-    try:
+    with served(app) as base:
         _post(base)
         assert llm.engine.scheduler.deployment_acceptance_ewma is not None  # something learned
         p = tmp_path / "c.yaml"
@@ -176,9 +202,6 @@ def test_policy_rollback_resets_the_engine_once_per_config(server, tmp_path, mon
         assert reload_config(app, str(p))  # still true: no second reset
         _post(base)
         assert calls == [1]
-    finally:
-        srv.should_exit = True
-        th.join(timeout=10)
 
 
 def test_quality_gate_rollback_is_the_speculation_direction_and_a_reload_ends_it(server,
@@ -189,8 +212,7 @@ def test_quality_gate_rollback_is_the_speculation_direction_and_a_reload_ends_it
 
     llm = _llm(server["path"])
     app = create_app(llm, parse_config({}), options=ServeOptions(speculation_stats=True))
-    srv, th, base = _start(app)
-    try:
+    with served(app) as base:
         assert app.state.rollbacks.speculation("quality_gate")
         assert not app.state.rollbacks.speculation("quality_gate")  # once
         assert _post(base)["speculation"][0]["drafts"] == 0
@@ -202,9 +224,6 @@ def test_quality_gate_rollback_is_the_speculation_direction_and_a_reload_ends_it
         assert reload_config(app, str(p))
         assert metric(base, 'pyspec_rollback_active{direction="speculation"}') == 0
         assert _post(base)["speculation"][0]["drafts"] > 0
-    finally:
-        srv.should_exit = True
-        th.join(timeout=10)
 
 
 def test_rollbacks_are_trace_spans(server):

@@ -242,7 +242,7 @@ def test_sharded_generation_resumes_and_equals_one_run(tiny, tmp_path, monkeypat
     with pytest.raises(KeyboardInterrupt):
         cli.main(["train-draft", "--out", sharded, "--shard-prompts", "2"] + args)
     assert sorted(os.listdir(os.path.join(sharded, "shards"))) == ["set0-00000.pt",
-                                                                   "set0-00001.pt"]
+                                                                   "set0-00001.pt", "set0.json"]
     calls.clear()
     monkeypatch.setattr(D, "generate_corpus", lambda llm, prompts, **kw: (
         calls.append(kw.get("first", 0)), real(llm, prompts, **kw))[1])
@@ -254,3 +254,15 @@ def test_sharded_generation_resumes_and_equals_one_run(tiny, tmp_path, monkeypat
     assert [x.tokens for x in a] == [x.tokens for x in b]
     assert cli.main(["train-draft", "--out", str(tmp_path / "x"), "--shard-prompts", "0"]
                     + args) == 2
+    # Shards of other options are not mixed in: a rerun with another seed generates again.
+    other = str(tmp_path / "other")
+    monkeypatch.setattr(D, "generate_corpus", stop_at_third)
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["train-draft", "--out", other, "--shard-prompts", "2"] + args)
+    calls.clear()
+    monkeypatch.setattr(D, "generate_corpus", lambda llm, prompts, **kw: (
+        calls.append(kw.get("first", 0)), real(llm, prompts, **kw))[1])
+    assert cli.main(["train-draft", "--out", other, "--shard-prompts", "2", "--seed", "5"]
+                    + args) == 0
+    assert calls == [0, 2, 4]

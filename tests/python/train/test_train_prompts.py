@@ -97,6 +97,8 @@ def test_synth_prompts_resumes_and_reports(tiny, tmp_path, monkeypatch, capsys):
     out = str(tmp_path / "p.jsonl")
     first = synthesize_prompts(llm, 3, out=out, seed=3, **kw)
     assert [json.loads(x)["prompt"] for x in open(out)] == first["prompts"]
+    with open(out, "a") as f:
+        f.write('{"prompt": "cut off mid-wri')  # a run killed mid-write
     again = synthesize_prompts(llm, 6, out=out, seed=3, **kw)  # resumes
     assert again["prompts"][:3] == first["prompts"] and again["kept"] == 6
     assert [json.loads(x)["prompt"] for x in open(out)] == again["prompts"]
