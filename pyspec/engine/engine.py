@@ -156,6 +156,9 @@ class Engine:
         # As loaded, for reset_policy (online updates since then are dropped there).
         self._predictor_start = copy.deepcopy(predictor)
         self.predictor_min_acceptance = float(predictor_min_acceptance)
+        # The predictor judges the requests of the drafter it was fitted for (the default one
+        # at start), with that drafter's corpus in its features.
+        self._predicted_drafter = self.default_drafter
         self._corpus = corpus_of(self.drafters.get(self.default_drafter or ""))
         self._predicted_plain = 0
         if router is not None:
@@ -212,11 +215,11 @@ class Engine:
         """Requests added from now on are drafted by ``name`` (one of :attr:`drafters`; None:
         decoded plainly) where they would have been by the default drafter (a rollback to a
         drafter's previous version kept loaded beside it, and back); requests in flight keep
-        theirs. Call between steps."""
+        theirs. The acceptance predictor keeps judging only the requests of the drafter it was
+        fitted for (the default one at start). Call between steps."""
         if name is not None and name not in self.drafters:
             raise ValueError(f"no drafter named {name!r}; the engine has {sorted(self.drafters)}")
         self.default_drafter = name
-        self._corpus = corpus_of(self.drafters.get(name or ""))
 
     def reset_policy(self) -> None:
         """The speculation policy back to where it started (a rollback): the scheduler's
@@ -276,7 +279,7 @@ class Engine:
                 name = self.router.route(RouteFeatures(
                     len(prompt), self.scheduler.num_running + self.scheduler.num_waiting))
         feats, predicted, plain = None, None, False
-        if self.predictor is not None and name is not None and name == self.default_drafter \
+        if self.predictor is not None and name is not None and name == self._predicted_drafter \
                 and not long:
             feats = prompt_features(prompt, self._corpus)
             predicted = self.predictor.predict_features(feats)

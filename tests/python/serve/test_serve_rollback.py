@@ -264,9 +264,12 @@ def test_engine_default_drafter_and_policy_reset(server, tmp_path):
     eng.set_default_drafter("previous")
     rid = eng.add_request([5, 6, 7, 5, 6, 7, 5, 6], pyspec.SamplingParams(max_tokens=12))
     assert eng._reqs[rid].stats.drafter == "previous"
+    # (the predictor was fitted for the start's drafter: it does not judge another's requests)
+    assert eng._reqs[rid].stats.predicted_acceptance is None
     eng.set_default_drafter("ngram")
-    rid2 = eng.add_request([5, 6, 7, 5, 6, 7, 5, 6], pyspec.SamplingParams(max_tokens=12))
+    rid2 = eng.add_request([5, 6, 7, 5, 6, 7, 5, 6] * 3, pyspec.SamplingParams(max_tokens=40))
     assert eng._reqs[rid2].stats.drafter == "ngram"
+    assert eng._reqs[rid2].stats.predicted_acceptance is not None
     eng.set_default_drafter(None)  # plain decoding
     rid3 = eng.add_request([5, 6, 7], pyspec.SamplingParams(max_tokens=4))
     assert eng._reqs[rid3].stats.drafter is None
