@@ -13,14 +13,15 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from pyspec.drafters.base import Draft, Drafter
+from pyspec.drafters.base import Draft, Drafter, slots_of
 from pyspec.runner import ModelRunner, SeqStep
 
 __all__ = ["CrossTokenizerDrafter", "same_vocabulary"]
 
-# Target tokens of context decoded with the draft's text, to re-encode the proposal against: the
-# re-encoding may merge the context's last tokens with the proposal's first characters, so the
-# proposal starts after the tokens that came back unchanged.
+# Context tokens decoded with the continuation: the target's, to re-encode the proposal against
+# (the re-encoding may merge the context's last tokens with the proposal's first characters, so
+# the proposal starts after the tokens that came back unchanged); the draft's, to read the
+# continuation's text as it follows the context.
 WINDOW = 8
 
 
@@ -95,13 +96,12 @@ class CrossTokenizerDrafter(Drafter):
         p = 0
         while p < min(len(have), len(ids) - 1) and have[p] == ids[p]:
             p += 1
-        bs = self.block_size
         out: List[int] = []
         new, start = list(ids[p:]), p
         for _ in range(n):
             o = self.runner.step([SeqStep(new, start, table, None, "last")])
-            slots = [table[q // bs] * bs + q % bs for q in range(start, start + len(new))]
-            self.runner.commit_kv(o, 0, range(len(new)), slots)
+            self.runner.commit_kv(o, 0, range(len(new)),
+                                  slots_of(table, self.block_size, start, len(new)))
             tok = int(o.logits[-1].argmax())
             start += len(new)
             if tok in self._eos:
@@ -131,10 +131,10 @@ class CrossTokenizerDrafter(Drafter):
         cont = self._continue(r.request_id, ids, depth + 2)
         if not cont:
             return root
-        # The continuation's text as it reads after the context (decoded alone, a SentencePiece
-        # vocabulary would drop its first token's leading space).
-        before = self.dtok.decode(ids)
-        after = self.dtok.decode(ids + cont)
+        # The continuation's text as it reads after the context's last tokens (decoded alone, a
+        # SentencePiece vocabulary would drop its first token's leading space).
+        before = self.dtok.decode(ids[-WINDOW:])
+        after = self.dtok.decode(ids[-WINDOW:] + cont)
         text = _strip_partial(after[len(before):] if after.startswith(before)
                               else self.dtok.decode(cont))
         if not text:

@@ -270,7 +270,8 @@ class Engine:
                              f"fit in the KV pool ({cap} token slots)")
         stop = [int(t) for t in p.stop_token_ids]
         name = None
-        long = self.channel_of(len(prompt)) == "long"
+        channel = self.channel_of(len(prompt))
+        long = channel == "long"
         if self._speculate and p.speculative:
             name = self.default_drafter
             if long:
@@ -295,7 +296,7 @@ class Engine:
         seed = int(p.seed) if p.seed is not None else random.getrandbits(63)
         r = _Req(p, seed, prompt, len(prompt), name)
         r.stats.drafter = name
-        r.stats.channel = "long" if long else "short"
+        r.stats.channel = channel
         r.stats.predicted_acceptance, r.stats.predictor_plain = predicted, plain
         r.features = feats
         if name is not None:

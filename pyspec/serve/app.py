@@ -320,7 +320,7 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
         body = await reader.read_json(request)
         rid = "cmpl-" + uuid.uuid4().hex
         prompts = await reader.prompts(body)
-        p = reader.params(body, request.state.tenant, rid)
+        p = reader.params(body, request.state.tenant)
         reader.check_samples(len(prompts), p)
         for ids in prompts:
             reader.check_prompt(ids, p)
@@ -348,7 +348,7 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
         rid = "chatcmpl-" + uuid.uuid4().hex
         ids = await reader.chat_prompt(body)
         # OpenAI's chat API has no max_tokens default: the reply may fill the context.
-        p = reader.params(body, request.state.tenant, rid, max(1, reader.ctx_limit - len(ids)))
+        p = reader.params(body, request.state.tenant, max(1, reader.ctx_limit - len(ids)))
         reader.check_samples(1, p)
         reader.check_prompt(ids, p, "messages")
         log_prompt("chat", body.get("messages"))

@@ -125,10 +125,8 @@ class RollbackSettings:
 @dataclass
 class ServerConfig:
     speculative: SpecSettings = field(default_factory=SpecSettings)
-    # Per tenant: its settings (speculative with its overrides), and the keys it sets itself.
-    tenants: Dict[str, SpecSettings] = field(default_factory=dict)
     limits: Dict[str, TenantLimits] = field(default_factory=dict)
-    tenant_overrides: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    tenant_overrides: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # tenant -> keys set
     classes: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # prompt class -> keys set
     region: Optional[str] = None  # this server's region (its overrides are in speculative)
     rollback: RollbackSettings = field(default_factory=RollbackSettings)
@@ -136,7 +134,7 @@ class ServerConfig:
     plain_only: bool = False
 
     def for_tenant(self, tenant: Optional[str]) -> SpecSettings:
-        return self.tenants.get(tenant or "", self.speculative)
+        return self.settings_for(tenant, None)
 
     def settings_for(self, tenant: Optional[str], prompt_class: Optional[str]) -> SpecSettings:
         """A request's settings: ``speculative`` (with the region's overrides), then its prompt
@@ -303,15 +301,16 @@ def parse_config(d: Any, region: Optional[str] = None) -> ServerConfig:
     if unknown:
         raise ConfigError(f"unknown key {sorted(unknown)[0]}; allowed: {', '.join(TOP_KEYS)}")
     spec = _spec(d.get("speculative") or {}, "speculative", SpecSettings(), SPEC_KEYS)
+    regions = _sections(d.get("regions") or {}, "regions")
     mine = spec
-    for name, over in _sections(d.get("regions") or {}, "regions").items():
+    for name, over in regions.items():
         merged = _spec(over.get("speculative") or {}, f"regions.{name}.speculative", spec,
                        SPEC_KEYS)
         if name == region:
             mine = merged
-    if region is not None and d.get("regions") and region not in d["regions"]:
+    if region is not None and regions and region not in regions:
         log.warning("config: this server's region %r has no section under regions (%s): the "
-                    "base settings apply", region, ", ".join(map(str, d["regions"])))
+                    "base settings apply", region, ", ".join(regions))
     spec = mine
     classes = {}
     for name, over in _sections(d.get("classes") or {}, "classes").items():
@@ -320,11 +319,10 @@ def parse_config(d: Any, region: Optional[str] = None) -> ServerConfig:
                               f"{', '.join(PROMPT_CLASSES)} (the prompt channel)")
         classes[name] = _overrides(over.get("speculative") or {}, f"classes.{name}.speculative",
                                    spec, TENANT_KEYS)
-    tenants, limits, owner, tenant_over = {}, {}, {}, {}
+    limits, owner, tenant_over = {}, {}, {}
     for name, over in _sections(d.get("tenants") or {}, "tenants", TENANT_SECTION_KEYS).items():
         tenant_over[name] = _overrides(over.get("speculative") or {},
                                        f"tenants.{name}.speculative", spec, TENANT_KEYS)
-        tenants[name] = replace(spec, **tenant_over[name])
         keys = over.get("api_keys") or []
         if not isinstance(keys, list) or not all(
                 isinstance(k, str) and len(k) >= 8 and k == k.strip() for k in keys):
@@ -345,7 +343,8 @@ def parse_config(d: Any, region: Optional[str] = None) -> ServerConfig:
                                          integer=True)
         limits[name] = lim
     rollback = _rollback(d.get("rollback") or {}, spec)
-    return ServerConfig(spec, tenants, limits, tenant_over, classes, region, rollback)
+    return ServerConfig(speculative=spec, limits=limits, tenant_overrides=tenant_over,
+                        classes=classes, region=region, rollback=rollback)
 
 
 def load_config(path: Optional[str], region: Optional[str] = None) -> ServerConfig:

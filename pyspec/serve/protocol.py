@@ -292,7 +292,7 @@ class RequestReader:
                                     f"'{self.model_name}'", "model", "model_not_found")
         return body
 
-    def params(self, body: dict, tenant: Optional[str], rid: str,
+    def params(self, body: dict, tenant: Optional[str],
                default_max_tokens: int = 16) -> SamplingParams:
         g = get_field
         max_tokens = g(body, "max_tokens", int, default_max_tokens, lambda v: v >= 1,

@@ -40,7 +40,7 @@ class Rollbacks:
                              ["direction", "reason"], registry=r)
         self.active = Gauge("pyspec_rollback_active", "1 while a rollback holds, by direction "
                             "(speculation, drafter)", ["direction"], registry=r)
-        for d in DIRECTIONS[:2]:
+        for d in ("speculation", "drafter"):  # (a policy reset is an event: no gauge)
             self.active.labels(direction=d).set(0)
         self.state = state
         self.loop = loop

@@ -184,7 +184,7 @@ def _check_options(args) -> None:
     for name in ("prompts", "max_tokens", "batch", "epochs", "draft_vocab", "intermediate_size",
                  "draft_layers", "medusa_heads", "unroll_steps", "tree_width", "tree_depth",
                  "tree_nodes", "batch_tokens", "shard_prompts"):
-        v = getattr(args, name, None)
+        v = getattr(args, name)
         lo, hi = ranges.get(name, (1, None))
         if v is None or (lo <= v and (hi is None or v <= hi)):
             continue
@@ -461,25 +461,17 @@ def synth_prompts(args) -> dict:
     report of their diversity and overlap with ``--reference``."""
     import pyspec
     from pyspec.train.evaluate import read_prompts
-    from pyspec.train.prompts import diversity_report, synthesize_prompts
+    from pyspec.train.prompts import check_synthesis, diversity_report, synthesize_prompts
 
-    if args.n < 1:
-        raise ValueError(f"--n must be >= 1; got {args.n}")
-    if not 0.0 < args.near_duplicate <= 1.0:
-        raise ValueError(f"--near-duplicate must be in (0, 1]; got {args.near_duplicate}")
-    if not 0.0 < args.temperature <= 2.0:
-        raise ValueError(f"--temperature must be in (0, 2]; got {args.temperature}")
-    if not 0.0 <= args.min_latin <= 1.0:
-        raise ValueError(f"--min-latin must be in [0, 1]; got {args.min_latin}")
-    for flag in ("batch", "max_tokens", "min_words"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}")
+    check_synthesis(args.n, batch=args.batch, max_tokens=args.max_tokens,
+                    temperature=args.temperature, min_words=args.min_words, max_words=args.max_words,
+                    min_latin=args.min_latin, near_duplicate=args.near_duplicate, flags=True)
     reference = [text for _, text in read_prompts(args.reference)] if args.reference else []
     llm = pyspec.LLM(args.target, draft="none", dtype=args.dtype, progress=True)
     run = synthesize_prompts(llm, args.n, out=args.out, seed=args.seed, batch=args.batch,
                              max_tokens=args.max_tokens, temperature=args.temperature,
                              near_duplicate=args.near_duplicate, min_latin=args.min_latin,
-                             min_words=args.min_words)
+                             min_words=args.min_words, max_words=args.max_words)
     prompts = run.pop("prompts")
     report = {"command": " ".join(["pyspec synth-prompts"] + [
         f"--{k.replace('_', '-')} {v}" for k, v in sorted(vars(args).items())
@@ -510,6 +502,7 @@ def add_synth_parser(sub):
     p.add_argument("--near-duplicate", type=float, default=0.7,
                    help="word 3-gram Jaccard similarity at which a request counts as a copy")
     p.add_argument("--min-words", type=int, default=4, help="shortest request kept (words)")
+    p.add_argument("--max-words", type=int, default=200, help="longest request kept (words)")
     p.add_argument("--min-latin", type=float, default=0.9,
                    help="least share of a request's letters in the Latin script (a language "
                    "filter; 0: none)")

@@ -17,11 +17,11 @@ import os
 import re
 import time
 from collections import Counter
-from typing import Iterable, List, Optional, Sequence, Set
+from typing import List, Optional, Sequence, Set
 
 import numpy as np
 
-__all__ = ["user_turn_prefix", "normalize", "shingles", "jaccard", "NearDuplicates", "latin_share",
+__all__ = ["user_turn_prefix", "check_synthesis", "normalize", "shingles", "jaccard", "NearDuplicates", "latin_share",
            "synthesize_prompts", "diversity_report"]
 
 _WORD = re.compile(r"[^\W_]+(?:'[^\W_]+)?", re.UNICODE)
@@ -33,12 +33,18 @@ def normalize(text: str) -> str:
     return " ".join(_WORD.findall(text.lower()))
 
 
+def _ngrams(text: str, n: int) -> List[str]:
+    """The word ``n``-grams of ``text`` (normalized), in order."""
+    w = normalize(text).split()
+    return [" ".join(w[i:i + n]) for i in range(len(w) - n + 1)]
+
+
 def shingles(text: str, n: int = 3) -> Set[str]:
     """The set of word ``n``-grams of ``text`` (its words when it has fewer than ``n``)."""
-    w = normalize(text).split()
-    if len(w) < n:
-        return {" ".join(w)} if w else set()
-    return {" ".join(w[i:i + n]) for i in range(len(w) - n + 1)}
+    grams = _ngrams(text, n)
+    if grams:
+        return set(grams)
+    return {normalize(text)} if normalize(text) else set()
 
 
 def jaccard(a: Set[str], b: Set[str]) -> float:
@@ -77,13 +83,9 @@ class NearDuplicates:
         for i in range(self.bands):
             yield i, sig[i * self.rows:(i + 1) * self.rows].tobytes()
 
-    def duplicate_of(self, text: str) -> Optional[int]:
-        """The index of a kept text ``text`` nearly duplicates, else None."""
-        sh = shingles(text)
-        if not sh:
-            return None
+    def _match(self, sh: Set[str], keys) -> Optional[int]:
         seen = set()
-        for i, key in self._keys(self._signature(sh)):
+        for i, key in keys:
             for j in self._buckets[i].get(key, ()):
                 if j not in seen:
                     seen.add(j)
@@ -91,19 +93,26 @@ class NearDuplicates:
                         return j
         return None
 
+    def duplicate_of(self, text: str) -> Optional[int]:
+        """The index of a kept text ``text`` nearly duplicates, else None."""
+        sh = shingles(text)
+        return self._match(sh, list(self._keys(self._signature(sh)))) if sh else None
+
     def add(self, text: str) -> bool:
         """Keep ``text`` unless it is a kept one (up to case and spacing) or nearly duplicates
         one; True when kept."""
         key = " ".join(text.lower().split())
-        if key in self._exact or self.duplicate_of(text) is not None:
+        if key in self._exact:
+            return False
+        sh = shingles(text)
+        keys = list(self._keys(self._signature(sh))) if sh else []
+        if keys and self._match(sh, keys) is not None:
             return False
         self._exact.add(key)
-        sh = shingles(text)
         j = len(self._sets)
         self._sets.append(sh)
-        if sh:
-            for i, key in self._keys(self._signature(sh)):
-                self._buckets[i].setdefault(key, []).append(j)
+        for i, k in keys:
+            self._buckets[i].setdefault(k, []).append(j)
         return True
 
     def __len__(self) -> int:
@@ -147,6 +156,24 @@ def user_turn_prefix(llm) -> List[int]:
     return llm.tokenizer.encode(text[:text.index(mark)], add_special_tokens=False)
 
 
+def check_synthesis(n: int, *, batch: int, max_tokens: int, temperature: float, min_words: int,
+                    max_words: int, min_latin: float, near_duplicate: float,
+                    flags: bool = False) -> None:
+    """:func:`synthesize_prompts`'s arguments checked (a ValueError naming the first bad one, as
+    a command-line flag with ``flags``), before any model is loaded."""
+    for name, v, ok, allowed in (
+            ("n", n, n >= 1, ">= 1"), ("batch", batch, batch >= 1, ">= 1"),
+            ("max_tokens", max_tokens, max_tokens >= 1, ">= 1"),
+            ("temperature", temperature, 0.0 < temperature <= 2.0, "in (0, 2]"),
+            ("min_words", min_words, min_words >= 1, ">= 1"),
+            ("max_words", max_words, max_words >= min_words, ">= min_words"),
+            ("min_latin", min_latin, 0.0 <= min_latin <= 1.0, "in [0, 1]"),
+            ("near_duplicate", near_duplicate, 0.0 < near_duplicate <= 1.0, "in (0, 1]")):
+        if not ok:
+            what = "--" + name.replace("_", "-") if flags else name
+            raise ValueError(f"{what} must be {allowed}; got {v}")
+
+
 def synthesize_prompts(llm, n: int, *, out: Optional[str] = None, seed: int = 0, batch: int = 64,
                        max_tokens: int = 128, temperature: float = 1.0, top_p: float = 0.95,
                        min_words: int = 4, max_words: int = 200, min_latin: float = 0.9,
@@ -162,10 +189,10 @@ def synthesize_prompts(llm, n: int, *, out: Optional[str] = None, seed: int = 0,
 
     from pyspec.engine import Engine, SamplingParams
     from pyspec.runner import ModelRunner
-    if n < 1:
-        raise ValueError(f"n must be >= 1; got {n}")
-    if batch < 1 or max_tokens < 1 or min_words < 1 or max_words < min_words:
-        raise ValueError("batch, max_tokens and min_words must be >= 1, max_words >= min_words")
+
+    check_synthesis(n, batch=batch, max_tokens=max_tokens, temperature=temperature,
+                    min_words=min_words, max_words=max_words, min_latin=min_latin,
+                    near_duplicate=near_duplicate)
     prefix = user_turn_prefix(llm)
     eos = [int(e) for e in llm.tokenizer.eos_token_ids]
     kept: List[str] = []
@@ -253,11 +280,6 @@ def _quantiles(xs: Sequence[float], qs=(0.1, 0.5, 0.9)) -> List[float]:
     return [s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))] for q in qs] if s else []
 
 
-def _ngrams(text: str, n: int) -> Iterable[str]:
-    w = normalize(text).split()
-    return (" ".join(w[i:i + n]) for i in range(len(w) - n + 1))
-
-
 def diversity_report(prompts: Sequence[str], reference: Sequence[str] = (),
                      near_duplicate: float = 0.5) -> dict:
     """How varied ``prompts`` are, and how much they resemble ``reference`` (e.g. MT-bench):
@@ -278,8 +300,7 @@ def diversity_report(prompts: Sequence[str], reference: Sequence[str] = (),
     first = Counter(w[0] for w in words if w)
     tot_first = sum(first.values())
     entropy = -sum(c / tot_first * math.log2(c / tot_first) for c in first.values())
-    stop = _STOPWORDS
-    content = Counter(t for w in words for t in set(w) if t not in stop and len(t) > 2)
+    content = Counter(t for w in words for t in set(w) if t not in _STOPWORDS and len(t) > 2)
     top = [t for t, _ in content.most_common(20)]
     holding = sum(any(t in set(w) for t in top) for w in words) / len(words)
     rep = {"prompts": len(prompts),
