@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
 import signal
+import threading
 from typing import Optional, Tuple
 
 from pyspec.cli_flags import add_model_flags
@@ -131,6 +133,50 @@ def reload_config(app, path) -> bool:
     return True
 
 
+class ConfigWatcher:
+    """Calls ``reload`` when the file at ``path`` changes content, looked at every ``interval``
+    seconds: a Kubernetes ConfigMap volume is updated in place (an atomic symlink swap) and
+    sends the process no SIGHUP. A file missing for a moment (mid-swap) is waited for."""
+
+    def __init__(self, path: str, interval: float, reload):
+        self.path, self.interval, self.reload = path, interval, reload
+        self._seen = self._digest()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pyspec-config-watch",
+                                        daemon=True)
+
+    def _digest(self) -> Optional[bytes]:
+        try:
+            with open(self.path, "rb") as f:
+                return hashlib.sha256(f.read()).digest()
+        except OSError:
+            return None
+
+    def check(self) -> bool:
+        """Reload when the content differs from the last seen; True when it did."""
+        d = self._digest()
+        if d is None or d == self._seen:
+            return False
+        self._seen = d
+        self.reload()
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.check()
+            except Exception:  # noqa: BLE001 - a failed look is logged; the next one retries
+                log.exception("config watch: checking %s failed", self.path)
+
+    def start(self) -> "ConfigWatcher":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def check_prompt_log(args) -> None:
     """--prompt-log-ratio only with --prompt-log, in (0, 1]; 0.01 when --prompt-log comes alone
     (a ratio of 0 would open the file and never write it)."""
@@ -164,6 +210,12 @@ def check_server_flags(args) -> None:
         if getattr(args, flag) < lo:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= {lo}; got "
                              f"{getattr(args, flag)}")
+    w = getattr(args, "watch_config", None)
+    if w is not None:
+        if not args.config:
+            raise ValueError("--watch-config needs --config FILE (the file it watches)")
+        if not (math.isfinite(w) and w > 0):
+            raise ValueError(f"--watch-config must be a number of seconds > 0; got {w}")
 
 
 def cmd_serve(args) -> int:
@@ -178,7 +230,15 @@ def cmd_serve(args) -> int:
     logging.basicConfig(level=logging.INFO)
     llm, app = build(args)
     if args.config:
-        signal.signal(signal.SIGHUP, lambda *_: reload_config(app, args.config))
+        lock = threading.RLock()  # SIGHUP and the watcher: one reload at a time
+
+        def reload(*_):
+            with lock:
+                reload_config(app, args.config)
+
+        signal.signal(signal.SIGHUP, reload)
+        if args.watch_config:
+            ConfigWatcher(args.config, args.watch_config, reload).start()
     scheme = "https" if args.ssl_certfile else "http"
     print(f"serving {llm.model_path} as '{args.served_model_name}' with drafter "
           f"{llm.drafter_name} on {scheme}://{args.host}:{args.port}", flush=True)
@@ -191,6 +251,9 @@ def cmd_serve(args) -> int:
 def add_parser(sub):
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching)")
     p.add_argument("--config", default=None, help="YAML config (see README); SIGHUP reloads it")
+    p.add_argument("--watch-config", type=float, default=None, metavar="SECONDS",
+                   help="also reload --config when its content changes, looked at every SECONDS "
+                        "(a Kubernetes ConfigMap volume changes without a signal)")
     p.add_argument("--region", default=None,
                    help="this server's region: the config's regions.<REGION> overrides apply")
     p.add_argument("--model", default=None, help="model folder (default: config / embedded)")

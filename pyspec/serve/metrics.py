@@ -16,6 +16,16 @@ TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.
 REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
                    320.0)
 
+# The label values a counter can take, exported at 0 from the start: a series that appears only
+# with its first event leaves alert and dashboard queries ({finish_reason="error"}, the refusals)
+# without data until then, and rate() misses that first event.
+FINISH_REASONS = ("stop", "length", "abort", "error")
+FALLBACK_REASONS = ("low_acceptance", "cost_model", "drafter_error")
+SWITCH_REASONS = ("low_acceptance", "cost_model")
+REJECT_REASONS = ("queue_full", "tenant_concurrency", "tenant_rate", "unauthorized", "origin",
+                  "host", "unavailable", "timeout", "queue_timeout", "shutdown")
+CHANNELS = ("short", "long")
+
 
 class Metrics:
     def __init__(self):
@@ -103,6 +113,16 @@ class Metrics:
                                        registry=r)
         self.engine_restarts = Counter("pyspec_engine_restarts",
                                        "Engine restarts after a failure", registry=r)
+        for counter, label, values in (
+                (self.requests, "finish_reason", FINISH_REASONS),
+                (self.fallbacks, "reason", FALLBACK_REASONS),
+                (self.switches, "reason", SWITCH_REASONS),
+                (self.rejected, "reason", REJECT_REASONS),
+                (self.channel_requests, "channel", CHANNELS),
+                (self.channel_drafts, "channel", CHANNELS),
+                (self.channel_accepted, "channel", CHANNELS)):
+            for v in values:
+                counter.labels(**{label: v})
         self._last = None
 
     def after_step(self, engine) -> None:

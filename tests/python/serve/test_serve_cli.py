@@ -29,6 +29,8 @@ from models_support import write_tiny_model  # noqa: E402
     (["--allowed-origins", "evil.example"], "scheme://host"),
     (["--ssl-keyfile", "P"], "both --ssl-keyfile and --ssl-certfile"),
     (["--ssl-keyfile", "P", "--ssl-certfile", "P"], "no such file"),
+    (["--watch-config", "5"], "--watch-config needs --config"),
+    (["--config", "P", "--watch-config", "0"], "--watch-config must be a number of seconds > 0"),
 ])
 def test_serve_cli_refuses_bad_options_before_loading(argv, message, tmp_path, capsys,
                                                       monkeypatch):
@@ -47,6 +49,45 @@ def test_serve_cli_refuses_bad_options_before_loading(argv, message, tmp_path, c
     err = capsys.readouterr().err
     assert err.startswith("pyspec: error:") and re.search(message, err), err
     assert not (tmp_path / "p.jsonl").exists()
+
+
+def test_config_watcher_reloads_on_content_change_only(tmp_path):
+    """The watcher reloads when the content changes (also through a Kubernetes-style symlink
+    swap), not when the file is rewritten unchanged, and waits while the file is missing."""
+    import os
+    import time
+
+    from pyspec.serve.cli import ConfigWatcher
+
+    data = tmp_path / "..data_1"
+    data.mkdir()
+    (data / "serve.yaml").write_text("speculative: {enabled_ratio: 1.0}\n")
+    os.symlink(data, tmp_path / "..data")
+    path = tmp_path / "serve.yaml"
+    os.symlink("..data/serve.yaml", path)
+    calls = []
+    w = ConfigWatcher(str(path), 0.05, lambda: calls.append(path.read_text()))
+    assert not w.check()
+    (data / "serve.yaml").write_text("speculative: {enabled_ratio: 1.0}\n")  # same content
+    assert not w.check() and calls == []
+    new = tmp_path / "..data_2"  # the kubelet's update: a new folder, the link swapped
+    new.mkdir()
+    (new / "serve.yaml").write_text("speculative: {enabled_ratio: 0.5}\n")
+    os.symlink(new, tmp_path / "..data_tmp")
+    os.replace(tmp_path / "..data_tmp", tmp_path / "..data")
+    assert w.check() and calls == ["speculative: {enabled_ratio: 0.5}\n"]
+    assert not w.check()
+    os.remove(new / "serve.yaml")
+    assert not w.check()  # missing: waited for, not reloaded
+    (new / "serve.yaml").write_text("speculative: {enabled_ratio: 0.25}\n")
+    w.start()  # the thread finds the change by itself
+    try:
+        deadline = time.monotonic() + 5
+        while len(calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        w.stop()
+    assert calls[-1] == "speculative: {enabled_ratio: 0.25}\n"
 
 
 def test_serve_options_from_flags(monkeypatch):
