@@ -21,21 +21,38 @@ def missing_isa(isa: str, why: str) -> None:
     pytest.skip(f"no {isa} build on this CPU: {why}")
 
 
-def require_module(name: str) -> None:
-    """Skip when an optional test dependency is not installed — except under CI (CI=true), where
-    a missing dependency would silently turn real checks into skips, so it fails instead. Callable
-    in a test or at a test module's import (then the whole module skips, or fails under CI)."""
-    import importlib.util
+def _missing_dependency(what: str, why: str) -> None:
+    """Skip for a missing optional test dependency — except under CI (CI=true), where a missing
+    dependency would silently turn real checks into skips, so it fails instead."""
     import os
+
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"test dependency {what} is missing in CI (see .ci/run)")
+    pytest.skip(why, allow_module_level=True)
+
+
+def require_module(name: str) -> None:
+    """Skip when an optional test dependency is not installed (under CI: fail). Callable in a
+    test or at a test module's import (then the whole module skips, or fails under CI)."""
+    import importlib.util
 
     try:
         found = importlib.util.find_spec(name) is not None
     except ModuleNotFoundError:  # a dotted name ("opentelemetry.sdk") whose parent is missing
         found = False
     if not found:
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(f"test dependency '{name}' is missing in CI (see .ci/run)")
-        pytest.skip(f"'{name}' is not installed", allow_module_level=True)
+        _missing_dependency(f"'{name}'", f"'{name}' is not installed")
+
+
+def require_program(name: str) -> str:
+    """The path of program ``name`` on PATH; skip without it (under CI: fail), like
+    :func:`require_module`."""
+    import shutil
+
+    path = shutil.which(name)
+    if path is None:
+        _missing_dependency(f"program '{name}'", f"program '{name}' is not on PATH")
+    return path
 
 
 # ---- tiny random models ---------------------------------------------------------------------------
