@@ -36,6 +36,32 @@ def pct(xs, p):
     return xs[k]
 
 
+def closed_loop(total, concurrency, request):
+    """``concurrency`` clients issue requests 0..total-1 (``request(i)``), each client its next
+    one when its previous one finished; returns (the results in finishing order, wall seconds)."""
+    work = list(range(total))
+    lock = threading.Lock()
+    results = []
+
+    def client():
+        while True:
+            with lock:
+                if not work:
+                    return
+                i = work.pop(0)
+            r = request(i)
+            with lock:
+                results.append(r)
+
+    t0 = time.perf_counter()
+    ts = [threading.Thread(target=client) for _ in range(concurrency)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return results, time.perf_counter() - t0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
@@ -112,30 +138,11 @@ def main(argv=None):
     def level(conc, spec_on):
         app.state.config["config"].speculative.enabled_ratio = 1.0 if spec_on else 0.0
         total = max(args.requests_per_level, 2 * conc)
-        work = list(range(total))
-        lock = threading.Lock()
-        results = []
-
-        def client():
-            while True:
-                with lock:
-                    if not work:
-                        return
-                    i = work.pop(0)
-                r = one(prompts[i % len(prompts)], max_tokens_of(i))
-                with lock:
-                    results.append(r)
-
         es0 = llm.engine.stats
         before = (es0.steps, es0.drafts, es0.draft_tokens, es0.accepted_tokens,
                   es0.draft_seconds, es0.verify_seconds)
-        t0 = time.perf_counter()
-        ts = [threading.Thread(target=client) for _ in range(conc)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        wall = time.perf_counter() - t0
+        results, wall = closed_loop(
+            total, conc, lambda i: one(prompts[i % len(prompts)], max_tokens_of(i)))
         ttft = [r["ttft"] for r in results]
         tpot = [r["tpot"] for r in results if r["tpot"] is not None]
         usage_tokens = sum(r["tokens"] for r in results)

@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pyspec.train.cli import add_synth_parser
     from pyspec.train.evaluate import add_parser as add_eval
 
-    from pyspec.serve.cli import add_parser as add_serve
+    from pyspec.serve.command import add_parser as add_serve
 
     add_train(sub)
     add_synth_parser(sub)

@@ -1,4 +1,5 @@
-"""``pyspec serve``: load the model (+ drafter) and serve it over HTTP (uvicorn)."""
+"""What a `pyspec serve` process is made of: its flags and their checks, the server built from
+them, config reloads (SIGHUP, `--watch-config`). The command itself: :mod:`pyspec.serve.command`."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import hashlib
 import logging
 import math
 import os
-import signal
 import threading
 from typing import Optional, Tuple
 
@@ -210,6 +210,10 @@ def check_server_flags(args) -> None:
         if getattr(args, flag) < lo:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= {lo}; got "
                              f"{getattr(args, flag)}")
+    if not (math.isfinite(args.max_body_mb) and args.max_body_mb * (1 << 20) >= 1):
+        raise ValueError(f"--max-body-mb must be a number > 0; got {args.max_body_mb}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535]; got {args.port}")
     w = getattr(args, "watch_config", None)
     if w is not None:
         if not args.config:
@@ -218,38 +222,21 @@ def check_server_flags(args) -> None:
             raise ValueError(f"--watch-config must be a number of seconds > 0; got {w}")
 
 
-def cmd_serve(args) -> int:
-    from pyspec.serve.http import run_server
+def parse_serve_flags(flags):
+    """``pyspec serve``'s flags (without the command name) parsed and checked as the server
+    checks them before loading anything."""
+    import argparse
 
+    p = argparse.ArgumentParser(prog="pyspec serve")
+    add_serve_flags(p)
+    args = p.parse_args(list(flags))
     check_prompt_log(args)
     check_server_flags(args)
-    if not (math.isfinite(args.max_body_mb) and args.max_body_mb * (1 << 20) >= 1):
-        raise ValueError(f"--max-body-mb must be a number > 0; got {args.max_body_mb}")
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must be in [0, 65535]; got {args.port}")
-    logging.basicConfig(level=logging.INFO)
-    llm, app = build(args)
-    if args.config:
-        lock = threading.RLock()  # SIGHUP and the watcher: one reload at a time
-
-        def reload(*_):
-            with lock:
-                reload_config(app, args.config)
-
-        signal.signal(signal.SIGHUP, reload)
-        if args.watch_config:
-            ConfigWatcher(args.config, args.watch_config, reload).start()
-    scheme = "https" if args.ssl_certfile else "http"
-    print(f"serving {llm.model_path} as '{args.served_model_name}' with drafter "
-          f"{llm.drafter_name} on {scheme}://{args.host}:{args.port}", flush=True)
-    return run_server(app, host=args.host, port=args.port, header_timeout=args.header_timeout,
-                      keep_alive_timeout=args.keep_alive_timeout,
-                      drain_timeout=args.drain_timeout, ssl_keyfile=args.ssl_keyfile,
-                      ssl_certfile=args.ssl_certfile)
+    return args
 
 
-def add_parser(sub):
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching)")
+def add_serve_flags(p) -> None:
+    """The flags of ``pyspec serve`` (the command itself: :mod:`pyspec.serve.command`)."""
     p.add_argument("--config", default=None, help="YAML config (see README); SIGHUP reloads it")
     p.add_argument("--watch-config", type=float, default=None, metavar="SECONDS",
                    help="also reload --config when its content changes, looked at every SECONDS "
@@ -276,6 +263,19 @@ def add_parser(sub):
     p.add_argument("--otlp-endpoint", default=None,
                    help="export OpenTelemetry traces here (default: OTEL_EXPORTER_OTLP_ENDPOINT; "
                         "unset = no tracing)")
+    g = p.add_argument_group("replicas on Ray Serve (docs/scaling.md)")
+    g.add_argument("--ray", action="store_true",
+                   help="serve engine replicas on Ray Serve behind one HTTP endpoint")
+    g.add_argument("--replicas", type=int, default=None,
+                   help="engine replicas (with --ray; default 1)")
+    g.add_argument("--replica-cpus", type=float, default=1.0,
+                   help="CPUs Ray reserves per replica (also its engine's threads)")
+    g.add_argument("--ray-address", default=None,
+                   help="a running Ray cluster to join (default: start one here)")
+    g.add_argument("--ray-autoscaling", default=None, metavar="JSON",
+                   help="Ray Serve autoscaling instead of --replicas, e.g. "
+                        "'{\"min_replicas\": 1, \"max_replicas\": 4, "
+                        "\"target_ongoing_requests\": 8}'")
     g = p.add_argument_group("engine limits")
     g.add_argument("--max-num-seqs", type=int, default=64,
                    help="requests holding KV (running) at once")
@@ -327,5 +327,3 @@ def add_parser(sub):
     from pyspec.drafters.foreign import add_flags as add_foreign_flags
 
     add_foreign_flags(p)
-    p.set_defaults(func=cmd_serve)
-    return p

@@ -31,6 +31,13 @@ from models_support import write_tiny_model  # noqa: E402
     (["--ssl-keyfile", "P", "--ssl-certfile", "P"], "no such file"),
     (["--watch-config", "5"], "--watch-config needs --config"),
     (["--config", "P", "--watch-config", "0"], "--watch-config must be a number of seconds > 0"),
+    (["--replicas", "2"], "--replicas applies with --ray only"),
+    (["--ray", "--replicas", "0"], "--replicas must be >= 1"),
+    (["--ray", "--replica-cpus", "0"], "--replica-cpus must be > 0"),
+    (["--ray", "--ray-autoscaling", "{"], "--ray-autoscaling must be a JSON object"),
+    (["--ray", "--replicas", "2", "--ray-autoscaling", '{"max_replicas": 2}'],
+     "--replicas or --ray-autoscaling, not both"),
+    (["--ray", "--shadow-draft", "ngram"], "--shadow-draft is not available with --ray"),
 ])
 def test_serve_cli_refuses_bad_options_before_loading(argv, message, tmp_path, capsys,
                                                       monkeypatch):
@@ -98,7 +105,7 @@ def test_serve_options_from_flags(monkeypatch):
     from pyspec.serve import cli as serve_cli
 
     ap = argparse.ArgumentParser()
-    serve_cli.add_parser(ap.add_subparsers())
+    serve_cli.add_serve_flags(ap.add_subparsers().add_parser("serve"))
     monkeypatch.delenv("PYSPEC_API_KEY", raising=False)
     o = serve_cli.serve_options(ap.parse_args(["serve"]))
     assert o.access.allowed_hosts == ("localhost", "127.0.0.1", "::1")

@@ -1,0 +1,498 @@
+"""``pyspec serve --ray``: replicas of the pyspec server on Ray Serve.
+
+Two deployments. ``PyspecEngine`` replicas each hold one engine (its own KV pool) and run the
+very app ``pyspec serve`` runs, in process; ``PyspecIngress`` takes HTTP from Ray's proxy and
+forwards each request, whole, to an engine replica through a deployment handle, streaming the
+answer back. The handle call carries the request's prompt text, so Ray's
+``PrefixCacheAffinityRouter`` (where this Ray has it) sends requests sharing a prefix to the
+replica that holds it in its prefix cache. Replicas push their Prometheus registry to a small
+actor every ``PUSH_SECONDS``; the ingress's ``/metrics`` serves them all, each sample labelled
+``replica``. A replica that dies ends its streams with an error event (``replica_failed``) and
+its not-yet-started requests with a 503; the others go on, and Ray starts a new replica.
+
+Importable for ``serve run``::
+
+    serve run pyspec.serve.ray_app:app_builder args="--model DIR --draft ngram" replicas=2
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shlex
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+log = logging.getLogger("pyspec.serve")
+
+HUB = "pyspec-metrics-hub"  # the named actor replicas push their metrics to
+PUSH_SECONDS = 2.0
+STALE_SECONDS = 15.0  # a replica silent this long (gone) leaves /metrics
+PROMPT_CHARS = 4096  # of a prompt, what the prefix router sees
+ROUTER_TREE_CHARS = 4 << 20
+ROUTER_IMBALANCE = 4  # queue lengths further apart than this: routed by load, not by prefix
+MAX_BODY_BYTES = 64 << 20  # the ingress buffers a body (the engine's own limit is applied after)
+AUTOSCALING_KEYS = ("min_replicas", "max_replicas", "initial_replicas", "target_ongoing_requests",
+                    "upscale_delay_s", "downscale_delay_s", "metrics_interval_s",
+                    "look_back_period_s")
+GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+@dataclass
+class HTTPCall:
+    """One HTTP request, forwarded from the ingress to an engine replica. ``prompt``: its prompt
+    text (chat: the messages' contents), read by the prefix-affinity router."""
+
+    method: str
+    path: str
+    query_string: bytes
+    headers: List[Tuple[bytes, bytes]]
+    body: bytes
+    client: Optional[Tuple[str, int]] = None
+    prompt: str = field(default="")
+
+
+def prompt_text(method: str, path: str, body: bytes) -> str:
+    """What the prefix router matches a request by: the prompt of a completion or chat request
+    as text (token ids as their decimal spelling), at most ``PROMPT_CHARS``; for anything else
+    (or an empty prompt, or a body that is not JSON) the method and path (never empty: the
+    router divides by its length)."""
+    other = f"{method} {path}"
+    if path not in GENERATE_PATHS:
+        return other
+    try:
+        req = json.loads(body)
+    except ValueError:
+        return other
+    if not isinstance(req, dict):
+        return other
+    if path.endswith("/chat/completions"):
+        parts = []
+        for m in req.get("messages") or []:
+            c = m.get("content") if isinstance(m, dict) else None
+            if isinstance(c, str):
+                parts.append(c)
+            elif isinstance(c, list):
+                parts.extend(p.get("text", "") for p in c if isinstance(p, dict))
+        text = "\n".join(parts)
+    else:
+        p = req.get("prompt")
+        if isinstance(p, list) and p and isinstance(p[0], (list, str)):
+            p = p[0]  # a batch of prompts: routed by its first
+        if isinstance(p, list):
+            text = " ".join(str(t) for t in p)
+        else:
+            text = p if isinstance(p, str) else ""
+    return text[:PROMPT_CHARS] or other
+
+
+def check_ray_flags(args) -> None:
+    """The flags of ``--ray`` (and the ones it cannot honour), before anything starts."""
+    if not args.ray:
+        for flag in ("replicas", "ray_address", "ray_autoscaling"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} applies with --ray only")
+        return
+    if args.ssl_keyfile or args.ssl_certfile:
+        raise ValueError("--ray serves through Ray's HTTP proxy, which this server does not "
+                         "configure for TLS: terminate TLS in front of it, or drop --ray")
+    if args.shadow_draft:
+        raise ValueError("--shadow-draft is not available with --ray (each replica would run "
+                         "its own shadow); run shadow mode on a single server")
+    if args.replicas is not None and args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1; got {args.replicas}")
+    if args.replica_cpus <= 0:
+        raise ValueError(f"--replica-cpus must be > 0; got {args.replica_cpus}")
+    if args.ray_autoscaling is not None:
+        if args.replicas is not None:
+            raise ValueError("give --replicas or --ray-autoscaling, not both")
+        autoscaling_config(args.ray_autoscaling)
+
+
+def autoscaling_config(text: str) -> dict:
+    """``--ray-autoscaling``: a JSON object of Ray Serve autoscaling keys (checked)."""
+    try:
+        cfg = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--ray-autoscaling must be a JSON object: {e}") from None
+    if not isinstance(cfg, dict) or not cfg:
+        raise ValueError("--ray-autoscaling must be a non-empty JSON object, e.g. "
+                         '\'{"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8}\'')
+    unknown = sorted(set(cfg) - set(AUTOSCALING_KEYS))
+    if unknown:
+        raise ValueError(f"--ray-autoscaling: unknown keys {unknown}; allowed: "
+                         f"{list(AUTOSCALING_KEYS)}")
+    for k, v in cfg.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise ValueError(f"--ray-autoscaling: {k} must be a number >= 0; got {v!r}")
+    if cfg.get("max_replicas", 1) < max(1, cfg.get("min_replicas", 0)):
+        raise ValueError("--ray-autoscaling: max_replicas must be >= max(1, min_replicas)")
+    return cfg
+
+
+# ---- the engine replica ----------------------------------------------------------------------
+
+
+class EngineReplica:
+    """One engine and the app ``pyspec serve`` runs, driven in process over ASGI."""
+
+    def __init__(self, args):
+        from pyspec.serve import cli as serve_cli
+
+        self.args = args
+        self.llm, self.app = serve_cli.build(args)
+        self._started = None  # the lifespan (engine thread) once started, on the replica's loop
+        self._lock = asyncio.Lock()
+        self._pusher = None
+        self._watcher = None
+        if args.config and args.watch_config:
+            self._watcher = serve_cli.ConfigWatcher(
+                args.config, args.watch_config,
+                lambda: serve_cli.reload_config(self.app, args.config)).start()
+
+    @staticmethod
+    def replica_id() -> str:
+        from ray import serve
+
+        try:
+            return serve.get_replica_context().replica_id.unique_id
+        except Exception:  # noqa: BLE001 - outside a replica (tests): one name
+            return "local"
+
+    async def _ensure_started(self) -> None:
+        async with self._lock:
+            if self._started is None:
+                ctx = self.app.router.lifespan_context(self.app)
+                await ctx.__aenter__()
+                self._started = ctx
+                self._pusher = asyncio.ensure_future(self._push_metrics())
+
+    async def _push_metrics(self) -> None:
+        import ray
+        from prometheus_client import generate_latest
+
+        rid = self.replica_id()
+        hub = None
+        while True:
+            try:
+                if hub is None:
+                    hub = ray.get_actor(HUB, namespace="serve")
+                await hub.put.remote(rid, generate_latest(self.app.state.metrics.registry))
+            except Exception:  # noqa: BLE001 - no hub yet (or it restarted): retry next time
+                hub = None
+            await asyncio.sleep(PUSH_SECONDS)
+
+    async def check_health(self) -> None:
+        """Ray's health check, as ``/health``: a replica whose engine is down is replaced."""
+        await self._ensure_started()
+        loop_ = self.app.state.engine_loop
+        if not loop_.healthy:
+            raise RuntimeError(f"the engine is not serving: {loop_.failure}")
+
+    async def forward(self, call: HTTPCall):
+        """Run ``call`` through the app; yields ("start", status, headers), then ("body",
+        bytes) chunks. Cancelled (the client went away): the app sees a disconnect."""
+        await self._ensure_started()
+        out: asyncio.Queue = asyncio.Queue()
+        gone = asyncio.Event()
+        sent = False
+
+        async def receive():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": call.body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            await out.put(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+                 "method": call.method, "scheme": "http", "path": call.path, "raw_path":
+                 call.path.encode(), "root_path": "", "query_string": call.query_string,
+                 "headers": call.headers, "client": call.client, "server": ("ray", 0)}
+        task = asyncio.ensure_future(self.app(scope, receive, send))
+        rid = self.replica_id().encode()
+        try:
+            while True:
+                get = asyncio.ensure_future(out.get())
+                await asyncio.wait({get, task}, return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    get.cancel()
+                    if out.empty():
+                        task.result()  # the app's own error, if it raised
+                        return
+                    continue
+                msg = get.result()
+                if msg["type"] == "http.response.start":
+                    headers = list(msg.get("headers", [])) + [(b"x-pyspec-replica", rid)]
+                    yield ("start", msg["status"], headers)
+                elif msg["type"] == "http.response.body":
+                    if msg.get("body"):
+                        yield ("body", bytes(msg["body"]))
+                    if not msg.get("more_body", False):
+                        return
+        finally:
+            gone.set()
+            if not task.done():
+                try:
+                    await asyncio.wait_for(task, timeout=5)
+                except Exception:  # noqa: BLE001 - the app's end after a disconnect
+                    task.cancel()
+
+    def __del__(self):
+        """Ray's graceful shutdown (after its drain of running requests): stop the engine."""
+        if getattr(self, "_watcher", None) is not None:
+            self._watcher.stop()
+        if getattr(self, "_started", None) is not None:
+            self.app.state.engine_loop.stop()
+
+
+# ---- the ingress -----------------------------------------------------------------------------
+
+
+class MetricsHub:
+    """Where replicas leave their latest Prometheus text (a Ray actor)."""
+
+    def __init__(self):
+        self._texts: Dict[str, Tuple[float, bytes]] = {}
+
+    def put(self, replica: str, text: bytes) -> None:
+        self._texts[replica] = (time.monotonic(), text)
+
+    def snapshot(self) -> Dict[str, bytes]:
+        now = time.monotonic()
+        self._texts = {r: v for r, v in self._texts.items() if now - v[0] < STALE_SECONDS}
+        return {r: v[1] for r, v in self._texts.items()}
+
+
+def merge_metrics(texts: Dict[str, bytes]) -> bytes:
+    """The replicas' exposition texts as one, every sample labelled ``replica``."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.samples import Sample
+
+    families: Dict[str, Metric] = {}
+    for replica in sorted(texts):
+        for fam in text_string_to_metric_families(texts[replica].decode()):
+            m = families.get(fam.name)
+            if m is None:
+                m = families[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            for s in fam.samples:
+                m.samples.append(Sample(s.name, {**s.labels, "replica": replica}, s.value,
+                                        s.timestamp, s.exemplar))
+    live = Metric("pyspec_replicas", "Engine replicas reporting metrics", "gauge")
+    live.samples.append(Sample("pyspec_replicas", {}, float(len(texts)), None, None))
+    families["pyspec_replicas"] = live
+
+    class _Collector:
+        def collect(self):
+            return list(families.values())
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector())
+    return generate_latest(registry)
+
+
+def _error_json(status: int, message: str, code: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": "server_error", "param": None,
+                                 "code": code}}).encode()
+
+
+class Ingress:
+    """The ASGI app of the ingress deployment: reads a request, forwards it to an engine replica
+    (:class:`EngineReplica.forward`), streams the answer; ``/metrics`` merges the replicas'."""
+
+    def __init__(self, engine):
+        self.engine = engine.options(stream=True)
+        self.hub = None
+
+    async def _metrics(self, send) -> None:
+        import ray
+
+        if self.hub is None:
+            self.hub = ray.get_actor(HUB, namespace="serve")
+        body = merge_metrics(await self.hub.snapshot.remote())
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        path = scope["path"]
+        if path == "/metrics" and scope["method"] == "GET":
+            return await self._metrics(send)
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            chunks.append(msg.get("body", b""))
+            size += len(chunks[-1])
+            if size > MAX_BODY_BYTES:
+                return await self._reply(send, 413, _error_json(
+                    413, f"request body over {MAX_BODY_BYTES >> 20} MiB", "body_too_large"))
+            if not msg.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        call = HTTPCall(scope["method"], path, scope.get("query_string", b""),
+                        list(scope.get("headers", [])), body, scope.get("client"),
+                        prompt_text(scope["method"], path, body))
+        gen = self.engine.forward.remote(call)
+        try:
+            first = await gen.__anext__()
+        except StopAsyncIteration:
+            return await self._reply(send, 500, _error_json(
+                500, "the replica ended the request without an answer", "replica_failed"))
+        except Exception as e:  # noqa: BLE001 - the replica died or could not be reached
+            log.warning("replica failed before answering: %s", e)
+            return await self._reply(send, 503, _error_json(
+                503, f"the replica serving this request failed ({type(e).__name__}); retry",
+                "replica_failed"), retry=True)
+        _, status, headers = first
+        streaming = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                        for k, v in headers)
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        try:
+            async for item in gen:
+                await send({"type": "http.response.body", "body": item[1], "more_body": True})
+        except (asyncio.CancelledError, OSError):
+            gen.cancel()  # the client went away: the replica aborts the request, frees its KV
+            raise
+        except Exception as e:  # noqa: BLE001 - the replica died mid-answer
+            log.warning("replica failed mid-answer: %s", e)
+            if streaming:
+                err = _error_json(503, "the replica serving this request failed "
+                                       f"({type(e).__name__}); the output is incomplete",
+                                  "replica_failed")
+                await send({"type": "http.response.body", "body": b"data: " + err + b"\n\n",
+                            "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    @staticmethod
+    async def _reply(send, status: int, body: bytes, retry: bool = False) -> None:
+        headers = [(b"content-type", b"application/json"),
+                   (b"content-length", str(len(body)).encode())]
+        if retry:
+            headers.append((b"retry-after", b"1"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+# ---- the application -------------------------------------------------------------------------
+
+
+def build_app(args):
+    """The Ray Serve application for parsed ``pyspec serve`` arguments (``args.replicas``
+    engines, or ``args.ray_autoscaling``)."""
+    import ray
+    from ray import serve
+
+    engine_opts = dict(
+        name="PyspecEngine",
+        ray_actor_options={"num_cpus": args.replica_cpus, "runtime_env": {"env_vars": {
+            "PYSPEC_NUM_THREADS": str(max(1, int(args.replica_cpus))),
+            "OMP_NUM_THREADS": str(max(1, int(args.replica_cpus)))}}},
+        # Requests in flight per replica: the engine's own batch and queue decide beyond this.
+        max_ongoing_requests=args.max_num_seqs + (args.max_waiting_requests or args.max_num_seqs),
+        graceful_shutdown_timeout_s=args.drain_timeout,
+        health_check_period_s=5.0)
+    if args.ray_autoscaling is not None:
+        engine_opts["autoscaling_config"] = autoscaling_config(args.ray_autoscaling)
+    else:
+        engine_opts["num_replicas"] = args.replicas or 1
+    router = prefix_router()
+    if router is not None:
+        from ray.serve.config import RequestRouterConfig
+
+        # Its prefix tree keeps at most ROUTER_TREE_CHARS of prompt text (oldest out first).
+        engine_opts["request_router_config"] = RequestRouterConfig(
+            request_router_class=router, request_router_kwargs={
+                "imbalanced_threshold": ROUTER_IMBALANCE, "do_eviction": True, "eviction_threshold_chars": ROUTER_TREE_CHARS,
+                "eviction_target_chars": ROUTER_TREE_CHARS * 9 // 10})
+
+    engine = serve.deployment(**engine_opts)(EngineReplica)
+
+    class PyspecIngress:
+        def __init__(self, engine_handle):
+            # The hub replicas push metrics to: one per cluster namespace, made by whichever
+            # ingress replica comes first.
+            ray.remote(num_cpus=0)(MetricsHub).options(
+                name=HUB, namespace="serve", get_if_exists=True, lifetime="detached").remote()
+            self._ingress = Ingress(engine_handle)
+
+        def __serve_build_asgi_app__(self):
+            return self._ingress
+
+    ingress = serve.deployment(name="PyspecIngress", ray_actor_options={"num_cpus": 0},
+                               max_ongoing_requests=4096)(serve.ingress()(PyspecIngress))
+    return ingress.bind(engine.bind(args))
+
+
+def prefix_router():
+    """The prefix-affinity router (:mod:`pyspec.serve.ray_router`), where this Ray has one
+    (else None: Ray's default power-of-two-choices routing)."""
+    try:
+        from pyspec.serve.ray_router import PrefixAffinityRouter
+    except ImportError:
+        log.warning("this Ray has no PrefixCacheAffinityRouter: requests are routed without "
+                    "prefix affinity")
+        return None
+    return PrefixAffinityRouter
+
+
+def app_builder(cli_args: Dict[str, str]):
+    """For ``serve run pyspec.serve.ray_app:app_builder args="..." replicas=N``: ``args`` holds
+    ``pyspec serve`` flags."""
+    args = parse_args(shlex.split(cli_args.get("args", "")) + (
+        ["--replicas", str(cli_args["replicas"])] if "replicas" in cli_args else []))
+    return build_app(args)
+
+
+def parse_args(flags: List[str]):
+    """``pyspec serve`` flags parsed and checked, with --ray on."""
+    from pyspec.serve.cli import parse_serve_flags
+
+    args = parse_serve_flags(["--ray", *flags])
+    check_ray_flags(args)
+    return args
+
+
+def run(args) -> int:
+    """``pyspec serve --ray``: start (or join, ``--ray-address``) a Ray cluster, run the
+    application on ``--host:--port`` and serve until SIGINT / SIGTERM."""
+    import signal
+
+    import ray
+    from ray import serve
+
+    ray.init(address=args.ray_address, ignore_reinit_error=True, log_to_driver=False)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(build_app(args), name="pyspec", route_prefix="/")
+    stop = {"now": False}
+
+    def on_signal(*_):
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    n = args.replicas or "autoscaled"
+    print(f"serving on Ray: {n} engine replica(s) on http://{args.host}:{args.port}", flush=True)
+    while not stop["now"]:
+        time.sleep(0.2)
+    serve.shutdown()
+    ray.shutdown()
+    return 0
