@@ -80,6 +80,43 @@ def test_autoscaling_config_is_checked():
 # ---- a local Ray cluster -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
+def test_pyspec_serve_ray_command(tmp_path):
+    """`pyspec serve --ray --replicas 1` starts a local cluster, serves, and on SIGTERM shuts
+    Ray Serve down and exits 0. (First in the file: before this module's own cluster starts.)"""
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    from serve_support import _free_port
+
+    require_module("ray")
+    path = write_tiny_model(tmp_path / "model")
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pyspec", "serve", "--ray", "--replicas", "1",
+                             "--model", path, "--draft", "ngram", "--port", str(port),
+                             "--kv-cache-tokens", "2048"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        for line in proc.stdout:
+            if "serving on Ray" in line:
+                break
+            assert time.monotonic() < deadline
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                       json={"prompt": "abc", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     require_module("ray")
