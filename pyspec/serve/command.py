@@ -22,17 +22,23 @@ def cmd_serve(args) -> int:
         from pyspec.serve.ray_app import run
 
         return run(args)
+    lock = threading.RLock()  # SIGHUP and the watcher: one reload at a time
+    served = {}
+
+    def reload(*_):
+        with lock:
+            serve_cli.reload_config(served["app"], args.config)
+
+    # The watcher's first look comes before the build reads the file: an edit made while the
+    # model loads is applied once it has.
+    watcher = (serve_cli.ConfigWatcher(args.config, args.watch_config, reload)
+               if args.config and args.watch_config else None)
     llm, app = serve_cli.build(args)
+    served["app"] = app
     if args.config:
-        lock = threading.RLock()  # SIGHUP and the watcher: one reload at a time
-
-        def reload(*_):
-            with lock:
-                serve_cli.reload_config(app, args.config)
-
         signal.signal(signal.SIGHUP, reload)
-        if args.watch_config:
-            serve_cli.ConfigWatcher(args.config, args.watch_config, reload).start()
+    if watcher is not None:
+        watcher.start()
     scheme = "https" if args.ssl_certfile else "http"
     print(f"serving {llm.model_path} as '{args.served_model_name}' with drafter "
           f"{llm.drafter_name} on {scheme}://{args.host}:{args.port}", flush=True)

@@ -17,6 +17,7 @@ Importable for ``serve run``::
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
@@ -56,36 +57,34 @@ class HTTPCall:
 
 def prompt_text(method: str, path: str, body: bytes) -> str:
     """What the prefix router matches a request by: the prompt of a completion or chat request
-    as text (token ids as their decimal spelling), at most ``PROMPT_CHARS``; for anything else
-    (or an empty prompt, or a body that is not JSON) the method and path (never empty: the
-    router divides by its length)."""
-    other = f"{method} {path}"
+    as text (token ids as their decimal spelling), at most ``PROMPT_CHARS``; "" for anything
+    else (other endpoints, a body that is not a well-formed request: the engine answers those
+    with its own error), which the router routes by load."""
     if path not in GENERATE_PATHS:
-        return other
+        return ""
     try:
         req = json.loads(body)
-    except ValueError:
-        return other
-    if not isinstance(req, dict):
-        return other
-    if path.endswith("/chat/completions"):
-        parts = []
-        for m in req.get("messages") or []:
-            c = m.get("content") if isinstance(m, dict) else None
-            if isinstance(c, str):
-                parts.append(c)
-            elif isinstance(c, list):
-                parts.extend(p.get("text", "") for p in c if isinstance(p, dict))
-        text = "\n".join(parts)
-    else:
-        p = req.get("prompt")
-        if isinstance(p, list) and p and isinstance(p[0], (list, str)):
-            p = p[0]  # a batch of prompts: routed by its first
-        if isinstance(p, list):
-            text = " ".join(str(t) for t in p)
+        if path.endswith("/chat/completions"):
+            parts = []
+            for m in req.get("messages") or []:
+                c = m.get("content") if isinstance(m, dict) else None
+                if isinstance(c, str):
+                    parts.append(c)
+                elif isinstance(c, list):
+                    parts.extend(p["text"] for p in c
+                                 if isinstance(p, dict) and isinstance(p.get("text"), str))
+            text = "\n".join(parts)
         else:
-            text = p if isinstance(p, str) else ""
-    return text[:PROMPT_CHARS] or other
+            p = req.get("prompt")
+            if isinstance(p, list) and p and isinstance(p[0], (list, str)):
+                p = p[0]  # a batch of prompts: routed by its first
+            if isinstance(p, list):
+                text = " ".join(str(t) for t in p)
+            else:
+                text = p if isinstance(p, str) else ""
+    except (ValueError, TypeError, AttributeError):
+        return ""
+    return text[:PROMPT_CHARS]
 
 
 def check_ray_flags(args) -> None:
@@ -101,6 +100,20 @@ def check_ray_flags(args) -> None:
     if args.shadow_draft:
         raise ValueError("--shadow-draft is not available with --ray (each replica would run "
                          "its own shadow); run shadow mode on a single server")
+    if getattr(args, "tensor_parallel_size", 1) != 1:
+        raise ValueError("--tensor-parallel-size is not available with --ray: a replica is one "
+                         "process; split the model on a single server, or add replicas")
+    if args.prompt_log:
+        raise ValueError("--prompt-log is not available with --ray (every replica would append "
+                         "to the file); log prompts on a single server")
+    from pyspec.serve.cli import add_serve_flags
+
+    defaults = argparse.ArgumentParser()
+    add_serve_flags(defaults)
+    for flag in ("header_timeout", "keep_alive_timeout", "body_timeout"):
+        if getattr(args, flag) != defaults.get_default(flag):
+            raise ValueError(f"--{flag.replace('_', '-')} is not available with --ray: Ray's "
+                             "HTTP proxy holds the connections (its own timeouts apply)")
     if args.replicas is not None and args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1; got {args.replicas}")
     if args.replica_cpus <= 0:
@@ -125,10 +138,16 @@ def autoscaling_config(text: str) -> dict:
         raise ValueError(f"--ray-autoscaling: unknown keys {unknown}; allowed: "
                          f"{list(AUTOSCALING_KEYS)}")
     for k, v in cfg.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-            raise ValueError(f"--ray-autoscaling: {k} must be a number >= 0; got {v!r}")
-    if cfg.get("max_replicas", 1) < max(1, cfg.get("min_replicas", 0)):
-        raise ValueError("--ray-autoscaling: max_replicas must be >= max(1, min_replicas)")
+        whole = k.endswith("_replicas")
+        if isinstance(v, bool) or not isinstance(v, int if whole else (int, float)) or v < 0 \
+                or (k == "target_ongoing_requests" and v <= 0):
+            want = ("a whole number >= 0" if whole else "a number > 0"
+                    if k == "target_ongoing_requests" else "a number of seconds >= 0")
+            raise ValueError(f"--ray-autoscaling: {k} must be {want}; got {v!r}")
+    lo, hi = cfg.get("min_replicas", 0), cfg.get("max_replicas", 1)
+    if hi < max(1, lo):
+        raise ValueError(f"--ray-autoscaling: max_replicas must be >= max(1, min_replicas); "
+                         f"got max_replicas={hi}, min_replicas={lo}")
     return cfg
 
 
@@ -142,15 +161,17 @@ class EngineReplica:
         from pyspec.serve import cli as serve_cli
 
         self.args = args
+        self._watcher = None
+        if args.config and args.watch_config:  # (its first look before the build reads the file)
+            self._watcher = serve_cli.ConfigWatcher(
+                args.config, args.watch_config,
+                lambda: serve_cli.reload_config(self.app, args.config))
         self.llm, self.app = serve_cli.build(args)
         self._started = None  # the lifespan (engine thread) once started, on the replica's loop
         self._lock = asyncio.Lock()
         self._pusher = None
-        self._watcher = None
-        if args.config and args.watch_config:
-            self._watcher = serve_cli.ConfigWatcher(
-                args.config, args.watch_config,
-                lambda: serve_cli.reload_config(self.app, args.config)).start()
+        if self._watcher is not None:
+            self._watcher.start()
 
     @staticmethod
     def replica_id() -> str:
@@ -170,17 +191,17 @@ class EngineReplica:
                 self._pusher = asyncio.ensure_future(self._push_metrics())
 
     async def _push_metrics(self) -> None:
-        import ray
         from prometheus_client import generate_latest
 
         rid = self.replica_id()
+        name = hub_name(app_name())
         hub = None
         while True:
             try:
                 if hub is None:
-                    hub = ray.get_actor(HUB, namespace="serve")
+                    hub = metrics_hub(name)
                 await hub.put.remote(rid, generate_latest(self.app.state.metrics.registry))
-            except Exception:  # noqa: BLE001 - no hub yet (or it restarted): retry next time
+            except Exception:  # noqa: BLE001 - the hub went with its owner: a new one next time
                 hub = None
             await asyncio.sleep(PUSH_SECONDS)
 
@@ -305,18 +326,32 @@ def _error_json(status: int, message: str, code: str) -> bytes:
 
 class Ingress:
     """The ASGI app of the ingress deployment: reads a request, forwards it to an engine replica
-    (:class:`EngineReplica.forward`), streams the answer; ``/metrics`` merges the replicas'."""
+    (:class:`EngineReplica.forward`), streams the answer; ``/metrics`` merges the replicas'
+    (behind the server's access rules: keys, hosts, origins, public paths)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, args, app_name: str):
+        from pyspec.serve.cli import serve_options
+        from pyspec.serve.config import load_config
+        from pyspec.serve.guard import Guard
+
         self.engine = engine.options(stream=True)
+        self.hub_name = hub_name(app_name)
         self.hub = None
+        self.max_body = int(args.max_body_mb * (1 << 20))
+        self._metrics_app = Guard(self._metrics, serve_options(args).access,
+                                  {"config": load_config(args.config, args.region)})
 
-    async def _metrics(self, send) -> None:
-        import ray
-
-        if self.hub is None:
-            self.hub = ray.get_actor(HUB, namespace="serve")
-        body = merge_metrics(await self.hub.snapshot.remote())
+    async def _metrics(self, scope, receive, send) -> None:
+        try:
+            if self.hub is None:
+                self.hub = metrics_hub(self.hub_name)
+            texts = await self.hub.snapshot.remote()
+        except Exception as e:  # noqa: BLE001 - the hub died (its owner did): a new one next time
+            self.hub = None
+            return await self._reply(send, 503, _error_json(
+                503, f"the replicas' metrics are not available ({type(e).__name__}); retry",
+                "metrics_unavailable"), retry=True)
+        body = merge_metrics(texts)
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]})
         await send({"type": "http.response.body", "body": body})
@@ -334,7 +369,7 @@ class Ingress:
             return
         path = scope["path"]
         if path == "/metrics" and scope["method"] == "GET":
-            return await self._metrics(send)
+            return await self._metrics_app(scope, receive, send)
         chunks, size = [], 0
         while True:
             msg = await receive()
@@ -342,9 +377,10 @@ class Ingress:
                 return
             chunks.append(msg.get("body", b""))
             size += len(chunks[-1])
-            if size > MAX_BODY_BYTES:
+            if size > self.max_body:
                 return await self._reply(send, 413, _error_json(
-                    413, f"request body over {MAX_BODY_BYTES >> 20} MiB", "body_too_large"))
+                    413, f"the request body is over {self.max_body} bytes (--max-body-mb)",
+                    "body_too_large"))
             if not msg.get("more_body", False):
                 break
         body = b"".join(chunks)
@@ -353,10 +389,25 @@ class Ingress:
                         prompt_text(scope["method"], path, body))
         gen = self.engine.forward.remote(call)
         try:
+            await self._relay(gen, send)
+        except BaseException:
+            gen.cancel()  # the client went away (or we failed): the replica aborts the request
+            raise
+
+    async def _relay(self, gen, send) -> None:
+        from ray.serve.exceptions import BackPressureError
+
+        try:
             first = await gen.__anext__()
         except StopAsyncIteration:
             return await self._reply(send, 500, _error_json(
                 500, "the replica ended the request without an answer", "replica_failed"))
+        except BackPressureError:
+            return await self._reply(send, 503, _error_json(
+                503, "every replica's queue is full (--max-waiting-requests); retry later",
+                "queue_full"), retry=True)
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            raise
         except Exception as e:  # noqa: BLE001 - the replica died or could not be reached
             log.warning("replica failed before answering: %s", e)
             return await self._reply(send, 503, _error_json(
@@ -369,8 +420,7 @@ class Ingress:
         try:
             async for item in gen:
                 await send({"type": "http.response.body", "body": item[1], "more_body": True})
-        except (asyncio.CancelledError, OSError):
-            gen.cancel()  # the client went away: the replica aborts the request, frees its KV
+        except (asyncio.CancelledError, KeyboardInterrupt, OSError):
             raise
         except Exception as e:  # noqa: BLE001 - the replica died mid-answer
             log.warning("replica failed mid-answer: %s", e)
@@ -392,13 +442,36 @@ class Ingress:
         await send({"type": "http.response.body", "body": body})
 
 
+def hub_name(app: str) -> str:
+    return f"{HUB}:{app}"
+
+
+def app_name() -> str:
+    """The Ray Serve application this replica belongs to ("" outside one)."""
+    from ray import serve
+
+    try:
+        return serve.get_replica_context().app_name
+    except Exception:  # noqa: BLE001 - outside a replica (tests)
+        return ""
+
+
+def metrics_hub(name: str):
+    """The app's metrics hub actor, made by the first caller. Detached (it must not go with the
+    replica that happened to make it) and restarted by Ray if it fails; `pyspec serve --ray`
+    removes it at shutdown."""
+    import ray
+
+    return ray.remote(num_cpus=0, max_restarts=-1)(MetricsHub).options(
+        name=name, namespace="serve", get_if_exists=True, lifetime="detached").remote()
+
+
 # ---- the application -------------------------------------------------------------------------
 
 
 def build_app(args):
     """The Ray Serve application for parsed ``pyspec serve`` arguments (``args.replicas``
     engines, or ``args.ray_autoscaling``)."""
-    import ray
     from ray import serve
 
     engine_opts = dict(
@@ -408,6 +481,8 @@ def build_app(args):
             "OMP_NUM_THREADS": str(max(1, int(args.replica_cpus)))}}},
         # Requests in flight per replica: the engine's own batch and queue decide beyond this.
         max_ongoing_requests=args.max_num_seqs + (args.max_waiting_requests or args.max_num_seqs),
+        # Past --max-waiting-requests queued for replicas: 503 queue_full (Ray's back pressure).
+        max_queued_requests=args.max_waiting_requests or -1,
         graceful_shutdown_timeout_s=args.drain_timeout,
         health_check_period_s=5.0)
     if args.ray_autoscaling is not None:
@@ -421,18 +496,15 @@ def build_app(args):
         # Its prefix tree keeps at most ROUTER_TREE_CHARS of prompt text (oldest out first).
         engine_opts["request_router_config"] = RequestRouterConfig(
             request_router_class=router, request_router_kwargs={
-                "imbalanced_threshold": ROUTER_IMBALANCE, "do_eviction": True, "eviction_threshold_chars": ROUTER_TREE_CHARS,
+                "imbalanced_threshold": ROUTER_IMBALANCE, "do_eviction": True,
+                "eviction_threshold_chars": ROUTER_TREE_CHARS,
                 "eviction_target_chars": ROUTER_TREE_CHARS * 9 // 10})
 
     engine = serve.deployment(**engine_opts)(EngineReplica)
 
     class PyspecIngress:
         def __init__(self, engine_handle):
-            # The hub replicas push metrics to: one per cluster namespace, made by whichever
-            # ingress replica comes first.
-            ray.remote(num_cpus=0)(MetricsHub).options(
-                name=HUB, namespace="serve", get_if_exists=True, lifetime="detached").remote()
-            self._ingress = Ingress(engine_handle)
+            self._ingress = Ingress(engine_handle, args, app_name())
 
         def __serve_build_asgi_app__(self):
             return self._ingress
@@ -494,5 +566,9 @@ def run(args) -> int:
     while not stop["now"]:
         time.sleep(0.2)
     serve.shutdown()
+    try:
+        ray.kill(ray.get_actor(hub_name("pyspec"), namespace="serve"))
+    except ValueError:  # no replica ever reported
+        pass
     ray.shutdown()
     return 0

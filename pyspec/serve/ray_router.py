@@ -50,6 +50,12 @@ class PrefixAffinityRouter(_base()):
         if stale:
             ray.get(self._tree_actor.remove_tenants.remote(stale))
 
+    def on_request_routed(self, pending_request, replica_id, result):
+        # Requests without a prompt (other endpoints) leave the tree alone.
+        if pending_request is not None and pending_request.args and \
+                self._extract_text_from_request(pending_request):
+            super().on_request_routed(pending_request, replica_id, result)
+
     async def _prefix_match_best_replicas(self, pending_request, candidate_replicas):
         if pending_request is None or not pending_request.args or not candidate_replicas:
             return [[]]

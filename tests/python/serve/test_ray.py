@@ -35,10 +35,14 @@ def test_prompt_text_for_the_router():
         {"role": "user", "content": [{"type": "text", "text": "hi"}]}]})) == "be brief\nhi"
     assert len(prompt_text("POST", "/v1/completions", body({"prompt": "a" * 9999}))) \
         == PROMPT_CHARS
-    # Never empty (the router divides by the length): the method and path otherwise.
-    assert prompt_text("GET", "/health", b"") == "GET /health"
-    assert prompt_text("POST", "/v1/completions", b"{not json") == "POST /v1/completions"
-    assert prompt_text("POST", "/v1/completions", body({"prompt": ""})) == "POST /v1/completions"
+    # Anything else is "" (routed by load; the engine answers a malformed body itself).
+    assert prompt_text("GET", "/health", b"") == ""
+    assert prompt_text("POST", "/v1/completions", b"{not json") == ""
+    assert prompt_text("POST", "/v1/completions", body({"prompt": ""})) == ""
+    assert prompt_text("POST", "/v1/chat/completions", body({"messages": 5})) == ""
+    assert prompt_text("POST", "/v1/chat/completions", body([1])) == ""
+    assert prompt_text("POST", "/v1/chat/completions", body({"messages": [
+        {"role": "user", "content": [{"text": None}, {"text": "ok"}]}]})) == "ok"
 
 
 def test_merged_metrics_label_every_sample_with_its_replica():
@@ -71,10 +75,29 @@ def test_autoscaling_config_is_checked():
     assert ok["max_replicas"] == 3
     for bad, msg in (("[1]", "non-empty JSON object"), ("{", "must be a JSON object"),
                      ('{"replicas": 2}', "unknown keys"),
-                     ('{"max_replicas": -1}', "must be a number >= 0"),
+                     ('{"max_replicas": -1}', "must be a whole number >= 0"),
                      ('{"min_replicas": 3, "max_replicas": 2}', "max_replicas must be")):
         with pytest.raises(ValueError, match=msg):
             autoscaling_config(bad)
+
+
+def test_app_builder_for_serve_run(tmp_path):
+    """`serve run pyspec.serve.ray_app:app_builder args="..." replicas=2` builds the application
+    (two deployments, the engine's replica count and router set) without a cluster; bad flags
+    are the command's own errors."""
+    require_module("ray")
+    from pyspec.serve.ray_app import app_builder
+
+    path = write_tiny_model(tmp_path / "model")
+    app = app_builder({"args": f"--model {path} --draft ngram", "replicas": "2"})
+    ingress = app._bound_deployment
+    engine = ingress.init_args[0]._bound_deployment  # the ingress's argument: the engines
+    assert (ingress.name, engine.name) == ("PyspecIngress", "PyspecEngine")
+    assert engine.num_replicas == 2
+    router = engine._deployment_config.request_router_config.request_router_class
+    assert router.endswith("PrefixAffinityRouter"), router
+    with pytest.raises(ValueError, match="--replicas must be >= 1"):
+        app_builder({"args": f"--model {path}", "replicas": "0"})
 
 
 # ---- a local Ray cluster -------------------------------------------------------------------------
@@ -187,7 +210,7 @@ def test_prefix_affinity_and_metrics_per_replica(cluster):
     assert len(seen) == 1, seen
     deadline = time.monotonic() + 30
     while True:
-        text = httpx.get(base + "/metrics").text
+        text = httpx.get(base + "/metrics", timeout=30).text
         replicas = {line.split('replica="')[1].split('"')[0] for line in text.splitlines()
                     if line.startswith("pyspec_num_requests_running{")}
         if len(replicas) == 2 and "pyspec_replicas 2.0" in text:
@@ -312,7 +335,7 @@ def test_a_client_gone_mid_stream_frees_its_request(cluster):
         next(s.iter_lines())
     deadline = time.monotonic() + 20
     while True:
-        text = httpx.get(base + "/metrics").text
+        text = httpx.get(base + "/metrics", timeout=30).text
         running = [line for line in text.splitlines()
                    if line.startswith("pyspec_num_requests_running{")
                    and f'replica="{replica}"' in line]
@@ -321,6 +344,60 @@ def test_a_client_gone_mid_stream_frees_its_request(cluster):
                    and f'replica="{replica}"' in line]
         if running and running[0].endswith(" 0.0") and aborted and \
                 float(aborted[0].split()[-1]) >= 1:
+            break
+        assert time.monotonic() < deadline, (running, aborted)
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_keys_back_pressure_and_abandoned_requests(cluster):
+    """With an API key, the merged /metrics needs it like every other path; past
+    --max-waiting-requests queued for busy replicas a request gets 503 queue_full with
+    Retry-After; a client that gives up on a non-streaming request frees it on the replica."""
+    import httpx
+    from ray import serve
+
+    from pyspec.serve.ray_app import build_app, parse_args
+
+    base = cluster["base"]
+    # (Plain decoding: a 900-token request then takes seconds, so the client below gives up
+    # while it runs.)
+    args = parse_args(["--model", cluster["path"], "--draft", "none", "--replicas", "1",
+                       "--kv-cache-tokens", "4096", "--max-num-seqs", "1",
+                       "--max-waiting-requests", "1", "--api-key", "test-key-123"])
+    serve.run(build_app(args), name="pyspec", route_prefix="/")
+    auth = {"Authorization": "Bearer test-key-123"}
+    assert httpx.get(base + "/metrics", timeout=30).status_code == 401
+    assert httpx.post(base + "/v1/completions", json={"prompt": "a", "max_tokens": 1}
+                      ).status_code == 401
+    codes, lock = [], threading.Lock()
+
+    def one():
+        r = httpx.post(base + "/v1/completions", headers=auth, timeout=120, json={
+            "prompt": "busy", "max_tokens": 300, "ignore_eos": True})
+        with lock:
+            codes.append((r.status_code, r.headers.get("retry-after"),
+                          r.json().get("error", {}).get("code") if r.status_code != 200 else ""))
+
+    threads = [threading.Thread(target=one) for _ in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert any(c == (503, "1", "queue_full") for c in codes), codes
+    assert any(c[0] == 200 for c in codes), codes
+    # A non-streaming request abandoned mid-way: aborted on the replica, nothing left running.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base + "/v1/completions", headers=auth, timeout=0.5, json={
+            "prompt": "long", "max_tokens": 900, "ignore_eos": True})
+    deadline = time.monotonic() + 30
+    while True:
+        text = httpx.get(base + "/metrics", headers=auth, timeout=30).text
+        running = [float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("pyspec_num_requests_running{")]
+        aborted = [float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith('pyspec_requests_total{finish_reason="abort"')]
+        if running and max(running) == 0 and aborted and max(aborted) >= 1:
             break
         assert time.monotonic() < deadline, (running, aborted)
         time.sleep(0.5)
