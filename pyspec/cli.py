@@ -89,7 +89,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     check_sampling_options(params)  # before the model loads (seconds to minutes)
     llm = pyspec.LLM(args.model, draft, spec, dtype=args.dtype, device=args.device,
                      packed_weights=args.packed_weights,
-                     kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
+                     kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+                     tensor_parallel_size=args.tensor_parallel_size)
     prompt = ([{"role": "user", "content": args.prompt}]
               if not args.no_chat and llm.tokenizer.chat_template else args.prompt)
     ids = llm.chat_prompt(prompt) if isinstance(prompt, list) else llm.encode(prompt)
@@ -183,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
-    add_model_flags(p)
+    add_model_flags(p, tensor_parallel=True)
     p.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
     p.add_argument("--compare", action="store_true",
                    help="also run plain decoding and print both speeds, the speedup and whether "

@@ -19,9 +19,14 @@ _PACKED_HELP = ("codes (default): float32 matrices that are exactly 4-bit / 8-bi
 
 
 def add_model_flags(p: argparse.ArgumentParser, *, dtypes: Sequence[str] = DTYPES,
-                    device: bool = True) -> None:
-    """``--dtype``, ``--device`` (unless ``device=False``) and ``--packed-weights``: how the
-    target model is loaded."""
+                    device: bool = True, tensor_parallel: bool = False) -> None:
+    """``--dtype``, ``--device`` (unless ``device=False``), ``--packed-weights``,
+    ``--kv-cache-dtype`` and with ``tensor_parallel`` ``--tensor-parallel-size``: how the target
+    model is loaded."""
+    if tensor_parallel:
+        p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                       help="split the target's heads and MLP across N processes (CPU, gloo; "
+                            "at most its KV heads; docs/scaling.md)")
     p.add_argument("--dtype", default="float32", choices=list(dtypes))
     if device:
         p.add_argument("--device", default="cpu",

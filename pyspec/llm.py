@@ -175,6 +175,10 @@ class LLM:
         kernels: the model's dense-layer kernels: None (this CPU's best), an ISA name
             ("generic", "avx2", "avx512", "amx") or a :class:`pyspec._C.LinearKernels`; a property
             of this model (:meth:`describe` shows them), never of the process.
+        tensor_parallel_size: 1 (default), or N ranks splitting the target's attention heads
+            and MLP across this process and N-1 worker processes (:mod:`pyspec.tensor_parallel`:
+            CPU, gloo; at most the model's KV heads); drafting and acceptance stay here, so every
+            rank verifies the same drafts. :meth:`close` stops the workers.
     """
 
     def __init__(self, model: Optional[str] = None, draft="default",
@@ -184,7 +188,8 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  max_prefill_chunk: int = 0, enable_prefix_cache: bool = True,
                  progress: bool = True,
-                 packed_weights: str = "codes", kernels=None):
+                 packed_weights: str = "codes", kernels=None,
+                 tensor_parallel_size: int = 1):
         from pyspec.models.llama import LlamaForCausalLM
         from pyspec.tokenizer import Tokenizer
 
@@ -207,6 +212,9 @@ class LLM:
         if not is_int(max_prefill_chunk) or max_prefill_chunk < 0:
             raise ValueError(f"max_prefill_chunk must be an int >= 0 (0: limited by "
                              f"max_num_batched_tokens only); got {max_prefill_chunk!r}")
+        if not is_int(tensor_parallel_size) or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1; got "
+                             f"{tensor_parallel_size!r}")
         if not isinstance(enable_prefix_cache, bool):
             raise ValueError(f"enable_prefix_cache must be a bool; got {enable_prefix_cache!r}")
         if model is None or model == "default":
@@ -230,9 +238,22 @@ class LLM:
             raise ValueError(f"{path}: the tokenizer's eos_token {self.tokenizer.eos_token!r} is "
                              f"token id {eos}, outside the model's vocabulary [0, {vocab}) "
                              "(vocab_size in config.json)")
+        num_blocks = -(-kv_cache_tokens // block_size)
+        if tensor_parallel_size != 1:
+            from pyspec import tensor_parallel
+
+            tensor_parallel.check_tensor_parallel(self.model.cfg, tensor_parallel_size)
+            if self.model.device.type != "cpu":
+                raise ValueError("tensor_parallel_size > 1 runs on the CPU (gloo) only; this "
+                                 f"model is on {self.model.device}")
+            self.runner = tensor_parallel.start(
+                path, tensor_parallel_size, num_blocks, block_size,
+                check_kv_dtype(self.model, kv_cache_dtype), dtype, packed_weights, kernels)
+            # The engine runs rank 0's share; the whole model stays for what drafters read.
         try:
-            self.runner = ModelRunner(self.model, -(-kv_cache_tokens // block_size), block_size,
-                                      kv_dtype=kv_cache_dtype)
+            if tensor_parallel_size == 1:
+                self.runner = ModelRunner(self.model, num_blocks, block_size,
+                                          kv_dtype=kv_cache_dtype)
         except (RuntimeError, MemoryError) as e:  # torch's allocator refusing
             cfg = self.model.cfg
             need = (2 * kv_cache_tokens * cfg.num_hidden_layers * cfg.num_key_value_heads
@@ -266,6 +287,13 @@ class LLM:
         # Every unfinished request of this LLM by engine id, whichever call made it: calls may
         # interleave (a stream left open while generate() runs, two streams read in turns).
         self._tracks: Dict[int, OutputTracker] = {}
+
+    def close(self) -> None:
+        """Stop this LLM's tensor-parallel worker processes (nothing to do without them); the
+        LLM cannot run its model after."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     @property
     def drafter_name(self) -> str:

@@ -55,6 +55,11 @@ class ModelDrafter(Drafter):
         self.block_size = bs
         self.vocab_size = tcfg.vocab_size
         if share_target_kv:
+            if getattr(target_runner, "tensor_parallel_size", 1) > 1:
+                raise ValueError("a layer-skip drafter shares the target's KV pool, which "
+                                 "tensor parallelism splits across ranks; with "
+                                 "tensor_parallel_size > 1 use another drafter (ngram, "
+                                 "default, an EAGLE / Medusa head or a draft model)")
             if model.device != target_runner.kv.k.device:
                 raise ValueError(f"share_target_kv needs the draft model on the target's KV "
                                  f"device ({target_runner.kv.k.device}); it is on {model.device}")

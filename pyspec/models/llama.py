@@ -123,6 +123,9 @@ class LlamaForCausalLM(LlamaWeights):
         # The one-call decoder stack for steps it applies to (False: op by op, the same results;
         # for measurements).
         self.fused_layers = True
+        # Tensor parallelism (pyspec.tensor_parallel): this model is one rank's share and the
+        # row-parallel layers' outputs are summed over this process group; None: the whole model.
+        self.tp_group = None
         super().__init__(cfg, weights, dtype, device)
         self._inv_freq = rope_inv_freq(cfg, 0).to(self.device)
         # (layers list, packed list, _C.DecoderStack, the tensors it holds) for steps that run
@@ -369,6 +372,7 @@ class LlamaForCausalLM(LlamaWeights):
         ``fused_layers=False``), else None. The stack computes exactly what
         :meth:`_layers_one_by_one` does, in one call instead of about a dozen per layer."""
         if (t > self._serial_rows or self.device.type != "cpu" or x.dtype != self.dtype
+                or self.tp_group is not None  # (its all-reduces sit between the core's ops)
                 or not ops.kv_storable(self.dtype, k_pages.dtype)
                 or not k_pages.is_contiguous()
                 or (torch.is_grad_enabled() and x.requires_grad) or not self.fused_layers
@@ -417,6 +421,13 @@ class LlamaForCausalLM(LlamaWeights):
         self._fused = (self.layers, self._packed, stack, sig)
         return stack
 
+    def _summed(self, y: torch.Tensor) -> torch.Tensor:
+        """A row-parallel layer's output summed over the tensor-parallel ranks (in place); the
+        whole model's as it is."""
+        if self.tp_group is not None:
+            self.tp_group.allreduce([y]).wait()
+        return y
+
     def _layers_one_by_one(self, x, cos, sin, plan, k_pages, v_pages, k_new, v_new, taps, kept):
         cfg = self.cfg
         x = x.contiguous()  # as the stack reads it (the core ops need contiguous rows)
@@ -437,11 +448,11 @@ class LlamaForCausalLM(LlamaWeights):
             q = ops.rotary_qkv(qkv, cos, sin, cfg.num_attention_heads, cfg.num_key_value_heads,
                                k_new[li], v_new[li])
             a = tree_attention(plan, q, k_pages[li], v_pages[li], k_new[li], v_new[li])
-            x = x + self.linear(a.view(t, qs), mats["wo"], layer["bo"])
+            x = x + self._summed(self.linear(a.view(t, qs), mats["wo"], layer["bo"]))
             h = self._rms(x, layer["ln2"])
             gu = self.linear(h, mats["wgu"])
             inter = cfg.intermediate_size
-            x = x + self.linear(ops.silu_mul(gu, inter), mats["wd"])
+            x = x + self._summed(self.linear(ops.silu_mul(gu, inter), mats["wd"]))
             if taps is not None and li + 1 in taps:
                 kept[li + 1] = x
         return x

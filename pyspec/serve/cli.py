@@ -43,6 +43,7 @@ def build(args):
     llm = pyspec.LLM(model, draft, sc, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens,
                      device=getattr(args, "device", "cpu"),
                      packed_weights=getattr(args, "packed_weights", "codes"),
+                     tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                      kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                      max_num_seqs=args.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens,
@@ -248,7 +249,7 @@ def add_serve_flags(p) -> None:
     p.add_argument("--served-model-name", default="pyspec")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    add_model_flags(p)
+    add_model_flags(p, tensor_parallel=True)
     p.add_argument("--kv-cache-tokens", type=int, default=16384)
     p.add_argument("--prompt-log", default=None,
                    help="append a sampled share of prompts to this JSONL (eval-draft replays it)")

@@ -38,6 +38,12 @@ from models_support import write_tiny_model  # noqa: E402
     (["--ray", "--replicas", "2", "--ray-autoscaling", '{"max_replicas": 2}'],
      "--replicas or --ray-autoscaling, not both"),
     (["--ray", "--shadow-draft", "ngram"], "--shadow-draft is not available with --ray"),
+    (["--ray", "--prompt-log", "P"], "--prompt-log is not available with --ray"),
+    (["--ray", "--header-timeout", "3"], "--header-timeout is not available with --ray"),
+    (["--ray", "--ray-autoscaling", '{"target_ongoing_requests": 0}'],
+     "target_ongoing_requests must be a number > 0"),
+    (["--ray", "--ray-autoscaling", '{"max_replicas": 2.5}'],
+     "max_replicas must be a whole number"),
 ])
 def test_serve_cli_refuses_bad_options_before_loading(argv, message, tmp_path, capsys,
                                                       monkeypatch):
