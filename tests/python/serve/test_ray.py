@@ -4,6 +4,7 @@ engine, prefix affinity, metrics per replica, and a replica killed mid-stream (i
 with an error event, the others finish, new requests are served)."""
 
 import json
+import os
 import threading
 import time
 
@@ -152,6 +153,11 @@ def cluster(tmp_path_factory):
 
     path = write_tiny_model(tmp_path_factory.mktemp("ray-model"))
     port = _free_port()
+    # Ray's workers start in the driver's working directory and import from it: run from the
+    # repository root (as CI does), they would import the source tree's pyspec, which has no
+    # built core, instead of the installed one.
+    cwd = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("ray-cwd"))
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -164,6 +170,7 @@ def cluster(tmp_path_factory):
     finally:
         serve.shutdown()
         ray.shutdown()
+        os.chdir(cwd)
 
 
 def _replica_of(r):
