@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import shlex
 import time
 from dataclasses import dataclass, field
@@ -116,8 +117,8 @@ def check_ray_flags(args) -> None:
                              "HTTP proxy holds the connections (its own timeouts apply)")
     if args.replicas is not None and args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1; got {args.replicas}")
-    if args.replica_cpus <= 0:
-        raise ValueError(f"--replica-cpus must be > 0; got {args.replica_cpus}")
+    if not (math.isfinite(args.replica_cpus) and args.replica_cpus > 0):
+        raise ValueError(f"--replica-cpus must be a number > 0; got {args.replica_cpus}")
     if args.ray_autoscaling is not None:
         if args.replicas is not None:
             raise ValueError("give --replicas or --ray-autoscaling, not both")
