@@ -26,14 +26,10 @@ from pyspec.serve.guard import Guard
 from pyspec.serve.metrics import Metrics, set_memory_gauges
 from pyspec.serve.options import ServeOptions
 from pyspec.serve.protocol import (RequestError, RequestReader, disconnected, error_response,
-                                   get_field, spec_stats, stream_usage, usage)
+                                   get_field, spec_stats, sse, stream_usage, usage)
 from pyspec.serve.rollback import Rollbacks
 
 __all__ = ["create_app"]
-
-
-def _sse(obj) -> str:
-    return "data: " + json.dumps(obj) + "\n\n"
 
 
 class _Responder:
@@ -114,19 +110,19 @@ class _Responder:
                         i = pending.pop(fut)
                         item = fut.result()
                         if item[0] == "error":
-                            yield _sse(item[1].body())
+                            yield sse(item[1].body())
                             done[i] = True
                             continue
                         _, delta, toks, fin, reason = item
                         if delta or fin:
-                            yield _sse(make_chunk(i, delta, reason))
+                            yield sse(make_chunk(i, delta, reason))
                         if fin:
                             done[i] = True
                         else:
                             pending[asyncio.ensure_future(handles[i].queue.get())] = i
                 if usage_chunk is not None:
                     n_out = sum(len(h.track.tokens) for h in handles)
-                    yield _sse(usage_chunk({"prompt_tokens": n_prompt, "completion_tokens": n_out,
+                    yield sse(usage_chunk({"prompt_tokens": n_prompt, "completion_tokens": n_out,
                                             "total_tokens": n_prompt + n_out}))
                 yield "data: [DONE]\n\n"
             finally:

@@ -41,6 +41,11 @@ def error_response(e: RequestError, headers=None):
                     status_code=e.status, headers=headers, media_type="application/json")
 
 
+def sse(obj) -> str:
+    """One server-sent event carrying ``obj`` as JSON (a stream's chunk or error event)."""
+    return "data: " + json.dumps(obj) + "\n\n"
+
+
 # Prompts one completion request may hold (a list of prompts).
 MAX_PROMPTS = 64
 # Chat roles served, and the role the chat template sees for each ("developer" is OpenAI's newer

@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from pyspec.serve.protocol import RequestError, error_response, sse
+
 log = logging.getLogger("pyspec.serve")
 
 HUB = "pyspec-metrics-hub"  # the named actor replicas push their metrics to
@@ -320,9 +322,14 @@ def merge_metrics(texts: Dict[str, bytes]) -> bytes:
     return generate_latest(registry)
 
 
-def _error_json(status: int, message: str, code: str) -> bytes:
-    return json.dumps({"error": {"message": message, "type": "server_error", "param": None,
-                                 "code": code}}).encode()
+def _failed(status: int, message: str, code: str, retry: bool = False):
+    """A server-side error in the server's own shape (:class:`RequestError`)."""
+    from pyspec.serve.protocol import RequestError
+
+    e = RequestError(status, message, code=code, kind="server_error")
+    if retry:
+        e.headers = {"retry-after": "1"}
+    return e
 
 
 class Ingress:
@@ -349,9 +356,9 @@ class Ingress:
             texts = await self.hub.snapshot.remote()
         except Exception as e:  # noqa: BLE001 - the hub died (its owner did): a new one next time
             self.hub = None
-            return await self._reply(send, 503, _error_json(
+            return await error_response(_failed(
                 503, f"the replicas' metrics are not available ({type(e).__name__}); retry",
-                "metrics_unavailable"), retry=True)
+                "metrics_unavailable", retry=True))(scope, receive, send)
         body = merge_metrics(texts)
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]})
@@ -379,9 +386,9 @@ class Ingress:
             chunks.append(msg.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_body:
-                return await self._reply(send, 413, _error_json(
+                return await error_response(RequestError(
                     413, f"the request body is over {self.max_body} bytes (--max-body-mb)",
-                    "body_too_large"))
+                    code="body_too_large"))(scope, receive, send)
             if not msg.get("more_body", False):
                 break
         body = b"".join(chunks)
@@ -390,30 +397,30 @@ class Ingress:
                         prompt_text(scope["method"], path, body))
         gen = self.engine.forward.remote(call)
         try:
-            await self._relay(gen, send)
+            await self._relay(gen, scope, receive, send)
         except BaseException:
             gen.cancel()  # the client went away (or we failed): the replica aborts the request
             raise
 
-    async def _relay(self, gen, send) -> None:
+    async def _relay(self, gen, scope, receive, send) -> None:
         from ray.serve.exceptions import BackPressureError
 
         try:
             first = await gen.__anext__()
-        except StopAsyncIteration:
-            return await self._reply(send, 500, _error_json(
-                500, "the replica ended the request without an answer", "replica_failed"))
-        except BackPressureError:
-            return await self._reply(send, 503, _error_json(
-                503, "every replica's queue is full (--max-waiting-requests); retry later",
-                "queue_full"), retry=True)
         except (asyncio.CancelledError, KeyboardInterrupt):
             raise
-        except Exception as e:  # noqa: BLE001 - the replica died or could not be reached
-            log.warning("replica failed before answering: %s", e)
-            return await self._reply(send, 503, _error_json(
-                503, f"the replica serving this request failed ({type(e).__name__}); retry",
-                "replica_failed"), retry=True)
+        except BaseException as e:  # noqa: BLE001 - the replica died or could not be reached
+            if isinstance(e, StopAsyncIteration):
+                err = _failed(500, "the replica ended the request without an answer",
+                              "replica_failed")
+            elif isinstance(e, BackPressureError):
+                err = _failed(503, "every replica's queue is full (--max-waiting-requests); "
+                                   "retry later", "queue_full", retry=True)
+            else:
+                log.warning("replica failed before answering: %s", e)
+                err = _failed(503, f"the replica serving this request failed "
+                                   f"({type(e).__name__}); retry", "replica_failed", retry=True)
+            return await error_response(err)(scope, receive, send)
         _, status, headers = first
         streaming = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
                         for k, v in headers)
@@ -425,22 +432,13 @@ class Ingress:
             raise
         except Exception as e:  # noqa: BLE001 - the replica died mid-answer
             log.warning("replica failed mid-answer: %s", e)
-            if streaming:
-                err = _error_json(503, "the replica serving this request failed "
-                                       f"({type(e).__name__}); the output is incomplete",
-                                  "replica_failed")
-                await send({"type": "http.response.body", "body": b"data: " + err + b"\n\n",
+            if streaming:  # an error event, as the server ends a stream it cannot finish
+                err = _failed(503, "the replica serving this request failed "
+                                   f"({type(e).__name__}); the output is incomplete",
+                              "replica_failed")
+                await send({"type": "http.response.body", "body": sse(err.body()).encode(),
                             "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    @staticmethod
-    async def _reply(send, status: int, body: bytes, retry: bool = False) -> None:
-        headers = [(b"content-type", b"application/json"),
-                   (b"content-length", str(len(body)).encode())]
-        if retry:
-            headers.append((b"retry-after", b"1"))
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
 
 
 def hub_name(app: str) -> str:
