@@ -239,28 +239,28 @@ class LLM:
                              f"token id {eos}, outside the model's vocabulary [0, {vocab}) "
                              "(vocab_size in config.json)")
         num_blocks = -(-kv_cache_tokens // block_size)
-        if tensor_parallel_size != 1:
+        if tensor_parallel_size > 1:
             from pyspec import tensor_parallel
 
             tensor_parallel.check_tensor_parallel(self.model.cfg, tensor_parallel_size)
             if self.model.device.type != "cpu":
                 raise ValueError("tensor_parallel_size > 1 runs on the CPU (gloo) only; this "
                                  f"model is on {self.model.device}")
+            # The engine runs rank 0's share; the whole model stays for what drafters read.
             self.runner = tensor_parallel.start(
                 path, tensor_parallel_size, num_blocks, block_size,
                 check_kv_dtype(self.model, kv_cache_dtype), dtype, packed_weights, kernels)
-            # The engine runs rank 0's share; the whole model stays for what drafters read.
-        try:
-            if tensor_parallel_size == 1:
+        else:
+            try:
                 self.runner = ModelRunner(self.model, num_blocks, block_size,
                                           kv_dtype=kv_cache_dtype)
-        except (RuntimeError, MemoryError) as e:  # torch's allocator refusing
-            cfg = self.model.cfg
-            need = (2 * kv_cache_tokens * cfg.num_hidden_layers * cfg.num_key_value_heads
-                    * cfg.head_dim * check_kv_dtype(self.model, kv_cache_dtype).itemsize)
-            raise ValueError(f"kv_cache_tokens={kv_cache_tokens}: the KV cache would take "
-                             f"{need / 2**30:.1f} GiB, which could not be allocated "
-                             f"({type(e).__name__}); give fewer tokens") from None
+            except (RuntimeError, MemoryError) as e:  # torch's allocator refusing
+                cfg = self.model.cfg
+                need = (2 * kv_cache_tokens * cfg.num_hidden_layers * cfg.num_key_value_heads
+                        * cfg.head_dim * check_kv_dtype(self.model, kv_cache_dtype).itemsize)
+                raise ValueError(f"kv_cache_tokens={kv_cache_tokens}: the KV cache would take "
+                                 f"{need / 2**30:.1f} GiB, which could not be allocated "
+                                 f"({type(e).__name__}); give fewer tokens") from None
         alpha = 2.0 / (spec.ewma_window + 1)
         self.spec = spec
         drafters = dict(spec.drafters or {})
