@@ -183,7 +183,7 @@ def _check_options(args) -> None:
     ranges = {**_RANGES, **_TREE_RANGES.get(args.method, {})}
     for name in ("prompts", "max_tokens", "batch", "epochs", "draft_vocab", "intermediate_size",
                  "draft_layers", "medusa_heads", "unroll_steps", "tree_width", "tree_depth",
-                 "tree_nodes", "batch_tokens", "shard_prompts"):
+                 "tree_nodes", "batch_tokens", "shard_prompts", "train_tokens"):
         v = getattr(args, name)
         lo, hi = ranges.get(name, (1, None))
         if v is None or (lo <= v and (hi is None or v <= hi)):
@@ -269,7 +269,9 @@ def train_draft(args) -> str:
     else:
         seqs = []
         for k, prompts in enumerate(_prompt_lists(gen, args)):  # one corpus per list
-            kw = dict(max_tokens=args.max_tokens, batch=args.batch, seed=args.seed)
+            # A corpus keeps tokens only (nothing trains on its hidden states).
+            kw = dict(max_tokens=args.max_tokens, batch=args.batch, seed=args.seed,
+                      hidden=args.method != "suffix")
             if args.shard_prompts:  # saved shard by shard: an interrupted run resumes
                 seqs.extend(D.generate_sharded(gen, prompts, args.out, f"set{k}",
                                                shard=args.shard_prompts, **kw))
@@ -277,6 +279,11 @@ def train_draft(args) -> str:
                 seqs.extend(D.generate_corpus(gen, prompts, **kw))
         D.save_sequences(seqs, data_path)
         shutil.rmtree(os.path.join(args.out, "shards"), ignore_errors=True)
+    if args.train_tokens is not None:
+        total = sum(len(s.tokens) for s in seqs)
+        seqs = D.token_subset(seqs, args.train_tokens, seed=args.seed)
+        print(f"--train-tokens {args.train_tokens}: {len(seqs)} sequences of the corpus's "
+              f"{total} tokens")
     # Features from one teacher-forced pass over the tokens: for other layers than the recorded
     # final one, and for a corpus drafter's documents, which have none (not needed by a corpus).
     recompute = layers or (args.method != "suffix" and any(s.hidden is None for s in seqs))
@@ -288,11 +295,19 @@ def train_draft(args) -> str:
         cached = (D.load_sequences(feat_path, "--out (the feature cache)",
                                    f"delete {feat_path} to compute the features again")
                   if os.path.isfile(feat_path) else None)
-        if cached is not None and [c.tokens for c in cached] == [s.tokens for s in seqs]:
-            seqs = cached
-            print(f"loaded the layer {layers} features from {feat_path}")
-        else:
-            seqs = D.with_feature_layers(gen, seqs, layers)
+        # The cache may hold other sequences than this run trains on (another --train-tokens
+        # subset's, linked in by a data-scaling run): the ones it has are taken from it, and
+        # only the others are computed.
+        by_tokens = {tuple(c.tokens): c for c in cached} if cached is not None else {}
+        missing = [s for s in seqs if tuple(s.tokens) not in by_tokens]
+        if len(missing) < len(seqs):
+            print(f"loaded the layer {layers} features of {len(seqs) - len(missing)} sequences "
+                  f"from {feat_path}")
+        if missing:
+            by_tokens.update((tuple(s.tokens), s)
+                             for s in D.with_feature_layers(gen, missing, layers))
+        seqs = [by_tokens[tuple(s.tokens)] for s in seqs]
+        if missing:
             D.save_sequences(seqs, feat_path)
         if layers == [gen.model.cfg.num_hidden_layers]:
             layers = None  # the final hidden state alone: a plain head
@@ -428,6 +443,10 @@ def add_parser(sub):
                    help="the target's dtype while it generates the corpus; auto: bfloat16 where "
                    "the CPU multiplies it natively (AMX or AVX-512 BF16), else float32 (on an "
                    "AVX2-only CPU bfloat16 generation ran at half float32's speed)")
+    p.add_argument("--train-tokens", type=int, default=None,
+                   help="train on whole sequences drawn at random (by --seed) until they hold "
+                        "this many tokens; with one seed a smaller subset is part of a larger "
+                        "one (data-scaling curves)")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch-tokens", type=int, default=None,

@@ -512,20 +512,23 @@ def corpus_sequences(path: str, vocab_size: int) -> List[Sequence_]:
 
 def generate_corpus(llm, prompts: List[str], *, max_tokens: int = 256, batch: int = 64,
                     temperature_mix=(0.0, 0.7), seed: int = 0, progress: bool = True,
-                    first: int = 0) -> List[Sequence_]:
+                    first: int = 0, hidden: bool = True) -> List[Sequence_]:
     """Run the target over ``prompts`` (chat template) and return tokens + hidden states.
     ``first``: the index of ``prompts[0]`` in a longer list generated in shards (each prompt's
-    temperature and seed follow its index, so shards give what one run over the list gives)."""
+    temperature and seed follow its index, so shards give what one run over the list gives).
+    ``hidden=False``: tokens only (a corpus, or data whose features a training run computes in
+    one teacher-forced pass): nothing is recorded, which keeps memory and files small at scale
+    (the final hidden states take 2 bytes x hidden size per token)."""
     from tqdm import tqdm
 
     from pyspec.engine import Engine, SamplingParams
     from pyspec.runner import ModelRunner
 
-    rec = _Recorder()
+    rec = _Recorder() if hidden else None
     need = max(len(llm.chat_prompt([{"role": "user", "content": p}])) for p in prompts[:64])
     blocks = batch * ((need + max_tokens + 64) // 16 + 2)
     runner = ModelRunner(llm.model, num_blocks=blocks, block_size=16)
-    eng = Engine(runner, drafter=rec, max_num_seqs=batch, max_num_batched_tokens=4096,
+    eng = Engine(runner, drafter=rec or "none", max_num_seqs=batch, max_num_batched_tokens=4096,
                  enable_prefix_cache=False, adaptive=False, gamma=1)
     eos = [int(e) for e in llm.tokenizer.eos_token_ids]
     out: List[Sequence_] = []
@@ -544,6 +547,9 @@ def generate_corpus(llm, prompts: List[str], *, max_tokens: int = 256, batch: in
         for rid, p in zip(rids, ids):
             res = eng.result(rid, pop=True)
             toks = p + res.token_ids
+            if rec is None:
+                out.append(Sequence_(toks, None, len(p)))
+                continue
             h = rec.hidden.pop(rid, {})
             n = len(toks) - 1
             if any(k not in h for k in range(n)):
@@ -595,6 +601,21 @@ def generate_sharded(llm, prompts: List[str], out_dir: str, tag: str, *, shard: 
             save_sequences(part, path)
         out.extend(part)
     return out
+
+
+def token_subset(seqs: List[Sequence_], tokens: int, seed: int = 0) -> List[Sequence_]:
+    """Whole sequences drawn in a seeded random order until they hold at least ``tokens`` tokens
+    (all of them if the corpus is smaller), kept in corpus order. The order depends on the seed
+    and the corpus alone, so with one seed a smaller subset is part of every larger one: points
+    of a data-scaling curve differ only in how much data they add."""
+    order = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(seed)).tolist()
+    picked, total = [], 0
+    for k in order:
+        if total >= tokens:
+            break
+        picked.append(k)
+        total += len(seqs[k].tokens)
+    return [seqs[k] for k in sorted(picked)]
 
 
 def token_counts(seqs: List[Sequence_], vocab: int) -> torch.Tensor:

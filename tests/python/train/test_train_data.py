@@ -73,7 +73,7 @@ def test_train_on_a_corpus_drafter_folder(tiny, trained, tmp_path, capsys):
     _lossless(tiny, out)
     capsys.readouterr()
     assert cli.main(args) == 0  # a rerun trains on the features it computed before
-    assert "loaded the layer [2] features" in capsys.readouterr().out
+    assert f"loaded the layer [2] features of {len(seqs)} sequences" in capsys.readouterr().out
     # A folder that is not a corpus drafter, and a missing one, are refused by name.
     assert cli.main(["train-draft", "--target", tiny, "--out", str(tmp_path / "x"),
                      "--data", trained]) == 2
@@ -81,6 +81,66 @@ def test_train_on_a_corpus_drafter_folder(tiny, trained, tmp_path, capsys):
     assert cli.main(["train-draft", "--target", tiny, "--out", str(tmp_path / "x"),
                      "--data", str(tmp_path / "nowhere")]) == 2
     assert "neither a file nor a folder" in capsys.readouterr().err
+
+
+def test_train_tokens_draws_nested_subsets(tiny, trained, tmp_path, capsys):
+    """--train-tokens N trains on whole sequences drawn in a seeded order until they hold N
+    tokens: with one seed a smaller subset is part of a larger one (a data-scaling curve's
+    points differ only in the data they add), another seed draws others, and more than the
+    corpus is all of it."""
+    from pyspec.train.data import token_subset
+
+    seqs = load_sequences(os.path.join(trained, "data.pt"))
+    total = sum(len(s.tokens) for s in seqs)
+    keys = lambda sub: [tuple(s.tokens) for s in sub]
+    order = {tuple(s.tokens): k for k, s in enumerate(seqs)}
+    previous = set()
+    for n in (1, total // 4, total // 2, total - 1):
+        sub = token_subset(seqs, n, seed=3)
+        got = sum(len(s.tokens) for s in sub)
+        assert got >= n and got - len(max(sub, key=lambda s: len(s.tokens)).tokens) < n
+        assert previous <= set(keys(sub))  # nested
+        assert [order[k] for k in keys(sub)] == sorted(order[k] for k in keys(sub))
+        previous = set(keys(sub))
+    assert keys(token_subset(seqs, total * 2, seed=3)) == keys(seqs)
+    assert any(keys(token_subset(seqs, total // 2, seed=s)) != keys(token_subset(
+        seqs, total // 2, seed=3)) for s in range(4, 10))
+    # The CLI records the subset's size and the option in the manifest.
+    out = str(tmp_path / "head")
+    assert cli.main(["train-draft", "--target", tiny, "--out", out, "--data",
+                     os.path.join(trained, "data.pt"), "--train-tokens", str(total // 2),
+                     "--epochs", "1", "--draft-vocab", "80", "--intermediate-size", "32",
+                     "--tree-nodes", "8"]) == 0
+    recipe = json.load(open(os.path.join(out, "drafter.json")))["manifest"]["recipe"]
+    want = token_subset(seqs, total // 2, seed=0)
+    assert recipe["sequences"] == len(want) < len(seqs)
+    assert recipe["tokens"] == sum(len(s.tokens) for s in want)
+    assert f"--train-tokens {total // 2}" in recipe["command"]
+    # Features: a run on a corpus drafter folder computes them for its subset only; a larger
+    # run given that cache computes only the sequences it lacks.
+    corpus = str(tmp_path / "corpus")
+    assert cli.main(["train-draft", "--target", tiny, "--out", corpus, "--method", "suffix",
+                     "--data", os.path.join(trained, "data.pt")]) == 0
+    head = ["--data", corpus, "--epochs", "1", "--draft-vocab", "80", "--intermediate-size",
+            "32", "--tree-nodes", "8"]
+    small, full = tmp_path / "small", tmp_path / "full"
+    assert cli.main(["train-draft", "--target", tiny, "--out", str(small), "--train-tokens",
+                     str(total // 2)] + head) == 0
+    assert len(load_sequences(str(small / "features-2.pt"))) == len(want)
+    os.makedirs(full)
+    os.symlink(small / "features-2.pt", full / "features-2.pt")
+    capsys.readouterr()
+    assert cli.main(["train-draft", "--target", tiny, "--out", str(full)] + head) == 0
+    assert f"features of {len(want)} sequences" in capsys.readouterr().out
+    feats = load_sequences(str(full / "features-2.pt"))
+    assert [f.tokens for f in feats] == [s.tokens for s in seqs]
+    for a, b in zip(feats, seqs):
+        torch.testing.assert_close(a.hidden.float(), b.hidden.float(), atol=0.1, rtol=0.05)
+    assert len(load_sequences(str(small / "features-2.pt"))) == len(want)  # the link's target
+    assert cli.main(["train-draft", "--target", tiny, "--out", str(tmp_path / "x"),
+                     "--train-tokens", "0"]) == 2
+    assert "--train-tokens must be >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
 
 
 def test_seed_prompt_sets(tiny, tmp_path):
@@ -266,3 +326,29 @@ def test_sharded_generation_resumes_and_equals_one_run(tiny, tmp_path, monkeypat
     assert cli.main(["train-draft", "--out", other, "--shard-prompts", "2", "--seed", "5"]
                     + args) == 0
     assert calls == [0, 2, 4]
+
+
+def test_tokens_only_generation(tiny, tmp_path):
+    """generate_corpus(hidden=False) (what --method suffix generates) writes the same tokens as
+    a run that records the hidden states (greedy and sampled, seeds per prompt), without them;
+    --method suffix's data.pt holds none, and a head trained on it computes them."""
+    import pyspec
+    from pyspec.train import data as D
+
+    llm = pyspec.LLM(tiny, draft="none", kv_cache_tokens=1024)
+    prompts = D.seed_prompts(6, seed=2)
+    full = D.generate_corpus(llm, prompts, max_tokens=12, batch=4, progress=False)
+    lean = D.generate_corpus(llm, prompts, max_tokens=12, batch=4, progress=False, hidden=False)
+    assert [s.tokens for s in lean] == [s.tokens for s in full]
+    assert [s.num_prompt for s in lean] == [s.num_prompt for s in full]
+    assert all(s.hidden is None for s in lean) and all(s.hidden is not None for s in full)
+    corpus = str(tmp_path / "corpus")
+    assert cli.main(["train-draft", "--target", tiny, "--out", corpus, "--method", "suffix",
+                     "--prompts", "6", "--max-tokens", "12", "--batch", "4"]) == 0
+    assert all(s.hidden is None for s in load_sequences(os.path.join(corpus, "data.pt")))
+    head = str(tmp_path / "head")
+    assert cli.main(["train-draft", "--target", tiny, "--out", head, "--data",
+                     os.path.join(corpus, "data.pt"), "--epochs", "1", "--draft-vocab", "80",
+                     "--intermediate-size", "32", "--tree-nodes", "8"]) == 0
+    assert os.path.isfile(os.path.join(head, "features-2.pt"))
+    _lossless(tiny, head)
