@@ -128,3 +128,48 @@ def test_oracle_scaling_bench_runs(tmp_path):
     assert chart.stat().st_size > 1000
     with pytest.raises(SystemExit):
         bench.main(["--shapes", "tree6"])
+
+
+def test_data_scaling_bench_runs(tiny, trained, tmp_path):
+    """bench/bench_data_scaling.py end to end on the tiny target: nested subsets trained in
+    subprocesses, the features computed by the largest and linked into the smaller, each head
+    measured on both prompt sets with outputs identical to plain (and a reference drafter the
+    same way), and its chart."""
+    import json
+
+    from pyspec import cli
+    from pyspec.train.data import load_sequences
+
+    bench = _bench_module("bench_data_scaling")
+    # A corpus drafter folder (tokens only), as the default corpus is: features are computed.
+    data = str(tmp_path / "corpus")
+    assert cli.main(["train-draft", "--target", tiny, "--out", data, "--method", "suffix",
+                     "--data", os.path.join(trained, "data.pt")]) == 0
+    total = sum(len(s.tokens) for s in load_sequences(os.path.join(trained, "data.pt")))
+    out, chart = tmp_path / "s.json", tmp_path / "s.svg"
+    bench.main(["--target", tiny, "--data", data, "--sizes", f"{total // 2},all",
+                "--out-root", str(tmp_path / "runs"), "--max-tokens", "8", "--json", str(out),
+                "--chart", str(chart), "--reference", "ngram"])
+    r = json.loads(out.read_text())
+    full, small = r["points"]  # the largest first: its features serve the smaller
+    assert small["tokens"] >= total // 2 and full["tokens"] == total
+    assert small["sequences"] < full["sequences"]
+    for p in r["points"]:
+        assert p["trained_now"] and p["training_seconds"] > p["data_seconds"] > 0
+        for name in ("mt_bench", "task_kinds"):
+            e = p["eval"][name]
+            kinds = {"mt_bench": 8, "task_kinds": 7}[name]  # first prompt of each category
+            assert e["prompts"] == kinds and e["identical_to_plain"] == kinds
+            assert e["acceptance_length"] >= 1.0
+    ref = r["references"]["ngram"]  # measured the same way
+    assert ref["mt_bench"]["identical_to_plain"] == ref["mt_bench"]["prompts"] == 8
+    half = f"t{total // 2}"
+    assert (tmp_path / "runs" / half / "features-2.pt").is_symlink()
+    assert "loaded the layer [2] features" in (tmp_path / "runs" / f"{half}.log").read_text()
+    assert chart.stat().st_size > 1000
+    # A finished point is not trained again.
+    again = bench.main(["--target", tiny, "--data", data, "--sizes", "all", "--out-root",
+                        str(tmp_path / "runs"), "--max-tokens", "8"])
+    assert not again["points"][0]["trained_now"]
+    assert again["points"][0]["eval"] == full["eval"]  # read back, not measured again
+    assert again["points"][0]["training_seconds"] == full["training_seconds"]
