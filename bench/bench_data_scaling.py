@@ -16,9 +16,11 @@ is not trained again (delete its folder to redo it).
 Each head is then measured with ``eval-draft``'s engine (greedy, ``--no-adaptive``: the fixed
 tree the head's folder names, so the counts depend on the outputs alone) on the first turn of
 ``--per-category`` MT-bench questions per category and as many prompts per kind of
-``bench/data/task_kinds.jsonl``: acceptance length, tokens per target step, first-position
-acceptance and the speedup over plain decoding in the same run (the speedup is a CPU timing and
+``bench/data/task_kinds.jsonl``: acceptance length, tokens per target step, acceptance by
+position and the speedup over plain decoding in the same run (the speedup is a CPU timing and
 noisier than the counts). The measurements are kept in each point's folder and not repeated.
+The points of one OUT_ROOT share their settings (data, target, seed, epochs, recipe), checked
+against ``OUT_ROOT/scaling.json``.
 """
 
 from __future__ import annotations
@@ -46,16 +48,34 @@ def _sizes(text: str):
     for part in text.split(","):
         part = part.strip()
         if part == "all":
-            out.append(None)
-            continue
-        try:
-            n = int(float(part))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"--sizes: {part!r} is not a token count or 'all'")
-        if n < 1:
-            raise argparse.ArgumentTypeError(f"--sizes: {part!r} must be >= 1")
+            n = None
+        elif part.isdigit() and int(part) >= 1:
+            n = int(part)
+        else:
+            raise argparse.ArgumentTypeError(f"{part!r} is not a token count >= 1 (digits) or "
+                                             "'all'")
+        if n in out:
+            raise argparse.ArgumentTypeError(f"{part!r} is given twice")
         out.append(n)
     return out
+
+
+def _check_root(args) -> None:
+    """The points in OUT_ROOT share one set of settings (OUT_ROOT/scaling.json), so a finished
+    point and the features it computed are only reused by a run that would make the same."""
+    settings = {"data": os.path.abspath(args.data), "target": args.target, "seed": args.seed,
+                "epochs": args.epochs, "recipe": RECIPE}
+    path = os.path.join(args.out_root, "scaling.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            kept = json.load(f)
+        if kept != settings:
+            differ = sorted(k for k in settings if kept.get(k) != settings[k])
+            raise SystemExit(f"--out-root {args.out_root}: its points were trained with other "
+                             f"settings ({', '.join(differ)} differ); give another --out-root")
+        return
+    with open(path, "w") as f:
+        json.dump(settings, f, indent=1)
 
 
 def _features(out_root: str):
@@ -67,7 +87,8 @@ def _features(out_root: str):
             continue
         for name in os.listdir(folder):
             path = os.path.join(folder, name)
-            if name.startswith("features-") and not os.path.islink(path):
+            if name.startswith("features-") and name.endswith(".pt") \
+                    and not os.path.islink(path):
                 if name not in found or os.path.getsize(path) > os.path.getsize(found[name]):
                     found[name] = path
     return found
@@ -78,11 +99,14 @@ def train_point(args, size):
     out = os.path.join(args.out_root, f"t{size if size else 'all'}")
     if os.path.isfile(os.path.join(out, "drafter.json")):
         return out, False
-    computed = _features(args.out_root)  # before this point's folder exists
+    computed = _features(args.out_root)
     os.makedirs(out, exist_ok=True)
     for name, path in computed.items():  # the target's features computed so far
-        if not os.path.exists(os.path.join(out, name)):
-            os.symlink(os.path.abspath(path), os.path.join(out, name))
+        link = os.path.join(out, name)
+        if os.path.islink(link):  # an earlier link (its target may be gone)
+            os.remove(link)
+        if not os.path.lexists(link):
+            os.symlink(os.path.abspath(path), link)
     cmd = [sys.executable, "-m", "pyspec", "train-draft", "--data", args.data,
            *(["--target", args.target] if args.target else []),
            "--epochs", str(args.epochs), "--seed", str(args.seed), *RECIPE,
@@ -91,14 +115,16 @@ def train_point(args, size):
         cmd += ["--train-tokens", str(size)]
     print(" ".join(cmd), flush=True)
     with open(out + ".log", "w") as log:
-        subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        raise SystemExit(f"train-draft failed for {out} (exit {rc}); its output is in {out}.log")
     return out, True
 
 
 def measure(target, spec: str, saved: str, per_category: int, max_tokens: int) -> dict:
     """The acceptance of drafter ``spec`` on each prompt set; kept in ``saved``, which a rerun
     with the same settings reads instead of measuring again."""
-    from pyspec.train.evaluate import evaluate, read_prompts
+    from pyspec.train.evaluate import compact_summary, evaluate, read_prompts
 
     settings = {"target": target, "spec": spec, "per_category": per_category,
                 "max_tokens": max_tokens}
@@ -113,12 +139,7 @@ def measure(target, spec: str, saved: str, per_category: int, max_tokens: int) -
         rep = evaluate(target, {"head": spec}, prompts, max_tokens=max_tokens, adaptive=False,
                        progress=False)
         s = rep["drafters"]["head"]
-        out[name] = {"prompts": s["prompts"], "tokens": s["tokens"],
-                     "acceptance_length": round(s["acceptance_length"], 3),
-                     "tokens_per_target_step": round(s["tokens_per_target_step"], 3),
-                     "first_position_acceptance": round((s["per_position_acceptance"] or [0])[0], 3),
-                     "speedup": round(s["speedup"], 3),
-                     "identical_to_plain": s["identical_to_plain"]}
+        out[name] = {"prompts": s["prompts"], "tokens": s["tokens"], **compact_summary(s)}
         print(f"  {name}: {json.dumps(out[name])}", flush=True)
     with open(saved, "w") as f:
         json.dump({"settings": settings, "eval": out}, f, indent=1)
@@ -179,6 +200,7 @@ def main(argv=None):
     if args.epochs < 1 or args.per_category < 1 or args.max_tokens < 1:
         ap.error("--epochs, --per-category and --max-tokens must be >= 1")
     os.makedirs(args.out_root, exist_ok=True)
+    _check_root(args)
     from pyspec.drafters.folder import read_config
 
     result = {"machine": f"{cpu_name()}, {os.cpu_count()} CPUs",
@@ -189,6 +211,8 @@ def main(argv=None):
         print(f"{folder}: {man['recipe']['tokens']} tokens", flush=True)
         result["points"].append({"folder": folder, "tokens": man["recipe"]["tokens"],
                                  "sequences": man["recipe"]["sequences"], "trained_now": now,
+                                 # the run's data step (loading; the features it computed)
+                                 # and the whole run, as its manifest records them
                                  "data_seconds": man["data_seconds"],
                                  "training_seconds": man["training_seconds"],
                                  "eval": measure(args.target, folder,

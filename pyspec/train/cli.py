@@ -280,10 +280,10 @@ def train_draft(args) -> str:
         D.save_sequences(seqs, data_path)
         shutil.rmtree(os.path.join(args.out, "shards"), ignore_errors=True)
     if args.train_tokens is not None:
-        total = sum(len(s.tokens) for s in seqs)
+        total, count = sum(len(s.tokens) for s in seqs), len(seqs)
         seqs = D.token_subset(seqs, args.train_tokens, seed=args.seed)
-        print(f"--train-tokens {args.train_tokens}: {len(seqs)} sequences of the corpus's "
-              f"{total} tokens")
+        print(f"--train-tokens {args.train_tokens}: {len(seqs)} of {count} sequences, "
+              f"{sum(len(s.tokens) for s in seqs)} of {total} tokens")
     # Features from one teacher-forced pass over the tokens: for other layers than the recorded
     # final one, and for a corpus drafter's documents, which have none (not needed by a corpus).
     recompute = layers or (args.method != "suffix" and any(s.hidden is None for s in seqs))
@@ -298,17 +298,19 @@ def train_draft(args) -> str:
         # The cache may hold other sequences than this run trains on (another --train-tokens
         # subset's, linked in by a data-scaling run): the ones it has are taken from it, and
         # only the others are computed.
+        # The file written keeps what it held: a smaller run never shrinks a larger one's cache.
         by_tokens = {tuple(c.tokens): c for c in cached} if cached is not None else {}
-        missing = [s for s in seqs if tuple(s.tokens) not in by_tokens]
-        if len(missing) < len(seqs):
-            print(f"loaded the layer {layers} features of {len(seqs) - len(missing)} sequences "
-                  f"from {feat_path}")
+        missing = list({tuple(s.tokens): s for s in seqs
+                        if tuple(s.tokens) not in by_tokens}.values())
+        found = sum(tuple(s.tokens) in by_tokens for s in seqs)
+        if found:
+            print(f"loaded the layer {layers} features of {found} sequences from {feat_path}")
         if missing:
             by_tokens.update((tuple(s.tokens), s)
                              for s in D.with_feature_layers(gen, missing, layers))
-        seqs = [by_tokens[tuple(s.tokens)] for s in seqs]
-        if missing:
-            D.save_sequences(seqs, feat_path)
+            D.save_sequences(list(by_tokens.values()), feat_path)
+        seqs = [D.Sequence_(s.tokens, by_tokens[tuple(s.tokens)].hidden, s.num_prompt)
+                for s in seqs]
         if layers == [gen.model.cfg.num_hidden_layers]:
             layers = None  # the final hidden state alone: a plain head
     n_tok = sum(len(s.tokens) for s in seqs)

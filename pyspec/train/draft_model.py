@@ -158,5 +158,5 @@ def train(llm, seqs, out_dir: str, *, num_layers: int = 4, epochs: int = 2, lr: 
             agg[2] += 1
             bar.set_postfix(kl=f"{agg[0] / agg[2]:.3f}", top1=f"{agg[1] / agg[2]:.3f}")
         log(f"epoch {ep + 1}: kl {agg[0] / max(agg[2], 1):.4f} top1 {agg[1] / max(agg[2], 1):.4f}")
-        L.save(run.ckpt, "model", model, opt, ep + 1)
+        run.save("model", model, ep + 1)
     return model

@@ -235,7 +235,8 @@ def train(llm, seqs, out_dir: str, *, draft_vocab: torch.Tensor, intermediate_si
                          "(generate it with the same --feature-layers)")
     params = [p for p in head.parameters() if p.requires_grad]
     run = L.start(head, params, seqs, out_dir, "checkpoint.pt", "head", epochs=epochs, lr=lr,
-                  max_entries=max_entries, max_len=max_len, seed=seed, log=log)
+                  max_entries=max_entries, max_len=max_len, seed=seed, log=log,
+                  identity=draft_vocab.tolist())
     opt, rng, step = run.opt, run.rng, run.step
     # Feature noise: relative to the final layer's overall spread there (as for a single-layer
     # head), to each dimension's spread in the other layers (their scales differ by orders of
@@ -313,7 +314,7 @@ def train(llm, seqs, out_dir: str, *, draft_vocab: torch.Tensor, intermediate_si
         c = max(agg[-1], 1)
         log(f"epoch {ep + 1}: ce " + " ".join(f"{agg[2 * k] / c:.4f}" for k in range(steps))
             + " top1 " + " ".join(f"{agg[2 * k + 1] / c:.4f}" for k in range(steps)))
-        L.save(run.ckpt, "head", head, opt, ep + 1)
+        run.save("head", head, ep + 1)
     return head
 
 

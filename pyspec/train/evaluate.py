@@ -202,6 +202,14 @@ def evaluate(target: Optional[str], drafts: Dict[str, str], prompts, *, max_toke
     return report
 
 
+def compact_summary(s: dict) -> dict:
+    """A drafter's headline numbers from :func:`evaluate`'s report, rounded for a record."""
+    return {"acceptance_length": round(s["acceptance_length"], 3),
+            "tokens_per_target_step": round(s["tokens_per_target_step"], 3),
+            "per_position_acceptance": [round(x, 3) for x in s["per_position_acceptance"][:8]],
+            "speedup": round(s["speedup"], 3), "identical_to_plain": s["identical_to_plain"]}
+
+
 def gate(report: dict, candidate: str, baseline: str, threshold: float,
          speedup: bool = False) -> List[str]:
     """Tracked metrics where the candidate is worse than the baseline by more than threshold."""
@@ -329,10 +337,7 @@ def record_in_manifest(draft_dir: str, report: dict, args) -> None:
         "limit": args.limit, "per_category": args.per_category, "max_tokens": report["max_tokens"],
         "temperature": report["temperature"], "dtype": report["dtype"],
         "adaptive": report["adaptive"], "weights": report["weights"],
-        "acceptance_length": round(c["acceptance_length"], 3),
-        "tokens_per_target_step": round(c["tokens_per_target_step"], 3),
-        "per_position_acceptance": [round(x, 3) for x in c["per_position_acceptance"][:8]],
-        "speedup": round(c["speedup"], 3), "identical_to_plain": c["identical_to_plain"],
+        **compact_summary(c),
         "per_category_acceptance_length": {k: round(v["acceptance_length"], 3)
                                            for k, v in c["per_category"].items()},
     }

@@ -7,7 +7,7 @@ import functools
 import math
 import os
 from dataclasses import dataclass
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import torch
 
@@ -57,9 +57,26 @@ def set_lr(opt: torch.optim.Optimizer, lr: float, step: int, total: int) -> None
         g["lr"] = lr * min(1.0, frac / 0.03) * 0.5 * (1 + math.cos(math.pi * frac))
 
 
+def fingerprint(seqs, *parts) -> str:
+    """What a checkpoint was trained on: the sequences' tokens and ``parts`` (the options that
+    shape the batches, the draft vocabulary), hashed."""
+    import hashlib
+
+    import numpy as np
+
+    h = hashlib.sha256()
+    for s in seqs:
+        h.update(np.asarray(s.tokens, dtype=np.int64).tobytes())
+        h.update(b"|")
+    h.update(repr(parts).encode("utf-8"))
+    return h.hexdigest()
+
+
 def resume(path: str, key: str, module: torch.nn.Module, opt: torch.optim.Optimizer,
-           log: Callable = print) -> int:
+           log: Callable = print, data: Optional[str] = None) -> int:
     """Load ``path`` when it exists; returns the epochs already done (0 for a fresh start).
+    ``data``: this run's :func:`fingerprint`; a checkpoint trained on other data or options is
+    refused (resuming it would write a head of the old data under the new run's manifest).
 
     The checkpoint holds state dicts (tensors, numbers, strings) only, read with
     ``torch.load(weights_only=True)``: nothing in the file runs. One that needs unpickling
@@ -78,6 +95,10 @@ def resume(path: str, key: str, module: torch.nn.Module, opt: torch.optim.Optimi
             and isinstance(state.get("opt"), dict) and isinstance(state.get("epoch"), int)):
         raise ValueError(f"{path}: not a training checkpoint of this trainer (needs '{key}', "
                          f"'opt' and 'epoch'); {restart}")
+    if data is not None and state.get("data", data) != data:
+        raise ValueError(f"{path}: this checkpoint was trained on other data or options (the "
+                         "corpus, --train-tokens, --seed, --batch-tokens or the draft vocabulary "
+                         f"differ); {restart}, or give another --out")
     module.load_state_dict(state[key])
     opt.load_state_dict(state["opt"])
     log(f"resumed from {path} after epoch {state['epoch']}")
@@ -85,13 +106,17 @@ def resume(path: str, key: str, module: torch.nn.Module, opt: torch.optim.Optimi
 
 
 def save(path: str, key: str, module: torch.nn.Module, opt: torch.optim.Optimizer,
-         epoch: int) -> None:
+         epoch: int, data: Optional[str] = None) -> None:
     """The checkpoint :func:`resume` reads: state dicts only (loadable with weights_only=True),
-    written under a temporary name and renamed into place."""
+    and ``data``, the run's :func:`fingerprint`; written under a temporary name and renamed into
+    place."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
+    state = {key: module.state_dict(), "opt": opt.state_dict(), "epoch": epoch}
+    if data is not None:
+        state["data"] = data
     try:
-        torch.save({key: module.state_dict(), "opt": opt.state_dict(), "epoch": epoch}, tmp)
+        torch.save(state, tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -111,18 +136,25 @@ class Run:
     ckpt: str
     start_epoch: int
     step: int
+    data: str  # the data and options' fingerprint, saved with each checkpoint
+
+    def save(self, key: str, module: torch.nn.Module, epoch: int) -> None:
+        save(self.ckpt, key, module, self.opt, epoch, self.data)
 
 
 def start(module: torch.nn.Module, params, seqs, out_dir: str, ckpt_name: str, key: str, *,
           epochs: int, lr: float, max_entries: int, max_len: int, seed: int,
-          log: Callable = print) -> Run:
+          log: Callable = print, identity=()) -> Run:
     """AdamW over ``params``, the seeded batch plan, and the checkpoint of an earlier run of the
-    same trainer (``out_dir/ckpt_name``, state under ``key``) resumed when present."""
+    same trainer (``out_dir/ckpt_name``, state under ``key``) resumed when present and trained
+    on the same data and options (``identity``: what else makes the run this one, e.g. the
+    draft vocabulary's ids; ``--epochs`` and ``--lr`` may change, to train on)."""
     # The fused kernel: one pass over each parameter instead of a dozen elementwise ops.
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95), fused=True)
     rng = torch.Generator().manual_seed(seed)
     plan = make_plan(seqs, epochs, max_entries, max_len, rng)
     ckpt = os.path.join(out_dir, ckpt_name)
-    start_epoch = resume(ckpt, key, module, opt, log)
+    data = fingerprint(seqs, max_entries, max_len, seed, list(identity))
+    start_epoch = resume(ckpt, key, module, opt, log, data)
     return Run(opt, rng, plan, sum(len(p) for p in plan), ckpt, start_epoch,
-               sum(len(p) for p in plan[:start_epoch]))
+               sum(len(p) for p in plan[:start_epoch]), data)

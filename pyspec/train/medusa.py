@@ -84,7 +84,8 @@ def train(llm, seqs, out_dir: str, *, num_heads: int = 4, draft_vocab: torch.Ten
     heads = MedusaHeads(llm.model, num_heads, draft_vocab)
     params = [heads.w, heads.b]
     run = L.start(heads, params, seqs, out_dir, "checkpoint.pt", "heads", epochs=epochs, lr=lr,
-                  max_entries=max_entries, max_len=max_len, seed=seed, log=log)
+                  max_entries=max_entries, max_len=max_len, seed=seed, log=log,
+                  identity=draft_vocab.tolist())
     opt, step = run.opt, run.step
     for ep in range(run.start_epoch, epochs):
         bar = tqdm(run.plan[ep], desc=f"epoch {ep + 1}/{epochs}", disable=not progress)
@@ -116,7 +117,7 @@ def train(llm, seqs, out_dir: str, *, num_heads: int = 4, draft_vocab: torch.Ten
         n = max(agg[2], 1)
         log(f"epoch {ep + 1}: ce {agg[0] / n:.4f} top1 per head "
             + " ".join(f"{x:.3f}" for x in (agg[1] / n).tolist()))
-        L.save(run.ckpt, "heads", heads, opt, ep + 1)
+        run.save("heads", heads, ep + 1)
     return heads
 
 

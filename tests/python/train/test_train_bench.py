@@ -1,6 +1,6 @@
 """The training-related scripts of bench/: the offline accuracy benchmark's unseen topics, the
-oracle benchmark's arithmetic, and the oracle drafter of controlled acceptance with its scaling
-benchmark."""
+oracle benchmark's arithmetic, the oracle drafter of controlled acceptance with its scaling
+benchmark, and the data-scaling curve."""
 
 import os
 
@@ -136,6 +136,7 @@ def test_data_scaling_bench_runs(tiny, trained, tmp_path):
     measured on both prompt sets with outputs identical to plain (and a reference drafter the
     same way), and its chart."""
     import json
+    import shutil
 
     from pyspec import cli
     from pyspec.train.data import load_sequences
@@ -173,3 +174,15 @@ def test_data_scaling_bench_runs(tiny, trained, tmp_path):
     assert not again["points"][0]["trained_now"]
     assert again["points"][0]["eval"] == full["eval"]  # read back, not measured again
     assert again["points"][0]["training_seconds"] == full["training_seconds"]
+    # Other settings in the same folder are refused (its points and features are not theirs);
+    # a deleted point is trained again though other folders link to its features.
+    with pytest.raises(SystemExit, match="seed differ"):
+        bench.main(["--target", tiny, "--data", data, "--sizes", "all", "--out-root",
+                    str(tmp_path / "runs"), "--seed", "1"])
+    with pytest.raises(SystemExit):
+        bench.main(["--sizes", "12,12", "--out-root", str(tmp_path / "x")])
+    shutil.rmtree(tmp_path / "runs" / "tall")
+    (tmp_path / "runs" / half / "drafter.json").unlink()
+    again = bench.main(["--target", tiny, "--data", data, "--sizes", str(total // 2),
+                        "--out-root", str(tmp_path / "runs"), "--max-tokens", "8"])
+    assert again["points"][0]["trained_now"]

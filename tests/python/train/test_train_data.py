@@ -83,11 +83,12 @@ def test_train_on_a_corpus_drafter_folder(tiny, trained, tmp_path, capsys):
     assert "neither a file nor a folder" in capsys.readouterr().err
 
 
-def test_train_tokens_draws_nested_subsets(tiny, trained, tmp_path, capsys):
+def test_train_tokens_draws_nested_subsets(tiny, trained, tmp_path, capsys, monkeypatch):
     """--train-tokens N trains on whole sequences drawn in a seeded order until they hold N
     tokens: with one seed a smaller subset is part of a larger one (a data-scaling curve's
     points differ only in the data they add), another seed draws others, and more than the
     corpus is all of it."""
+    from pyspec.train import data as D
     from pyspec.train.data import token_subset
 
     seqs = load_sequences(os.path.join(trained, "data.pt"))
@@ -116,6 +117,17 @@ def test_train_tokens_draws_nested_subsets(tiny, trained, tmp_path, capsys):
     assert recipe["sequences"] == len(want) < len(seqs)
     assert recipe["tokens"] == sum(len(s.tokens) for s in want)
     assert f"--train-tokens {total // 2}" in recipe["command"]
+    # Its checkpoint is of that subset: a rerun in the same folder on other data is refused
+    # (resuming would write the old head under the new run's manifest), the same one resumes.
+    rerun = ["train-draft", "--target", tiny, "--out", out, "--data",
+             os.path.join(trained, "data.pt"), "--epochs", "1", "--draft-vocab", "80",
+             "--intermediate-size", "32", "--tree-nodes", "8", "--train-tokens"]
+    capsys.readouterr()
+    assert cli.main(rerun + [str(total // 4)]) == 2
+    assert "trained on other data or options" in capsys.readouterr().err
+    assert cli.main(rerun + [str(total // 2), "--seed", "1"]) == 2
+    assert cli.main(rerun + [str(total // 2)]) == 0
+    assert "resumed from" in capsys.readouterr().out
     # Features: a run on a corpus drafter folder computes them for its subset only; a larger
     # run given that cache computes only the sequences it lacks.
     corpus = str(tmp_path / "corpus")
@@ -130,13 +142,31 @@ def test_train_tokens_draws_nested_subsets(tiny, trained, tmp_path, capsys):
     os.makedirs(full)
     os.symlink(small / "features-2.pt", full / "features-2.pt")
     capsys.readouterr()
+    computed = []
+    real = D.with_feature_layers
+
+    def counted(llm, part, layers, **kw):
+        computed.extend(part)
+        return real(llm, part, layers, **kw)
+
+    monkeypatch.setattr(D, "with_feature_layers", counted)
     assert cli.main(["train-draft", "--target", tiny, "--out", str(full)] + head) == 0
     assert f"features of {len(want)} sequences" in capsys.readouterr().out
+    assert sorted(s.tokens for s in computed) == sorted(
+        s.tokens for s in seqs if s.tokens not in [w.tokens for w in want])  # only the rest
     feats = load_sequences(str(full / "features-2.pt"))
-    assert [f.tokens for f in feats] == [s.tokens for s in seqs]
-    for a, b in zip(feats, seqs):
-        torch.testing.assert_close(a.hidden.float(), b.hidden.float(), atol=0.1, rtol=0.05)
+    assert sorted(f.tokens for f in feats) == sorted(s.tokens for s in seqs)
+    recorded = {tuple(s.tokens): s.hidden for s in seqs}
+    for a in feats:
+        torch.testing.assert_close(a.hidden.float(), recorded[tuple(a.tokens)].float(),
+                                   atol=0.1, rtol=0.05)
     assert len(load_sequences(str(small / "features-2.pt"))) == len(want)  # the link's target
+    # A smaller run in that folder on another subset computes nothing and keeps the whole cache.
+    computed.clear()
+    os.remove(full / "checkpoint.pt")
+    assert cli.main(["train-draft", "--target", tiny, "--out", str(full), "--train-tokens",
+                     str(total // 3), "--seed", "5"] + head) == 0
+    assert not computed and len(load_sequences(str(full / "features-2.pt"))) == len(seqs)
     assert cli.main(["train-draft", "--target", tiny, "--out", str(tmp_path / "x"),
                      "--train-tokens", "0"]) == 2
     assert "--train-tokens must be >= 1" in capsys.readouterr().err
