@@ -1,6 +1,6 @@
 """The training-related scripts of bench/: the offline accuracy benchmark's unseen topics, the
 oracle benchmark's arithmetic, the oracle drafter of controlled acceptance with its scaling
-benchmark, and the data-scaling curve."""
+benchmark, the data-scaling curve and the generation rate."""
 
 import os
 
@@ -186,3 +186,20 @@ def test_data_scaling_bench_runs(tiny, trained, tmp_path):
     again = bench.main(["--target", tiny, "--data", data, "--sizes", str(total // 2),
                         "--out-root", str(tmp_path / "runs"), "--max-tokens", "8"])
     assert again["points"][0]["trained_now"]
+
+
+def test_generation_rate_bench_runs(tiny, tmp_path):
+    """bench/bench_generation.py on the tiny target: both modes generate, at a rate, the same
+    answers."""
+    import json
+
+    bench = _bench_module("bench_generation")
+    seed = os.path.join(os.path.dirname(__file__), "..", "..", "..", "pyspec", "train",
+                        "seed_requests.jsonl")
+    out = tmp_path / "g.json"
+    bench.main(["--target", tiny, "--prompts", seed, "--limit", "5", "--max-tokens", "6",
+                "--batch", "2", "--dtype", "float32", "--json", str(out)])
+    r = json.loads(out.read_text())
+    assert r["prompts"] == 5 and r["same_tokens"] is True
+    for run in r["runs"].values():
+        assert run["generated_tokens"] > 0 and run["tokens_per_hour"] > 0
