@@ -160,7 +160,9 @@ def chart(result, path: str) -> None:
     for k, (spec, ev) in enumerate(sorted(result.get("references", {}).items())):
         for j, name in enumerate(SETS):
             ax.axhline(ev[name]["acceptance_length"], color=f"C{j}", lw=0.8,
-                       ls=("--", ":", "-.")[k % 3], label=f"{spec} ({name.replace('_', ' ')})")
+                       ls=("--", ":", "-.")[k % 3],
+                       label=f"{os.path.basename(spec.rstrip('/')) or spec} "
+                             f"({name.replace('_', ' ')})")
     ax.set_xscale("log")
     ax.set_xlabel("training tokens (one epoch)")
     ax.set_ylabel("acceptance length (greedy, fixed tree)")
