@@ -156,7 +156,8 @@ def test_data_scaling_bench_runs(tiny, trained, tmp_path):
     assert small["tokens"] >= total // 2 and full["tokens"] == total
     assert small["sequences"] < full["sequences"]
     for p in r["points"]:
-        assert p["trained_now"] and p["training_seconds"] > p["data_seconds"] > 0
+        assert p["trained_now"] and p["training_seconds"] > 0
+        assert p["training_seconds"] >= p["data_seconds"] >= 0  # tenths: 0.0 on a fast run
         for name in ("mt_bench", "task_kinds"):
             e = p["eval"][name]
             kinds = {"mt_bench": 8, "task_kinds": 7}[name]  # first prompt of each category
