@@ -94,6 +94,17 @@ def _features(out_root: str):
     return found
 
 
+def _pyspec_command():
+    """``pyspec`` in a subprocess, from the package this process imported: ``python -m pyspec``
+    would look in the working directory first, where a source checkout's ``pyspec/`` (without
+    its compiled module) can shadow the installed one."""
+    import pyspec
+
+    where = os.path.dirname(os.path.dirname(os.path.abspath(pyspec.__file__)))
+    return [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv.pop(1)); "
+            "from pyspec.cli import main; sys.exit(main(sys.argv[1:]))", where]
+
+
 def train_point(args, size):
     """One train-draft run; returns (folder, whether it ran now)."""
     out = os.path.join(args.out_root, f"t{size if size else 'all'}")
@@ -107,7 +118,7 @@ def train_point(args, size):
             os.remove(link)
         if not os.path.lexists(link):
             os.symlink(os.path.abspath(path), link)
-    cmd = [sys.executable, "-m", "pyspec", "train-draft", "--data", args.data,
+    cmd = [*_pyspec_command(), "train-draft", "--data", args.data,
            *(["--target", args.target] if args.target else []),
            "--epochs", str(args.epochs), "--seed", str(args.seed), *RECIPE,
            "--version", f"scale-{size if size else 'all'}", "--out", out]
