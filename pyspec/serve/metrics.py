@@ -120,7 +120,10 @@ class Metrics:
                 (self.rejected, "reason", REJECT_REASONS),
                 (self.channel_requests, "channel", CHANNELS),
                 (self.channel_drafts, "channel", CHANNELS),
-                (self.channel_accepted, "channel", CHANNELS)):
+                (self.channel_accepted, "channel", CHANNELS),
+                # every drafter drafts a first position: the per-position panel has data before
+                # the first accepted token
+                (self.accepted_pos, "position", ("1",))):
             for v in values:
                 counter.labels(**{label: v})
         self._last = None

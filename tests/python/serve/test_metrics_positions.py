@@ -63,3 +63,13 @@ def test_per_position_metric_counts_each_position(positions_server):
     assert eng.stats.accepted_per_position == expected
     assert metric_or_zero(base, "pyspec_spec_decode_num_accepted_tokens_total") == sum(
         c for cs in d.log.values() for c in cs)
+
+
+def test_first_position_is_exported_before_any_acceptance():
+    """Position 1 exists from the start at 0 (every drafter drafts one), so the dashboard's
+    per-position panel and a rate() over it have data before the first accepted token."""
+    from pyspec.serve.metrics import Metrics
+
+    m = Metrics()
+    assert m.registry.get_sample_value(NAME, {"position": "1"}) == 0.0
+    assert m.registry.get_sample_value(NAME, {"position": "2"}) is None
