@@ -85,18 +85,20 @@ class DecoderStack {
     keep_.push_back(std::move(ref));
     return v;
   }
-  // A tensor, or a (dense, q, d, m) tuple of packed codes (m None for 8-bit; dense None when the
-  // model holds only the codes).
+  // A tensor, or a (dense, q, d, m[, perm]) tuple of packed codes (m None for 8-bit; dense None
+  // when the model holds only the codes; perm None or absent: the columns in their natural order).
   DecoderMatrix Matrix(py::handle t, const char* name) {
     DecoderMatrix mat;
     if (py::isinstance<py::tuple>(t)) {
       const py::tuple tup = py::reinterpret_borrow<py::tuple>(t);
-      PYSPEC_CHECK(tup.size() == 4, "'", name, "' must be a tensor or a (dense, q, d, m) tuple");
+      PYSPEC_CHECK(tup.size() == 4 || tup.size() == 5, "'", name,
+                   "' must be a tensor or a (dense, q, d, m[, perm]) tuple");
       if (!tup[0].is_none()) mat.w = Keep(tup[0], name);  // None: the codes alone
       mat.packed = true;
       mat.q = Keep(tup[1], "q");
       mat.d = Keep(tup[2], "d");
       if (!tup[3].is_none()) mat.m = Keep(tup[3], "m");
+      if (tup.size() == 5 && !tup[4].is_none()) mat.perm = Keep(tup[4], "perm");
     } else {
       mat.w = Keep(t, name);
     }

@@ -1,7 +1,9 @@
 // The CPU decoder stack in one call (see pyspec/decoder.h for the contract).
 #include "pyspec/decoder.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <cstdint>
 #include <vector>
@@ -61,6 +63,25 @@ void CheckMatrix(const DecoderMatrix& m, const std::string& name, int64_t N, int
   CheckContiguous(m.q, name.c_str());
 }
 
+// A matrix's stored column order: int64 [K], each entry in [0, K) (the gather reads x there;
+// checked on every call, a pass over K values without branches).
+void CheckPerm(const DecoderMatrix& m, const std::string& name, int64_t K) {
+  if (m.perm.data == nullptr) return;
+  const TensorView& p = m.perm;
+  PYSPEC_CHECK(p.dtype == DType::kInt64 && p.ndim == 1 && p.shape[0] == K, "'", name,
+               "' column order must be int64 [", K, "]; got ", DTypeName(p.dtype), " ",
+               p.ShapeString());
+  CheckContiguous(p, name.c_str());
+  const int64_t* idx = static_cast<const int64_t*>(p.data);
+  int64_t lo = 0, hi = 0;
+  for (int64_t j = 0; j < K; ++j) {
+    lo = std::min(lo, idx[j]);
+    hi = std::max(hi, idx[j]);
+  }
+  PYSPEC_CHECK(lo >= 0 && hi < K, "'", name, "' column order must index [0, ", K,
+               "); it holds ", lo < 0 ? lo : hi);
+}
+
 void CheckVector(const TensorView& t, const std::string& name, int64_t n, DType dtype) {
   PYSPEC_CHECK(t.dtype == dtype && t.ndim == 1 && t.shape[0] == n, "'", name, "' must be [", n,
                "] ", DTypeName(dtype), "; got ", DTypeName(t.dtype), " ", t.ShapeString());
@@ -73,9 +94,30 @@ struct PackedRoutes {
   bool alone;       // codes only
 };
 
-void RunLinear(const TensorView& x, const DecoderMatrix& w, const TensorView* bias,
+// out = x W^T (+ bias); a matrix with a stored column order reads x gathered into `gathered`
+// (scratch of at least x's size).
+void RunLinear(const TensorView& x0, const DecoderMatrix& w, const TensorView* bias,
                const TensorView& out, const LinearKernels& kernels, PackedRoutes routes,
-               ThreadPool* pool) {
+               ThreadPool* pool, void* gathered) {
+  TensorView x = x0;
+  if (w.perm.data != nullptr) {
+    const int64_t T = x0.shape[0], K = x0.shape[1], es = DTypeSize(x0.dtype);
+    const int64_t* idx = static_cast<const int64_t*>(w.perm.data);
+    const char* src = static_cast<const char*>(x0.data);
+    char* dst = static_cast<char*>(gathered);
+    for (int64_t t = 0; t < T; ++t) {
+      const char* row = src + t * K * es;
+      char* o = dst + t * K * es;
+      if (es == 4) {
+        const float* r = reinterpret_cast<const float*>(row);
+        float* of = reinterpret_cast<float*>(o);
+        for (int64_t j = 0; j < K; ++j) of[j] = r[idx[j]];
+      } else {
+        for (int64_t j = 0; j < K; ++j) std::memcpy(o + j * es, row + idx[j] * es, es);
+      }
+    }
+    x = TensorView::Contiguous(gathered, x0.dtype, {T, K});
+  }
   if (w.packed && (w.w.data != nullptr ? routes.with_dense : routes.alone)) {
     LinearPacked(x, w.q, w.d, Opt(w.m), bias, out, pool, &kernels);
   } else {
@@ -105,6 +147,10 @@ void CheckDecoderLayers(const DecoderConfig& cfg, const std::vector<DecoderLayer
     CheckMatrix(w.wo, p + "wo", hidden, Hq * D, dtype);
     CheckMatrix(w.wgu, p + "wgu", 2 * I, hidden, dtype);
     CheckMatrix(w.wd, p + "wd", hidden, I, dtype);
+    CheckPerm(w.wqkv, p + "wqkv", hidden);
+    CheckPerm(w.wo, p + "wo", Hq * D);
+    CheckPerm(w.wgu, p + "wgu", hidden);
+    CheckPerm(w.wd, p + "wd", I);
     if (w.bqkv.data != nullptr) CheckVector(w.bqkv, p + "bqkv", qkv_n, dtype);
     if (w.bo.data != nullptr) CheckVector(w.bo, p + "bo", hidden, dtype);
   }
@@ -182,15 +228,24 @@ void DecoderLayers(const DecoderConfig& cfg, const std::vector<DecoderLayerWeigh
   const int64_t es = DTypeSize(x.dtype);
   const int64_t qkv_n = (Hq + 2 * Hkv) * D;
   // Scratch, per thread and reused across calls: h, qkv, q, attention out, projection out,
-  // gate/up, activation.
-  const int64_t sizes[] = {T * H, T * qkv_n, T * Hq * D, T * Hq * D, T * H, T * 2 * I, T * I};
+  // gate/up, activation, and an input gathered for a matrix's stored column order (when any).
+  bool any_perm = false;
+  for (int64_t l = begin; l < end; ++l) {
+    for (const DecoderMatrix* m : {&layers[l].wqkv, &layers[l].wo, &layers[l].wgu, &layers[l].wd}) {
+      any_perm = any_perm || m->perm.data != nullptr;
+    }
+  }
+  const int64_t max_k = std::max(std::max(H, Hq * D), I);
+  const int64_t sizes[] = {T * H,      T * qkv_n, T * Hq * D, T * Hq * D, T * H, T * 2 * I,
+                           T * I,      any_perm ? T * max_k : 0};
+  constexpr int kParts = sizeof(sizes) / sizeof(sizes[0]);
   int64_t total = 0;
   for (int64_t s : sizes) total += (s * es + 63) / 64 * 64;
   thread_local std::vector<char> buf;
   if (static_cast<int64_t>(buf.size()) < total + 64) buf.resize(total + 64);
   char* p = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64;
-  void* ptrs[7];
-  for (int i = 0; i < 7; ++i) {
+  void* ptrs[kParts];
+  for (int i = 0; i < kParts; ++i) {
     ptrs[i] = p;
     p += (sizes[i] * es + 63) / 64 * 64;
   }
@@ -221,15 +276,15 @@ void DecoderLayers(const DecoderConfig& cfg, const std::vector<DecoderLayerWeigh
     const TensorView kp = Slice0(k_pages, l), vp = Slice0(v_pages, l);
     const TensorView kn = Slice0(k_new, l), vn = Slice0(v_new, l);
     RmsNorm(x, w.ln1, cfg.eps, h, pool);
-    RunLinear(h, w.wqkv, Opt(w.bqkv), qkv, lk, routes, pool);
+    RunLinear(h, w.wqkv, Opt(w.bqkv), qkv, lk, routes, pool, ptrs[7]);
     RotaryQKV(qkv, cos, sin, q, kn, vn, pool);
     RunAttention(plan, q, kp, vp, kn, vn, a3, nullptr, scale, pool);
-    RunLinear(a2, w.wo, Opt(w.bo), o, lk, routes, pool);
+    RunLinear(a2, w.wo, Opt(w.bo), o, lk, routes, pool, ptrs[7]);
     AddInPlace(x, o, pool);
     RmsNorm(x, w.ln2, cfg.eps, h, pool);
-    RunLinear(h, w.wgu, nullptr, gu, lk, routes, pool);
+    RunLinear(h, w.wgu, nullptr, gu, lk, routes, pool, ptrs[7]);
     SiluMul(gu, act, pool);
-    RunLinear(act, w.wd, nullptr, o, lk, routes, pool);
+    RunLinear(act, w.wd, nullptr, o, lk, routes, pool, ptrs[7]);
     AddInPlace(x, o, pool);
   }
 }

@@ -400,12 +400,8 @@ class LlamaForCausalLM(LlamaWeights):
             d = {k: layer[k] for k in ("ln1", "ln2", "bqkv", "bo")}
             for k in ("wqkv", "wo", "wgu", "wd"):
                 w = mats[k]
-                if type(w) is PackedWeight and w.perm is not None:
-                    # Columns in a stored order (GPTQ act-order): the op-by-op path gathers
-                    # the input for them; the stack does not.
-                    self._fused = (self.layers, self._packed, None, sig)
-                    return None
-                d[k] = w if type(w) is not PackedWeight else (w.dense, w.q, w.d, w.m)
+                # perm: columns in a stored order (GPTQ act-order), the input gathered for them.
+                d[k] = w if type(w) is not PackedWeight else (w.dense, w.q, w.d, w.m, w.perm)
             layers.append(d)
         stack = None
         if not any(getattr(v, "requires_grad", False) for layer in self.layers

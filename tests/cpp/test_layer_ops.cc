@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -221,8 +222,9 @@ TEST(LayerOpsArgs, SiluMulAndAddNameTheArgument) {
 }
 
 // A small Llama-style stack: DecoderLayers equals the ops run one at a time, bit for bit, over a
-// step of a causal chunk and a tree after a prefix in the pages.
-TEST(Decoder, LayersEqualTheOpsOneByOne) {
+// step of a causal chunk and a tree after a prefix in the pages. With `stored_order`, every matrix
+// has a column order (GPTQ act-order) and the ops read the input gathered by it.
+void CheckLayersEqualTheOpsOneByOne(bool stored_order) {
   const int64_t H = 32, Hq = 4, Hkv = 2, D = 8, I = 48, L = 2, bs = 4, blocks = 8;
   const int64_t qkv_n = (Hq + 2 * Hkv) * D;
   std::mt19937 rng(5);
@@ -254,6 +256,42 @@ TEST(Decoder, LayersEqualTheOpsOneByOne) {
     layers[l].wgu.w = f32(d.wgu, {2 * I, H});
     layers[l].wd.w = f32(d.wd, {H, I});
   }
+  // Column orders: a reversal, a rotation, and two shuffles.
+  std::vector<std::vector<int64_t>> orders;
+  if (stored_order) {
+    for (int64_t K : {H, Hq * D, H, I}) {
+      std::vector<int64_t> p(K);
+      for (int64_t j = 0; j < K; ++j) p[j] = j;
+      if (orders.size() == 0) std::reverse(p.begin(), p.end());
+      if (orders.size() == 1) std::rotate(p.begin(), p.begin() + 5, p.end());
+      if (orders.size() >= 2) std::shuffle(p.begin(), p.end(), rng);
+      orders.push_back(p);
+    }
+    for (int64_t l = 0; l < L; ++l) {
+      DecoderMatrix* ms[] = {&layers[l].wqkv, &layers[l].wo, &layers[l].wgu, &layers[l].wd};
+      for (int i = 0; i < 4; ++i) {
+        ms[i]->perm = TensorView::Contiguous(orders[i].data(), DType::kInt64,
+                                             {static_cast<int64_t>(orders[i].size())});
+      }
+    }
+  }
+  // The ops' product, reading the input gathered by the matrix's column order when it has one.
+  std::vector<float> gathered;
+  auto lin = [&](std::vector<float>& in, int64_t K, const DecoderMatrix& w, const TensorView* b,
+                 std::vector<float>& out, int64_t N) {
+    const int64_t rows = static_cast<int64_t>(in.size()) / K;
+    std::vector<float>* src = &in;
+    if (w.perm.data != nullptr) {
+      const int64_t* idx = static_cast<const int64_t*>(w.perm.data);
+      gathered.assign(in.size(), 0.0f);
+      for (int64_t t = 0; t < rows; ++t) {
+        for (int64_t j = 0; j < K; ++j) gathered[t * K + j] = in[t * K + idx[j]];
+      }
+      src = &gathered;
+    }
+    Linear(TensorView::Contiguous(src->data(), DType::kFloat32, {rows, K}), w.w, b,
+           TensorView::Contiguous(out.data(), DType::kFloat32, {rows, N}));
+  };
   // Two requests: 3 causal rows after 5 committed tokens, and a 4-node tree after 9.
   const int64_t T = 7;
   std::vector<int64_t> q_indptr = {0, 3, 7}, prefix = {5, 9}, tree_indptr = {0, 0, 4};
@@ -297,18 +335,18 @@ TEST(Decoder, LayersEqualTheOpsOneByOne) {
       return TensorView::Contiguous(v.data() + off, DType::kFloat32, s);
     };
     RmsNorm(f32(y, {T, H}), w.ln1, cfg.eps, f32(h, {T, H}));
-    Linear(f32(h, {T, H}), w.wqkv.w, &w.bqkv, f32(qkv, {T, qkv_n}));
+    lin(h, H, w.wqkv, &w.bqkv, qkv, qkv_n);
     RotaryQKV(f32(qkv, {T, qkv_n}), f32(cs, {T, D}), f32(sn, {T, D}), f32(q, {T, Hq, D}),
               sub(kn2, l * nw, {T, Hkv, D}), sub(vn2, l * nw, {T, Hkv, D}));
     RunAttention(plan, f32(q, {T, Hq, D}), sub(kp, l * page, {blocks, bs, Hkv, D}),
                  sub(vp, l * page, {blocks, bs, Hkv, D}), sub(kn2, l * nw, {T, Hkv, D}),
                  sub(vn2, l * nw, {T, Hkv, D}), f32(a, {T, Hq, D}), nullptr, scale);
-    Linear(f32(a, {T, Hq * D}), w.wo.w, nullptr, f32(o, {T, H}));
+    lin(a, Hq * D, w.wo, nullptr, o, H);
     AddInPlace(f32(y, {T, H}), f32(o, {T, H}));
     RmsNorm(f32(y, {T, H}), w.ln2, cfg.eps, f32(h, {T, H}));
-    Linear(f32(h, {T, H}), w.wgu.w, nullptr, f32(gu, {T, 2 * I}));
+    lin(h, H, w.wgu, nullptr, gu, 2 * I);
     SiluMul(f32(gu, {T, 2 * I}), f32(act, {T, I}));
-    Linear(f32(act, {T, I}), w.wd.w, nullptr, f32(o, {T, H}));
+    lin(act, I, w.wd, nullptr, o, H);
     AddInPlace(f32(y, {T, H}), f32(o, {T, H}));
   }
   ASSERT_EQ(0, std::memcmp(x.data(), y.data(), x.size() * sizeof(float)));
@@ -350,6 +388,15 @@ TEST(Decoder, LayersEqualTheOpsOneByOne) {
   std::vector<DecoderLayerWeights> broken = layers;
   broken[1].wo.w = f32(short_wo, {H, Hq * D - 1});
   ExpectValueError([&] { run_layers(broken); }, "'layer 1 wo' must be");
+  // A column order of the wrong length or pointing outside the input.
+  std::vector<int64_t> short_order(H - 1, 0), outside(I, 0);
+  outside[7] = I;
+  std::vector<DecoderLayerWeights> bad_order = layers;
+  bad_order[0].wgu.perm = i64(short_order, {H - 1});
+  ExpectValueError([&] { run_layers(bad_order); }, "'layer 0 wgu' column order must be int64");
+  bad_order = layers;
+  bad_order[1].wd.perm = i64(outside, {I});
+  ExpectValueError([&] { run_layers(bad_order); }, "'layer 1 wd' column order must index [0, 48)");
   ExpectValueError([&] {
     DecoderLayers(cfg, layers, f32(z, {T, H}), f32(cs, {T - 1, D}), f32(sn, {T, D}), plan,
                   f32(kp, {L, blocks, bs, Hkv, D}), f32(vp, {L, blocks, bs, Hkv, D}),
@@ -366,6 +413,10 @@ TEST(Decoder, LayersEqualTheOpsOneByOne) {
                   f32(kn, {L, T, Hkv, D}), f32(vn, {L, T, Hkv, D}));
   }, "bad decoder config");
 }
+
+TEST(Decoder, LayersEqualTheOpsOneByOne) { CheckLayersEqualTheOpsOneByOne(false); }
+
+TEST(Decoder, StoredColumnOrdersGatherTheInput) { CheckLayersEqualTheOpsOneByOne(true); }
 
 }  // namespace
 }  // namespace pyspec

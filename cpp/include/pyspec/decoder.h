@@ -22,11 +22,15 @@ class ThreadPool;
 // One weight matrix [N, K]: the dense values and, optionally, the same values as packed codes
 // (see LinearPacked; `m.data == nullptr` for 8-bit codes), read where the model's
 // LinearKernels::PackedRoute says (the same bits either way). Packed codes may come without the
-// dense values (`w.data == nullptr`).
+// dense values (`w.data == nullptr`). `perm` (int64 [K], or data == nullptr for none): the
+// columns are stored in another order (GPTQ act-order checkpoints, their quantization groups made
+// contiguous): stored column j multiplies input column perm[j], so the product reads the input
+// gathered at those indices (each in [0, K)).
 struct DecoderMatrix {
   TensorView w;
   bool packed = false;
   TensorView q, d, m;
+  TensorView perm;
 };
 
 struct DecoderLayerWeights {
@@ -55,7 +59,8 @@ void CheckDecoderLayers(const DecoderConfig& cfg, const std::vector<DecoderLayer
 // always uses k_pages[l] and k_new[l]. Every argument is checked (CheckDecoderLayers included)
 // before x changes. Linear and LinearPacked are correct for any T, but a GEMM library is faster
 // for prefill-sized steps, and the per-thread scratch (about T x (2 hidden + 5 head rows + 3
-// intermediate) values) is kept for the thread's next call. `kernels`: the model's dense-layer
+// intermediate) values, and T x max(K) more when a matrix has a `perm`) is kept for the thread's
+// next call. `kernels`: the model's dense-layer
 // kernels (LinearKernels::Default() when null). Throws ValueError naming a bad argument.
 void DecoderLayers(const DecoderConfig& cfg, const std::vector<DecoderLayerWeights>& layers,
                    const TensorView& x, const TensorView& cos, const TensorView& sin,

@@ -161,6 +161,21 @@ def test_quantized_checkpoint_equals_its_dequantized_weights(float_dir, tmp_path
     torch.testing.assert_close(_logits(d, ids), _logits(r, ids), rtol=1e-5, atol=1e-5)
 
 
+def test_act_order_layers_run_in_the_one_call_stack(float_dir, tmp_path):
+    """GPTQ act-order matrices (columns in a stored order) run in the core's decoder stack, which
+    gathers each matrix's input: the same bits as the layers op by op."""
+    _write_quantized(float_dir, str(tmp_path / "q"), "gptq", 32, act_order=True)
+    m = LlamaForCausalLM.from_pretrained(str(tmp_path / "q"))
+    assert m.kernels.packed_available, "this CPU's kernels cannot read 4-bit codes"
+    ids = [5, 77, 140, 9, 31]
+    m.fused_layers = True
+    fused = _logits(m, ids)
+    assert m._fused is not None and m._fused[2] is not None  # the stack was built and ran
+    m.fused_layers = False
+    plain = _logits(m, ids)
+    assert torch.equal(fused.view(torch.int32), plain.view(torch.int32))
+
+
 def test_fused_matrices_with_different_column_orders_are_held_as_floats(float_dir, tmp_path):
     ref = _write_quantized(float_dir, str(tmp_path / "q"), "gptq", 32, act_order=True,
                            shared_order=False)
