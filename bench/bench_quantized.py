@@ -1,12 +1,18 @@
-"""A 4-bit AWQ / GPTQ checkpoint against the same model's float32 weights read through the packed
-kernel: decode speed (greedy, plain decoding, batch 1) and memory, side by side in one run.
+"""A 4-bit AWQ / GPTQ checkpoint (or a 16-bit one) against the same model's float32 weights read
+through the packed kernel: decode speed (greedy, plain decoding, batch 1) and memory, side by side
+in one run.
 
 The quantized checkpoint is made here from the float one (asymmetric 4-bit, groups of
 ``--group``; the AWQ or GPTQ layout, GPTQ optionally with act-order column groups; embeddings,
-norms and lm_head kept as they are), so the models hold the same network up to 4-bit rounding
-of the layer matrices. A third variant loads the quantized checkpoint dequantized
+norms and lm_head stored in ``--rest-dtype``: float16 as published AWQ / GPTQ files store them, or
+float32 as in the float checkpoint), so the models hold the same network up to 4-bit rounding
+of the layer matrices (and float16 rounding of the rest). A third variant loads the quantized checkpoint dequantized
 (``packed_weights="off"``): the same weights as float32 matrices. Each variant runs in a process of its own
 (its resident memory is its own); the runs alternate, best of ``--repeats``.
+
+``--method bfloat16`` / ``float16``: the checkpoint stored in that dtype as a whole (as most
+published checkpoints are), loaded with ``packed_weights="codes"`` (its matrices held as 16-bit
+codes) against ``"off"`` (float32 matrices).
 
     python bench/bench_quantized.py --method awq --group 128 --out bench/results/quantized.json
 """
@@ -39,9 +45,10 @@ def _pack(v, order=None):
     return ((out + 2**31) % 2**32 - 2**31).to(torch.int32)
 
 
-def quantize_folder(src: str, dst: str, method: str, group: int, act_order: bool) -> None:
+def quantize_folder(src: str, dst: str, method: str, group: int, act_order: bool,
+                    rest_dtype: str = "float16") -> None:
     """``dst``: ``src`` (a float safetensors folder) with its layer matrices in 4-bit
-    ``method`` layout."""
+    ``method`` layout and its other tensors in ``rest_dtype``."""
     import torch
     from safetensors.torch import save_file
 
@@ -49,12 +56,17 @@ def quantize_folder(src: str, dst: str, method: str, group: int, act_order: bool
 
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
     out = {}
+    if method in ("bfloat16", "float16"):
+        for name, t in iter_tensors(src):
+            out[name] = t.to(getattr(torch, method)) if t.is_floating_point() else t
+        save_file(out, os.path.join(dst, "model.safetensors"))
+        return
     gen = torch.Generator().manual_seed(0)
     orders = {}
     for name, t in iter_tensors(src):
         base = name[:-len(".weight")] if name.endswith(".weight") else name
         if base.rsplit(".", 1)[-1] not in _LINEARS:
-            out[name] = t  # as in the float checkpoint: lm_head reads the same way in both
+            out[name] = t.to(getattr(torch, rest_dtype)) if t.is_floating_point() else t
             continue
         w = t.float()
         n, k = w.shape
@@ -133,9 +145,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="float safetensors folder (default: the "
                                                   "embedded model)")
-    ap.add_argument("--method", choices=("awq", "gptq"), default="awq")
+    ap.add_argument("--method", choices=("awq", "gptq", "bfloat16", "float16"), default="awq")
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--act-order", action="store_true", help="GPTQ with act-order groups")
+    ap.add_argument("--rest-dtype", choices=("float16", "float32"), default="float16",
+                    help="the dtype of the quantized checkpoint's embeddings, norms and lm_head "
+                         "(float16: as published files; float32: as the float checkpoint)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
@@ -149,19 +164,20 @@ def main() -> None:
     try:
         qdir = os.path.join(tmp, "q")
         t0 = time.perf_counter()
-        quantize_folder(src, qdir, args.method, args.group, args.act_order)
-        q = f"{args.method} 4-bit"
+        quantize_folder(src, qdir, args.method, args.group, args.act_order, args.rest_dtype)
+        sixteen = args.method in ("bfloat16", "float16")
+        q = f"{args.method} checkpoint" if sixteen else f"{args.method} 4-bit"
         runs = {"float32 packed": [], q: [], q + " dequantized to float32": []}
         for _ in range(args.repeats):
             runs["float32 packed"].append(_run(src, args.tokens))
-            runs[q].append(_run(qdir, args.tokens))
+            runs[q].append(_run(qdir, args.tokens, "codes" if sixteen else "auto"))
             runs[q + " dequantized to float32"].append(_run(qdir, args.tokens, "off"))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     best = {k: max(v, key=lambda r: r["tok_s"]) for k, v in runs.items()}
-    a, b = best["float32 packed"], best[f"{args.method} 4-bit"]
+    a, b = best["float32 packed"], best[q]
     out = {"model": src, "method": args.method, "group_size": args.group,
-           "act_order": args.act_order, "tokens": args.tokens, "cpu_count": os.cpu_count(),
+           "act_order": args.act_order, "rest_dtype": args.rest_dtype, "tokens": args.tokens, "cpu_count": os.cpu_count(),
            "quantize_s": round(time.perf_counter() - t0, 1),
            "variants": {k: {"tok_s": [round(r["tok_s"], 1) for r in v],
                             "rss_mb": round(best[k]["rss_mb"], 1),

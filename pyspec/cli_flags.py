@@ -13,8 +13,8 @@ from pyspec.models.llama import PACKED_WEIGHTS_CHOICES
 DTYPES = ("float32", "bfloat16", "float16")
 
 _PACKED_HELP = ("codes (default): float32 matrices that are exactly 4-bit / 8-bit block codes (the "
-                "default model's) are held and read as those codes, same output bit for bit, "
-                "about 5x less memory for them (long prefills rebuild them per step); auto: keep "
+                "default model's) or 16-bit values (a bfloat16 / float16 checkpoint's) are held and "
+                "read as those codes, same output bit for bit, 2x-5x less memory for them (long prefills rebuild them per step); auto: keep "
                 "their float32 copies too; off: float32 matrices only")
 
 

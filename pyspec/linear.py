@@ -20,7 +20,9 @@ along K: ``w = d * q + m`` with q in 0..15, or ``w = d * q`` with q in -128..127
 value; a model converted from a Q4_1 / Q8_0 GGUF, like the embedded default model, is one) can be
 held as those codes too (:func:`pack_exact`, :class:`PackedWeight`): ``linear`` then reads about
 5x fewer bytes per call (4-bit codes 5.3x, 8-bit 3.6x) and, rebuilding each weight exactly and
-accumulating as the float32 kernel does, returns the float32 kernel's results bit for bit.
+accumulating as the float32 kernel does, returns the float32 kernel's results bit for bit. So
+does a matrix whose values are exactly float16 or bfloat16 values (a 16-bit checkpoint loaded as
+float32), held as those 16-bit values: half the bytes.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ class PackedWeight:
     """A float32 weight matrix ``dense`` [N, K] and the same values as block codes (see
     :func:`pack_exact`): ``q`` (4-bit: uint8 [N, K / 2], element j of a group of 32 in the low
     nibble of byte j, element j + 16 in its high nibble; 8-bit: int8 [N, K]), ``d`` and, for
-    4-bit, ``m`` (float32 [N, K / 32]). A :class:`Linear` reads the codes where its kernels'
+    4-bit, ``m`` (float32 [N, K / 32]); or 16-bit codes: ``q`` float16 or bfloat16 [N, K], the
+    values themselves (``d`` and ``m`` None). A :class:`Linear` reads the codes where its kernels'
     packed route says (the few rows of decoding with the AVX2 or AVX-512 float32 build) and
     ``dense`` otherwise; both give the same bits.
 
@@ -75,7 +78,10 @@ class PackedWeight:
                     p.perm is not None and not torch.equal(p.perm, p0.perm)):
                 raise ValueError("matrices fused into one (q/k/v, gate/up) must share their bit "
                                  "width and column order (GPTQ g_idx)")
-        return PackedWeight(None, torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]),
+        if any(p.q.dtype != p0.q.dtype for p in parts):
+            raise ValueError("matrices fused into one must share their code dtype")
+        return PackedWeight(None, torch.cat([p.q for p in parts]),
+                            None if p0.d is None else torch.cat([p.d for p in parts]),
                             None if p0.m is None else torch.cat([p.m for p in parts]), p0.bits,
                             p0.perm)
 
@@ -147,11 +153,23 @@ def _pack8(w: torch.Tensor):
     return None
 
 
-def pack_exact(w, bits=(4, 8)) -> Optional["PackedWeight"]:
-    """``w`` as block codes when its float32 values are exactly those of a 4-bit (``w = d * q +
-    m``, q in 0..15, per group of 32 along K: m the group's minimum, d a float16 value) or else an
-    8-bit (``w = d * q``, q in -128..127, d a float16 value) format, else None. Only contiguous
-    float32 CPU matrices with K a multiple of 32 qualify; the check compares every value."""
+def _pack16(w: torch.Tensor, dtype):
+    if not bool(torch.isfinite(w).all()):
+        return None
+    h = w.to(dtype)
+    # Bit patterns: the widened values must be w's own (-0.0 included).
+    if not torch.equal(h.float().view(torch.int32), w.view(torch.int32)):
+        return None
+    return PackedWeight(w, h, None, None, 16)
+
+
+def pack_exact(w, bits=(4, 8, 16)) -> Optional["PackedWeight"]:
+    """``w`` as codes when its float32 values are exactly those of a 4-bit (``w = d * q + m``, q
+    in 0..15, per group of 32 along K: m the group's minimum, d a float16 value) or else an 8-bit
+    (``w = d * q``, q in -128..127, d a float16 value) block format, or else (16) float16 or
+    bfloat16 values (a checkpoint stored in 16 bits and loaded as float32: half the bytes, the
+    same values), else None. Only contiguous finite float32 CPU matrices with K a multiple of 32
+    qualify; the check compares every value."""
     if (not isinstance(w, torch.Tensor) or w.dtype != torch.float32 or w.dim() != 2
             or not w.is_cpu or not w.is_contiguous() or w.shape[1] % 32 or w.shape[1] == 0
             or w.shape[0] == 0 or w.requires_grad):
@@ -161,8 +179,10 @@ def pack_exact(w, bits=(4, 8)) -> Optional["PackedWeight"]:
     # temporaries stay a few times 16 MB instead of a few times the matrix.
     rows = max(64, (1 << 22) // w.shape[1])
     with torch.no_grad():
-        for b in bits:
-            pack = _pack4 if b == 4 else _pack8
+        packs = [{4: _pack4, 8: _pack8}[b] for b in bits if b != 16]
+        if 16 in bits:
+            packs += [lambda t: _pack16(t, torch.float16), lambda t: _pack16(t, torch.bfloat16)]
+        for pack in packs:
             # A few rows first: a matrix of another format (or none) fails there, cheaply.
             if n > 64 and pack(w[:16]) is None:
                 continue

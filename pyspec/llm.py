@@ -166,8 +166,9 @@ class LLM:
             the running requests' decode steps go between a long prompt's chunks.
         packed_weights: "codes" (default): dense matrices whose float32 values are exactly a
             4-bit or 8-bit block format (a model converted from a Q4_1 / Q8_0 GGUF, like the
-            default model) are held as those codes, which decoding reads instead: the same outputs
-            bit for bit, about 5x fewer weight bytes per step and in memory (float32 on CPUs with
+            default model) or float16 / bfloat16 values (a 16-bit checkpoint) are held as those
+            codes, which decoding reads instead: the same outputs bit for bit, about 5x (16-bit:
+            2x) fewer weight bytes per step and in memory (float32 on CPUs with
             AVX2 or AVX-512; see ``LlamaForCausalLM.pack_weights``); each decoder-layer matrix
             becomes its codes as it is read, and prefills past the core kernel's 64 rows rebuild
             it for the step (measured as fast, docs/performance.md#memory). "auto": the codes and

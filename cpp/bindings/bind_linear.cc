@@ -96,7 +96,7 @@ class DecoderStack {
       if (!tup[0].is_none()) mat.w = Keep(tup[0], name);  // None: the codes alone
       mat.packed = true;
       mat.q = Keep(tup[1], "q");
-      mat.d = Keep(tup[2], "d");
+      if (!tup[2].is_none()) mat.d = Keep(tup[2], "d");  // None: 16-bit codes
       if (!tup[3].is_none()) mat.m = Keep(tup[3], "m");
       if (tup.size() == 5 && !tup[4].is_none()) mat.perm = Keep(tup[4], "perm");
     } else {
@@ -238,16 +238,17 @@ on CUDA). Tensors that require grad are read as is (no autograd).)doc");
   m.def(
       "unpack_packed",
       [](py::handle q, py::handle d, py::handle mn, py::handle out) {
-        const TensorView qv = ToView(q, "q"), dv = ToView(d, "d"), ov = ToView(out, "out");
-        const std::optional<TensorView> mv = OptionalView(mn, "m");
-        CheckNoOverlap({{&ov, "out"}}, {{&qv, "q"}, {&dv, "d"}, {ViewPtr(mv), "m"}});
+        const TensorView qv = ToView(q, "q"), ov = ToView(out, "out");
+        const std::optional<TensorView> dv = OptionalView(d, "d"), mv = OptionalView(mn, "m");
+        CheckNoOverlap({{&ov, "out"}}, {{&qv, "q"}, {ViewPtr(dv), "d"}, {ViewPtr(mv), "m"}});
         py::gil_scoped_release release;
-        UnpackPacked(qv, dv, ViewPtr(mv), ov);
+        UnpackPacked(qv, dv ? *dv : TensorView{}, ViewPtr(mv), ov);
       },
       py::arg("q"), py::arg("d"), py::arg("m"), py::arg("out"),
       R"doc(The float32 matrix out [N, K] that packed codes stand for, written in place: 4-bit
 ``w = d * q + m`` (q [N, K/2] uint8, d and m [N, K/32] float32) or, with ``m`` None, 8-bit
-``w = d * q`` (q [N, K] int8), as ``linear_packed`` rebuilds them; out contiguous float32, K a
+``w = d * q`` (q [N, K] int8), or, with ``d`` and ``m`` None, 16-bit codes (q [N, K] float16 or
+bfloat16: the values widened), as ``linear_packed`` rebuilds them; out contiguous float32, K a
 multiple of 32. Equal bit for bit to the matrix ``pyspec.linear.pack_exact`` packed. Any CPU;
 raises ValueError naming the bad argument.)doc");
 
@@ -255,20 +256,24 @@ raises ValueError naming the bad argument.)doc");
       "linear_packed",
       [](py::handle x, py::handle q, py::handle d, py::handle mn, py::handle bias,
          py::handle out, const LinearKernels* kernels) {
-        const TensorView xv = ToView(x, "x"), qv = ToView(q, "q"), dv = ToView(d, "d");
+        const TensorView xv = ToView(x, "x"), qv = ToView(q, "q");
         const TensorView ov = ToView(out, "out");
-        const std::optional<TensorView> mv = OptionalView(mn, "m"), bv = OptionalView(bias, "bias");
-        CheckNoOverlap({{&ov, "out"}}, {{&xv, "x"}, {&qv, "q"}, {&dv, "d"}, {ViewPtr(mv), "m"},
-                                        {ViewPtr(bv), "bias"}});
+        const std::optional<TensorView> dv = OptionalView(d, "d"), mv = OptionalView(mn, "m"),
+                                        bv = OptionalView(bias, "bias");
+        CheckNoOverlap({{&ov, "out"}}, {{&xv, "x"}, {&qv, "q"}, {ViewPtr(dv), "d"},
+                                        {ViewPtr(mv), "m"}, {ViewPtr(bv), "bias"}});
         py::gil_scoped_release release;
-        LinearPacked(xv, qv, dv, ViewPtr(mv), ViewPtr(bv), ov, nullptr, kernels);
+        LinearPacked(xv, qv, dv ? *dv : TensorView{}, ViewPtr(mv), ViewPtr(bv), ov, nullptr,
+                     kernels);
       },
       py::arg("x"), py::arg("q"), py::arg("d"), py::arg("m"), py::arg("bias"), py::arg("out"),
       py::arg("kernels") = static_cast<const LinearKernels*>(nullptr),
       R"doc(Dense layer over packed weights, ``out = x @ w.T + bias`` with ``w`` rebuilt from codes
 in groups of 32 along K: 4-bit ``w = d * q + m`` (q [N, K/2] uint8, low nibble = element j of a
 group, high nibble = element j + 16; d, m [N, K/32] float32) or, with ``m`` None, 8-bit
-``w = d * q`` (q [N, K] int8). x [M, K], out [M, N], bias [N] or None: contiguous float32 cpu
+``w = d * q`` (q [N, K] int8), or, with ``d`` and ``m`` None, 16-bit codes (q [N, K] float16 or
+bfloat16: the weights themselves, widened exactly). x [M, K], out [M, N], bias [N] or None:
+contiguous float32 cpu
 tensors; K a multiple of 32. Accumulates as the float32 kernel of ``linear`` with the same
 ``kernels`` does (its AVX2 or AVX-512 build), so where the rebuilt weights equal a float32 matrix
 the outputs equal ``linear``'s on it bit for bit. Needs one of those builds

@@ -45,9 +45,17 @@ void CheckMatrix(const DecoderMatrix& m, const std::string& name, int64_t N, int
     CheckContiguous(m.w, name.c_str());
   }
   if (!m.packed) return;
-  const bool four = m.m.data != nullptr;
   PYSPEC_CHECK(dtype == DType::kFloat32 && K % 32 == 0, "'", name,
                "': packed codes need a float32 model and K a multiple of 32");
+  if (m.q.dtype == DType::kFloat16 || m.q.dtype == DType::kBFloat16) {  // 16-bit: no scales
+    PYSPEC_CHECK(m.q.ndim == 2 && m.q.shape[0] == N && m.q.shape[1] == K && m.d.data == nullptr &&
+                     m.m.data == nullptr,
+                 "'", name, "' 16-bit codes must be [", N, ", ", K, "] without scales; got ",
+                 m.q.ShapeString());
+    CheckContiguous(m.q, name.c_str());
+    return;
+  }
+  const bool four = m.m.data != nullptr;
   PYSPEC_CHECK(m.q.ndim == 2 && m.q.shape[0] == N && m.q.shape[1] == (four ? K / 2 : K) &&
                    m.q.dtype == (four ? DType::kUInt8 : DType::kInt8),
                "'", name, "' codes must be ", four ? "uint8 [N, K / 2]" : "int8 [N, K]",

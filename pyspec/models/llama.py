@@ -159,7 +159,7 @@ class LlamaForCausalLM(LlamaWeights):
     def from_pretrained(cls, path: str, dtype="float32", device: str = "cpu",
                         packed_weights: str = "auto", kernels=None) -> "LlamaForCausalLM":
         """``packed_weights``: ``"auto"`` (default) holds every float32 CPU matrix that is exactly
-        a 4-bit or 8-bit block format also as its codes (:meth:`pack_weights`; the same outputs
+        a 4-bit or 8-bit block format or 16-bit values also as its codes (:meth:`pack_weights`; the same outputs
         bit for bit, fewer bytes per decoding step), ``"codes"`` as ``"auto"`` but then holds the
         decoder layers' packed matrices as codes only (:meth:`drop_dense`: the same outputs bit for
         bit, about 5x less memory for them), ``"off"`` never; ``PYSPEC_PACKED_WEIGHTS=0`` in the

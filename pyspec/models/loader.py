@@ -279,7 +279,7 @@ def load_weights(path: str, cfg: ModelConfig, dtype: torch.dtype,
     else (another dtype or device, or ``dequantize``) as the float matrices they stand for.
 
     ``pack_layers`` (a float32 CPU model loaded with ``packed_weights="codes"``): each decoder
-    layer matrix whose values are exactly a 4-bit or 8-bit block format
+    layer matrix whose values are exactly a 4-bit or 8-bit block format or 16-bit values
     (:func:`pyspec.linear.pack_exact`) is kept as its codes alone as soon as it is read, so the
     float32 layers are never all in memory at once (the load's peak stays near what the model
     holds afterwards)."""

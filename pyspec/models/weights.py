@@ -1,6 +1,6 @@
 """A Llama-family model's weights as the forward reads them: loaded from a Hugging Face weight
-dict (fused QKV and gate/up matrices), packed as exact 4-bit / 8-bit block codes where their values
-allow, held on transparent huge pages, moved between devices. The forward is
+dict (fused QKV and gate/up matrices), packed as exact 4-bit / 8-bit block codes or 16-bit values
+where their values allow, held on transparent huge pages, moved between devices. The forward is
 :class:`pyspec.models.llama.LlamaForCausalLM`, which extends this storage.
 """
 
@@ -76,14 +76,15 @@ class LlamaWeights:
 
         def cat(parts):  # codes-only matrices (AWQ / GPTQ checkpoints) stack as codes
             if any(isinstance(t, PackedWeight) for t in parts):
-                if all(isinstance(t, PackedWeight) for t in parts) and all(
+                if all(isinstance(t, PackedWeight) and t.q.dtype == parts[0].q.dtype
+                       for t in parts) and all(
                         (p.perm is None and parts[0].perm is None) or (
                             p.perm is not None and parts[0].perm is not None
                             and torch.equal(p.perm, parts[0].perm)) for p in parts):
                     return PackedWeight.cat_rows(parts)
-                # Quantized and float matrices, or act-order column orders that differ, in one
-                # fused matrix: codes when the fused values are exactly a block format (parts
-                # packed as they loaded, of different formats), else floats.
+                # Quantized and float matrices, codes of different formats (float16 and
+                # bfloat16 values), or act-order column orders that differ, in one fused matrix:
+                # codes when the fused values are exactly one format, else floats.
                 fused = torch.cat([p.natural() if isinstance(p, PackedWeight) else p
                                    for p in parts], 0)
                 packed = pack_exact(fused)
@@ -114,7 +115,8 @@ class LlamaWeights:
             raise ValueError(f"unused weights: {sorted(weights)[:5]}")
         self.source_path: Optional[str] = None  # the checkpoint folder, when loaded from one
         # Per layer, the dense matrices as pyspec.linear.PackedWeight where they are exactly a
-        # 4-bit or 8-bit block format (pack_weights), and the same for lm_head; None: not packed.
+        # 4-bit or 8-bit block format or 16-bit values (pack_weights), and the same for lm_head;
+        # None: not packed.
         self._packed: Optional[list] = None
         self._packed_lm_head = None
         self.packed_weights = "auto"  # from_pretrained's setting (draft models loaded for it follow)
@@ -170,8 +172,9 @@ class LlamaWeights:
 
     def pack_weights(self) -> int:
         """Also hold each dense matrix (and lm_head) whose float32 values are exactly a 4-bit or
-        8-bit block format (:func:`pyspec.linear.pack_exact`) as those codes, which the forward
-        then reads for the few rows of decoding and verification: about 5x fewer bytes per step (4-bit 5.3x, 8-bit 3.6x), the
+        8-bit block format or 16-bit floats (:func:`pyspec.linear.pack_exact`) as those codes,
+        which the forward then reads for the few rows of decoding and verification: fewer bytes
+        per step (4-bit 5.3x, 8-bit 3.6x, 16-bit 2x), the
         same results bit for bit (the codes rebuild each weight exactly and the kernel accumulates
         as the float32 one does). The float32 matrices stay (prefill, other devices, drafters
         that read them) unless :meth:`drop_dense` frees the layers' ones. Only float32 models on
@@ -210,7 +213,7 @@ class LlamaWeights:
         if arena is not None:
             for p in ps:
                 p.q = arena.copy(p.q)
-                p.d = arena.copy(p.d)
+                p.d = None if p.d is None else arena.copy(p.d)  # (16-bit codes: no scales)
                 p.m = None if p.m is None else arena.copy(p.m)
 
     def _packed_weights(self) -> list:

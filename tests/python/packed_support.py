@@ -68,6 +68,23 @@ def snap_model_dir(path, layers=2):
     return str(path)
 
 
+def sixteen_bit_model_dir(path, layers=2):
+    """write_tiny_model stored as most published checkpoints are: the layer matrices in bfloat16,
+    lm_head in float16 (loaded as float32, their values are exactly those 16-bit ones)."""
+    from safetensors.torch import load_file, save_file
+
+    write_tiny_model(path, layers=layers)
+    f = os.path.join(str(path), "model.safetensors")
+    w = load_file(f)
+    for name, t in w.items():
+        if name.endswith("proj.weight"):
+            w[name] = t.bfloat16()
+        elif name == "lm_head.weight":
+            w[name] = t.half()
+    save_file(w, f)
+    return str(path)
+
+
 STEP_NAMES = ("prefill", "chunk", "hidden", "tree", "decode", "chain")
 
 

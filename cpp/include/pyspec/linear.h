@@ -45,7 +45,9 @@ void Linear(const TensorView& x, const TensorView& w, const TensorView* bias,
 // Packed weights: out[m, n] = sum_k x[m, k] * w[n, k] + bias[n] with w rebuilt from codes in
 // groups of 32 along K: 4-bit, w = d * q + m with q in 0..15 (q [N, K / 2] uint8, byte j of a
 // group holding element j in its low nibble and element j + 16 in its high one; d, m [N, K / 32]
-// float32), or 8-bit when `m` is null, w = d * q (q [N, K] int8). x [M, K] and out [M, N] float32,
+// float32), or 8-bit when `m` is null, w = d * q (q [N, K] int8), or 16-bit when q is float16 or
+// bfloat16 [N, K]: the weights themselves, widened exactly (d.data and m null: no scales).
+// x [M, K] and out [M, N] float32,
 // bias [N] float32 or nullptr, K a multiple of 32. Each output accumulates exactly as Linear's
 // float32 kernel in use does over the rebuilt weights, so where those equal a float32 matrix bit
 // for bit (d * q exact, as with d a float16 value) the result equals Linear on that matrix bit for
@@ -57,7 +59,8 @@ void LinearPacked(const TensorView& x, const TensorView& q, const TensorView& d,
                   ThreadPool* pool = nullptr, const LinearKernels* kernels = nullptr);
 
 // The float32 matrix [N, K] that packed codes stand for (as LinearPacked rebuilds it: 4-bit
-// w = d * q + m, 8-bit w = d * q, each one rounding of an exact product plus m), written into
+// w = d * q + m, 8-bit w = d * q, each one rounding of an exact product plus m; 16-bit codes
+// widened), written into
 // `out` [N, K] float32 contiguous; the codes as for LinearPacked (m null: 8-bit). Where the codes
 // were made from a float32 matrix exactly (the packer checks every value), `out` equals it bit
 // for bit. Runs on any CPU; ValueError for bad arguments.
@@ -72,7 +75,7 @@ void UnpackPacked(const TensorView& q, const TensorView& d, const TensorView* m,
 //   dense matrix of dtype d: Linear (this kernel) up to MaxFastRows(d) rows, a GEMM library
 //     beyond (the caller's: torch's GEMM, which blocks over M);
 //   packed codes (LinearPacked) with the float32 matrix beside them: the codes up to
-//     PackedMaxRows() rows (where reading 4-bit / 8-bit codes beats the float32 matrix with this
+//     PackedMaxRows() rows (where reading 4-bit / 8-bit / 16-bit codes beats the float32 matrix with this
 //     build), the float32 matrix beyond; with the codes alone, the codes up to MaxFastRows(float32)
 //     rows and the matrix rebuilt for the call (UnpackPacked) beyond. Every route gives a row the
 //     same bits.

@@ -1,5 +1,5 @@
 """Packed exact weights: float32 matrices whose values are exactly a 4-bit (w = d * q + m) or 8-bit
-(w = d * q) block format are also held as those codes, and pyspec.linear reads the codes for the
+(w = d * q) block format, or float16 / bfloat16 values, are also held as those codes, and pyspec.linear reads the codes for the
 few rows of decoding with results equal to the float32 kernel's bit for bit (pyspec.linear's
 PackedWeight / pack_exact, _C.linear_packed, LlamaForCausalLM.pack_weights)."""
 
@@ -21,6 +21,8 @@ from packed_support import (assert_steps_bit_equal, bits_equal, needs_kernel, q4
 def rebuild(p: PackedWeight) -> torch.Tensor:
     """The documented code layout, decoded in Python."""
     n, k = p.shape
+    if p.bits == 16:
+        return p.q.float()
     if p.bits == 4:
         b = p.q.view(n, k // 32, 16).to(torch.int32)
         q = torch.cat([b & 15, b >> 4], -1).float()
@@ -53,6 +55,39 @@ def test_pack_exact_recognizes_the_formats_and_nothing_else():
     nan = w4.clone()
     nan[0, 0] = float("nan")
     assert pack_exact(nan) is None
+
+
+def grid16(n, k, dtype, seed=0):
+    """float32 values that are exactly ``dtype`` values: normal ones of several magnitudes, a few
+    float16 subnormals, signed zeros."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.exp2(torch.randint(-6, 3, (n, 1), generator=g))
+    w[:, 3] *= 1e-6  # float16 subnormals (bfloat16: tiny normals)
+    w[0, :2] = torch.tensor([0.0, -0.0])
+    return w.to(dtype).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_pack_exact_takes_16_bit_values(dtype):
+    w = grid16(70, 96, dtype)
+    p = pack_exact(w)
+    assert p.bits == 16 and p.q.dtype == dtype and p.d is None and p.m is None
+    assert p.q.shape == (70, 96) and p.nbytes == 70 * 96 * 2 and p.shape == w.shape
+    assert bits_equal(rebuild(p), w)
+    out = torch.full_like(w, float("nan"))
+    _C.unpack_packed(p.q, None, None, out)  # the core's widening, any CPU
+    assert bits_equal(out, w)
+    assert pack_exact(w, bits=(4, 8)) is None
+    # One value with more bits than the format has: not exact, no codes of that format.
+    off = w.clone()
+    off[65, 7] = torch.nextafter(off[65, 7], torch.tensor(10.0))
+    p = pack_exact(off)
+    assert p is None or (p.q.dtype != dtype and bits_equal(rebuild(p), off))
+    inf = w.clone()
+    inf[1, 1] = float("inf")
+    assert pack_exact(inf) is None
+    with pytest.raises(ValueError, match="16-bit codes .* have no scales"):
+        _C.unpack_packed(p.q if p is not None else w.to(dtype), torch.ones(70, 3), None, out)
 
 
 def test_pack_exact_keeps_signed_zeros_and_constant_groups():
@@ -98,15 +133,16 @@ def test_packed_rows_follow_the_kernel(isa, rows):
     assert k.packed_route(0, True) == "linear"
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 8, "float16", "bfloat16"])
 @pytest.mark.parametrize("nk", [(7, 64), (13, 96), (960, 576), (576, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_linear_equals_float32_kernel_bit_for_bit(packed_kernels, bits, nk, with_bias):
     linear = Linear(packed_kernels)
     n, k = nk
-    w = q4_grid(n, k, seed=n) if bits == 4 else q8_grid(n, k, seed=n)
+    w = (q4_grid(n, k, seed=n) if bits == 4 else q8_grid(n, k, seed=n) if bits == 8
+         else grid16(n, k, getattr(torch, bits), seed=n))
     p = pack_exact(w)
-    assert p is not None and p.bits == bits
+    assert p is not None and p.bits == (bits if isinstance(bits, int) else 16)
     g = torch.Generator().manual_seed(k)
     b = torch.randn(n, generator=g) if with_bias else None
     for m in (1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 32, 33, max_fast_rows(torch.float32)):

@@ -12,11 +12,15 @@ from pyspec.models.llama import LlamaForCausalLM
 from pyspec.runner import ModelRunner, SeqStep
 
 from packed_support import (assert_steps_bit_equal, bits_equal, needs_kernel, q4_grid, q8_grid,
-                            snap_model_dir)
+                            sixteen_bit_model_dir, snap_model_dir)
 
 
-@pytest.fixture(scope="module")
-def grid_dir(tmp_path_factory):
+@pytest.fixture(scope="module", params=["block-codes", "16-bit"])
+def grid_dir(tmp_path_factory, request):
+    """A model whose matrices load as codes: on the 4-bit / 8-bit block grids (as from a GGUF), or
+    stored in bfloat16 / float16 (as most published checkpoints)."""
+    if request.param == "16-bit":
+        return sixteen_bit_model_dir(tmp_path_factory.mktemp("tiny_16_bit_codes"))
     return snap_model_dir(tmp_path_factory.mktemp("tiny_grid_codes"))
 
 
