@@ -21,8 +21,9 @@
 //     prefix of the chain whose tokens are the argmax of the row before, then the bonus token);
 //   * the root's and the accepted nodes' K/V go from the step's scratch into the pages
 //     (MaterializeKV); the emitted tokens join the context; the last one is the next root;
-//   * matrices that are exactly 4-bit or 8-bit blocks (GGUF conversions) are also held as codes
-//     and read through the packed kernels, the same bits (PYSPEC_PACKED_WEIGHTS=0: float32 only).
+//   * matrices that are exactly 4-bit or 8-bit blocks (GGUF conversions) or 16-bit values
+//     (checkpoints stored in float16 / bfloat16) are also held as codes and read through the
+//     packed kernels, the same bits (PYSPEC_PACKED_WEIGHTS=0: float32 only).
 // Tree rows are scored bit for bit as one-token decoding of their path would score them
 // (attention.h), so the output is the target's greedy decoding whatever the drafts were.
 //
@@ -649,16 +650,25 @@ class Checkpoint {
 // ---- packed codes -------------------------------------------------------------------------------
 // A float32 matrix whose values are exactly a 4-bit block format (per group of 32 along K:
 // w = d * q + m, q in 0..15, m the group's minimum, d a float16 value) or an 8-bit one (w = d * q,
-// q in -128..127) is also held as those codes, as pyspec.LLM does (packed_weights="auto",
-// pyspec/linear.py pack_exact): LinearPacked then reads 4.5 or 8.5 bits per weight instead of 32,
-// with the same results bit for bit. Checkpoints converted from GGUF (the default model) are such
-// matrices; PYSPEC_PACKED_WEIGHTS=0 in the environment keeps float32 only. Every value is
-// compared, so a matrix is packed only where the codes rebuild it exactly.
+// q in -128..127), or else float16 / bfloat16 values, is also held as those codes, as pyspec.LLM
+// does (packed_weights="auto", pyspec/linear.py pack_exact): LinearPacked then reads 4.5, 8.5 or 16
+// bits per weight instead of 32, with the same results bit for bit. Checkpoints converted from GGUF
+// (the default model) and checkpoints stored in 16 bits are such matrices;
+// PYSPEC_PACKED_WEIGHTS=0 in the environment keeps float32 only. Every value is compared, so a
+// matrix is packed only where the codes rebuild it exactly.
 
 struct Packed {
-  bool four = false;
-  std::vector<uint8_t> q;  // 4-bit: [N, K / 2] (byte j of a group: element j low, j + 16 high)
-  std::vector<float> d, m;  // [N, K / 32] each (m: 4-bit only)
+  int bits = 0;            // 4, 8 or 16 (0: not packed)
+  DType half = DType::kFloat16;  // 16-bit codes: float16 or bfloat16 values
+  std::vector<uint8_t> q;  // 4-bit: [N, K / 2] (byte j of a group: element j low, j + 16 high);
+                           // 8-bit: [N, K]; 16-bit: [N, K] values of 2 bytes
+  std::vector<float> d, m;  // [N, K / 32] each (4-bit, 8-bit; m: 4-bit only)
+
+  bool four() const { return bits == 4; }
+  int64_t row_bytes(int64_t K) const { return bits == 4 ? K / 2 : bits == 8 ? K : 2 * K; }
+  DType code_dtype() const {
+    return bits == 4 ? DType::kUInt8 : bits == 8 ? DType::kInt8 : half;
+  }
 };
 
 // float32 -> nearest float16 (ties to even) -> float32, as torch's .half().float().
@@ -744,16 +754,50 @@ bool Pack8Rows(const float* w, int64_t K, int64_t r0, int64_t r1, Packed& p) {
   return true;
 }
 
-// The codes of `w` [N, K] when it is exactly a 4-bit (tried first) or 8-bit block format. Rows are
-// checked in parallel on the core's thread pool.
+// The float16 bits of f, when f is exactly a finite float16 value.
+bool HalfBits(float f, uint16_t* out) {
+  if (!std::isfinite(f) || !SameBits(RoundToHalf(f), f)) return false;
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+  const uint32_t ax = x & 0x7FFFFFFFu;
+  if (ax < 0x38800000u) {  // zero or a float16 subnormal: a multiple of 2^-24
+    float a;
+    std::memcpy(&a, &ax, 4);
+    *out = static_cast<uint16_t>(sign | static_cast<uint16_t>(a * 16777216.0f));
+  } else {  // rebias the exponent (127 -> 15), keep the top 10 mantissa bits
+    *out = static_cast<uint16_t>(sign | (((ax >> 23) - 112) << 10) | ((ax >> 13) & 0x3FFu));
+  }
+  return true;
+}
+
+// Rows [r0, r1) as float16 (p.half) or bfloat16 values; false where a value is not exactly one.
+bool Pack16Rows(const float* w, int64_t K, int64_t r0, int64_t r1, Packed& p) {
+  uint16_t* out = reinterpret_cast<uint16_t*>(p.q.data());
+  for (int64_t i = r0 * K; i < r1 * K; ++i) {
+    uint32_t x;
+    std::memcpy(&x, &w[i], 4);
+    if (p.half == DType::kBFloat16) {
+      if ((x & 0xFFFFu) != 0 || !std::isfinite(w[i])) return false;
+      out[i] = static_cast<uint16_t>(x >> 16);
+    } else if (!HalfBits(w[i], &out[i])) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// The codes of `w` [N, K] when it is exactly a 4-bit (tried first) or 8-bit block format, or else
+// float16 (then bfloat16) values. Rows are checked in parallel on the core's thread pool.
 bool PackExact(const std::vector<float>& w, int64_t N, int64_t K, Packed& p) {
   if (K % 32 != 0 || K == 0 || N == 0) return false;
-  for (const bool four : {true, false}) {
-    auto rows = four ? &Pack4Rows : &Pack8Rows;
-    p.four = four;
-    p.q.assign(static_cast<size_t>(four ? N * K / 2 : N * K), 0);
-    p.d.assign(static_cast<size_t>(N * K / 32), 0.f);
-    p.m.assign(four ? static_cast<size_t>(N * K / 32) : 0, 0.f);
+  for (const int format : {4, 8, 16, 17}) {  // 17: bfloat16
+    auto rows = format == 4 ? &Pack4Rows : format == 8 ? &Pack8Rows : &Pack16Rows;
+    p.bits = std::min(format, 16);
+    p.half = format == 17 ? DType::kBFloat16 : DType::kFloat16;
+    p.q.assign(static_cast<size_t>(N * p.row_bytes(K)), 0);
+    p.d.assign(format <= 8 ? static_cast<size_t>(N * K / 32) : 0, 0.f);
+    p.m.assign(format == 4 ? static_cast<size_t>(N * K / 32) : 0, 0.f);
     // A few rows first: a matrix of another format (or none) fails there, cheaply.
     if (!rows(w.data(), K, 0, std::min<int64_t>(N, 16), p)) continue;
     std::atomic<bool> ok{true};
@@ -791,10 +835,9 @@ pyspec::DecoderMatrix Matrix(std::vector<float>& w, Packed& p, int64_t N, int64_
   m.w = TensorView::Contiguous(w.data(), DType::kFloat32, {N, K});
   if (!p.q.empty()) {
     m.packed = true;
-    m.q = TensorView::Contiguous(p.q.data(), p.four ? DType::kUInt8 : DType::kInt8,
-                                 {N, p.four ? K / 2 : K});
-    m.d = TensorView::Contiguous(p.d.data(), DType::kFloat32, {N, K / 32});
-    if (p.four) m.m = TensorView::Contiguous(p.m.data(), DType::kFloat32, {N, K / 32});
+    m.q = TensorView::Contiguous(p.q.data(), p.code_dtype(), {N, p.bits == 4 ? K / 2 : K});
+    if (p.bits != 16) m.d = TensorView::Contiguous(p.d.data(), DType::kFloat32, {N, K / 32});
+    if (p.four()) m.m = TensorView::Contiguous(p.m.data(), DType::kFloat32, {N, K / 32});
   }
   return m;
 }
@@ -1006,15 +1049,16 @@ class Engine {
     const Packed& p = m_.lm_packed;
     if (!p.q.empty() && T <= lk.PackedRowsLimit(/*has_dense=*/true)) {
       // The codes where they are the faster read (the same bits as the float32 matrix).
-      const TensorView mv = p.four ? TensorView::Contiguous(const_cast<float*>(p.m.data()),
-                                                            DType::kFloat32, {c.vocab, H / 32})
-                                   : TensorView();
+      const TensorView mv = p.four() ? TensorView::Contiguous(const_cast<float*>(p.m.data()),
+                                                              DType::kFloat32, {c.vocab, H / 32})
+                                     : TensorView();
       const TensorView qv = TensorView::Contiguous(const_cast<uint8_t*>(p.q.data()),
-                                                   p.four ? DType::kUInt8 : DType::kInt8,
-                                                   {c.vocab, p.four ? H / 2 : H});
-      const TensorView dv = TensorView::Contiguous(const_cast<float*>(p.d.data()),
-                                                   DType::kFloat32, {c.vocab, H / 32});
-      pyspec::LinearPacked(hv, qv, dv, p.four ? &mv : nullptr, nullptr, out);
+                                                   p.code_dtype(),
+                                                   {c.vocab, p.four() ? H / 2 : H});
+      const TensorView dv = p.bits == 16 ? TensorView()  // 16-bit codes: no scales
+                                         : TensorView::Contiguous(const_cast<float*>(p.d.data()),
+                                                                  DType::kFloat32, {c.vocab, H / 32});
+      pyspec::LinearPacked(hv, qv, dv, p.four() ? &mv : nullptr, nullptr, out);
     } else {
       pyspec::Linear(
           hv, TensorView::Contiguous(const_cast<float*>(m_.lm()), DType::kFloat32, {c.vocab, H}),

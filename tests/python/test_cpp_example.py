@@ -253,7 +253,8 @@ def test_default_model():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_checkpoints(tmp_path, tiny, dtype):
-    """F16 / BF16 tensors are converted to float32 as pyspec loads them (dtype float32)."""
+    """F16 / BF16 tensors are converted to float32 as pyspec loads them (dtype float32), and their
+    matrices are also held as 16-bit codes, in C++ as in pyspec, with the same ids either way."""
     from safetensors.torch import load_file, save_file
 
     src, _ = tiny
@@ -263,8 +264,17 @@ def test_half_precision_checkpoints(tmp_path, tiny, dtype):
     save_file({k: v.to(dtype) for k, v in w.items()}, str(dst / "model.safetensors"))
     llm = pyspec.LLM(str(dst), draft="ngram", progress=False, kv_cache_dtype="float32")
     prompt, n = PROMPTS[0], 16
-    cpp, _, _ = run_example(dst, prompt, n)
+    cpp, _, _, err = run_example(dst, prompt, n, stderr=True)
     check_same(llm, prompt, n, cpp, python_ids(llm, prompt, n))
+    packed = llm.describe()["packed"]
+    if packed is None:
+        pytest.skip("this CPU has no packed kernel (LinearPacked needs AVX2)")
+    assert packed["bits"] == [16]
+    assert f"{packed['matrices']} matrices also as packed codes" in err, err
+    dense, _, _, err = run_example(dst, prompt, n, env={"PYSPEC_PACKED_WEIGHTS": "0"},
+                                   stderr=True)
+    assert "0 matrices also as packed codes" in err, err
+    assert dense == cpp  # the codes give the float32 matrices' results bit for bit
 
 
 def test_errors_name_the_file_or_tensor(tmp_path, tiny):
