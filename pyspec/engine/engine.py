@@ -41,6 +41,7 @@ from pyspec.engine.stats import (EngineStats, GenerationResult, RequestOutput, R
 from pyspec.models.loader import return_freed_memory
 from pyspec.params import SamplingParams, as_params, is_int, is_real, validate_params
 from pyspec.predictor import corpus_of, prompt_features
+from pyspec.profiling import StepProfiler, profile_range
 from pyspec.runner import ModelRunner, SeqStep
 
 __all__ = ["Engine"]
@@ -201,6 +202,7 @@ class Engine:
         self.debug_skip_residual = False  # tests only: a deliberately broken acceptance rule
         # Called with a StepTrace after every step that ran a forward (None: no tracing cost).
         self.trace_hook: Optional[Callable[[StepTrace], None]] = None
+        self._profiler: Optional[StepProfiler] = None  # an armed profile window (profile())
         # Requests whose served distributions are kept (quality gate): id -> list of logits rows,
         # row j = the target logits the request's emitted token j was drawn from.
         self._record: Dict[int, List[torch.Tensor]] = {}
@@ -229,6 +231,32 @@ class Engine:
         self.scheduler.reset_policy()
         self.predictor = copy.deepcopy(self._predictor_start)
         self._predicted_plain = 0
+
+    def profile(self, out_dir: str, steps: int = 20) -> str:
+        """Record a kernel-level profile of this engine's next ``steps`` steps that run a forward
+        (:mod:`pyspec.profiling`): a Chrome trace written to ``out_dir`` when the last of them
+        ends; returns its path. Steps traced meanwhile (``trace_hook``) carry the file and their
+        step number in ``StepTrace.profile``. ValueError for bad arguments; RuntimeError while a
+        window of this engine is still recording. :meth:`profile_status` says how it went."""
+        cur = self._profiler
+        if cur is not None and not cur.done:
+            raise RuntimeError(f"this engine is already recording a profile ({cur.path}: "
+                               f"{cur.recorded} of {cur.steps} steps)")
+        cuda = getattr(getattr(self.runner.model, "device", None), "type", "cpu") == "cuda"
+        self._profiler = StepProfiler(out_dir, steps, cuda=cuda)
+        return self._profiler.path
+
+    def stop_profile(self) -> Optional[dict]:
+        """End the profile window now, writing what it recorded (call it between steps, from the
+        thread that runs them); returns :meth:`profile_status`."""
+        if self._profiler is not None:
+            self._profiler.stop()
+        return self.profile_status()
+
+    def profile_status(self) -> Optional[dict]:
+        """The last profile window's state (``path``, ``steps``, ``recorded``, ``done``,
+        ``error``, ``summary``: the top kernels' file once written); None before any."""
+        return None if self._profiler is None else self._profiler.status()
 
     @property
     def stats(self) -> EngineStats:
@@ -431,8 +459,15 @@ class Engine:
             self.drafting.set_draft_sources(self.scheduler, self._reqs)
         so = self.scheduler.step()
         self._step_open = True
+        prof = self._profiler
         try:
-            outs = self._run_step(so, trace)
+            if prof is not None and not prof.done and len(so):
+                with prof.step(so.ids) as k:
+                    if trace is not None and k is not None:
+                        trace.profile = (prof.path, k)
+                    outs = self._run_step(so, trace)
+            else:
+                outs = self._run_step(so, trace)
         except BaseException as e:
             failed = self._fail_step(so)
             if not isinstance(e, Exception):  # KeyboardInterrupt: the engine stays usable
@@ -498,7 +533,7 @@ class Engine:
         if step_threads is None:
             def step_threads(rows):
                 return contextlib.nullcontext()
-        with step_threads(rows):
+        with step_threads(rows), profile_range("pyspec.draft"):
             drafts = self.drafting.draft(groups, trace, self.scheduler, self._stats)
         seqs, dec_idx, dec_drafts, dec_depths = self._step_seqs(so, tables, drafts)
         with step_threads(sum(len(s.token_ids) for s in seqs)):
@@ -531,14 +566,11 @@ class Engine:
 
     def _verify_commit(self, so, trace, tables, seqs: List[SeqStep], dec_idx: List[int],
                        dec_drafts: List[Draft], dec_depths: List[int]) -> List[RequestOutput]:
-        """VERIFY (one forward for the whole batch), ACCEPT, COMMIT."""
-        runner, drafting = self.runner, self.drafting
-        kinds, starts = so.kinds, so.start_pos
-        tok_ptr, slot_ptr = so.token_indptr, so.slot_indptr
-        all_tokens, all_slots = so.tokens, so.slots
+        """VERIFY (one forward for the whole batch), then ACCEPT and COMMIT."""
         result = _C.StepResult()
         t0 = time.perf_counter()
-        out = runner.step(seqs, return_hidden=drafting.need_hidden)
+        with profile_range("pyspec.verify"):
+            out = self.runner.step(seqs, return_hidden=self.drafting.need_hidden)
         t_fwd = time.perf_counter() - t0
         if trace is not None:
             trace.verify = (t0, t0 + t_fwd)
@@ -546,8 +578,18 @@ class Engine:
         if len(dec_idx) == len(seqs):  # decode/verify-only steps: prefill runs at another rate
             self.scheduler.observe_step_time(len(dec_idx), sum(len(s.token_ids) for s in seqs),
                                              t_fwd)
+        with profile_range("pyspec.accept"):
+            return self._accept_commit(so, trace, tables, dec_idx, dec_drafts, dec_depths, out,
+                                       result)
 
-        # ACCEPT + COMMIT.
+    def _accept_commit(self, so, trace, tables, dec_idx, dec_drafts, dec_depths, out,
+                       result) -> List[RequestOutput]:
+        """ACCEPT (one batched acceptance of every tree) and COMMIT (the accepted rows' K/V into
+        the pages, the drafters told, the scheduler updated)."""
+        runner, drafting = self.runner, self.drafting
+        kinds, starts = so.kinds, so.start_pos
+        tok_ptr, slot_ptr = so.token_indptr, so.slot_indptr
+        all_tokens, all_slots = so.tokens, so.slots
         if dec_idx:
             emitted, paths, n_acc = accept_step(
                 [self._reqs[so.ids[i]] for i in dec_idx], dec_drafts, out.logits,

@@ -124,6 +124,8 @@ class StepTrace:
     prefill: Dict[int, int] = field(default_factory=dict)  # request -> chunk tokens
     # request -> (draft nodes, tree depth, accepted draft tokens, emitted tokens)
     decisions: Dict[int, tuple] = field(default_factory=dict)
+    # (Chrome trace file, step number in it) while a profile window records (Engine.profile)
+    profile: Optional[tuple] = None
 
 
 class StepError(RuntimeError):

@@ -24,6 +24,7 @@ from pyspec.linear import Linear
 from pyspec.models.config import ModelConfig
 from pyspec.models.loader import load_weights, resolve_dtype, return_freed_memory
 from pyspec.models.weights import LlamaWeights, resolve_device  # noqa: F401 (re-exported)
+from pyspec.profiling import profile_range
 
 
 # from_pretrained's packed_weights settings (the CLI's --packed-weights choices).
@@ -344,26 +345,28 @@ class LlamaForCausalLM(LlamaWeights):
         t = input_ids.shape[0]
         cos, sin = self.rope_tables(positions, rope_lens)
         x = F.embedding(input_ids, self.embed) if inputs_embeds is None else inputs_embeds
-        stack = self._fused_stack(t, x, k_pages)
-        if stack is not None:
-            # Every layer in one core call (in place: x is this step's own tensor), stopping at
-            # each tapped layer to keep its output.
-            if x is inputs_embeds or not x.is_contiguous():
-                x = x.clone(memory_format=torch.contiguous_format)
-            begin = 0
-            for n in sorted(taps or ()):
-                stack.run(x, cos, sin, plan, k_pages, v_pages, k_new, v_new, begin, n)
-                kept[n] = x.clone() if n < cfg.num_hidden_layers else x
-                begin = n
-            stack.run(x, cos, sin, plan, k_pages, v_pages, k_new, v_new, begin, -1)
-        else:
-            x = self._layers_one_by_one(x, cos, sin, plan, k_pages, v_pages, k_new, v_new, taps,
-                                        kept)
+        with profile_range("pyspec.layers"):
+            stack = self._fused_stack(t, x, k_pages)
+            if stack is not None:
+                # Every layer in one core call (in place: x is this step's own tensor),
+                # stopping at each tapped layer to keep its output.
+                if x is inputs_embeds or not x.is_contiguous():
+                    x = x.clone(memory_format=torch.contiguous_format)
+                begin = 0
+                for n in sorted(taps or ()):
+                    stack.run(x, cos, sin, plan, k_pages, v_pages, k_new, v_new, begin, n)
+                    kept[n] = x.clone() if n < cfg.num_hidden_layers else x
+                    begin = n
+                stack.run(x, cos, sin, plan, k_pages, v_pages, k_new, v_new, begin, -1)
+            else:
+                x = self._layers_one_by_one(x, cos, sin, plan, k_pages, v_pages, k_new, v_new,
+                                            taps, kept)
         hidden = x if taps is None else kept[taps[0]] if len(taps) == 1 else torch.cat(
             [kept[n] for n in taps], -1)
         xs = x if logits_rows is None else x.index_select(0, logits_rows)
         lm = self.lm_head if self._packed_lm_head is None else self._packed_lm_head
-        logits = self.linear(self._rms(xs, self.norm), lm).float()
+        with profile_range("pyspec.lm_head"):
+            logits = self.linear(self._rms(xs, self.norm), lm).float()
         return (logits, hidden) if taps is not None else logits
 
     def _fused_stack(self, t: int, x: torch.Tensor, k_pages: torch.Tensor):

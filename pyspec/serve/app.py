@@ -405,6 +405,40 @@ def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = 
             return {"status": "ready"}
         return JSONResponse({"status": "not ready", "reason": why}, status_code=503)
 
+    def profiling_allowed(request: Request):
+        """Profiles write files on the server: only with --profile-dir, and where keys are on
+        only with a server-wide key (a tenant's key is refused)."""
+        if options.profile_dir is None:
+            raise RequestError(404, "profiling is off: start the server with --profile-dir DIR",
+                               None, "profiling_off")
+        keys_on = bool(options.access.api_keys) or bool(state["config"].tenant_keys())
+        if keys_on and getattr(request.state, "tenant", None) is not None:
+            raise RequestError(403, "profiles take a server-wide key (--api-key), not a tenant's",
+                               None, "forbidden", "permission_error")
+
+    @app.post("/admin/profile")
+    async def profile_start(request: Request):
+        """Record the engine's next steps (``{"steps": N}``, default 20) as a Chrome trace in
+        --profile-dir; answers its path at once (the file appears when the last step ends)."""
+        profiling_allowed(request)
+        empty = request.headers.get("content-length", "0") == "0" and \
+            "transfer-encoding" not in request.headers
+        body = {} if empty else await reader.read_json(request)
+        steps = get_field(body, "steps", int, 20, lambda v: v >= 1, "an int >= 1")
+        try:
+            path = loop_.engine.profile(options.profile_dir, steps)
+        except ValueError as e:
+            raise RequestError(400, str(e), "steps") from None
+        except RuntimeError as e:
+            raise RequestError(409, str(e), None, "profile_in_progress") from None
+        return {"object": "profile", **loop_.engine.profile_status(), "path": path}
+
+    @app.get("/admin/profile")
+    async def profile_status(request: Request):
+        """The last profile's state (null before any)."""
+        profiling_allowed(request)
+        return {"object": "profile", "profile": loop_.engine.profile_status()}
+
     @app.get("/metrics")
     async def prom():
         return PlainTextResponse(generate_latest(metrics.registry).decode(),

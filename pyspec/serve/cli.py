@@ -83,7 +83,8 @@ def serve_options(args):
                         request_timeout=args.request_timeout, queue_timeout=args.queue_timeout,
                         body_timeout=args.body_timeout, speculation_stats=args.speculation_stats,
                         docs=args.enable_docs, on_engine_failure=args.on_engine_failure,
-                        max_engine_restarts=args.max_engine_restarts)
+                        max_engine_restarts=args.max_engine_restarts,
+                        profile_dir=args.profile_dir)
 
 
 def with_tree_width(draft: str, width: int) -> str:
@@ -306,6 +307,10 @@ def add_serve_flags(p) -> None:
                    help="after an engine failure: abort everything and serve on (at most "
                         "--max-engine-restarts times), or exit with status 3")
     g.add_argument("--max-engine-restarts", type=int, default=3)
+    g.add_argument("--profile-dir", default=None,
+                   help="a folder for kernel-level profiles of engine steps (Chrome traces), "
+                        "recorded on request: POST /admin/profile {\"steps\": N} (a server-wide "
+                        "key when keys are on); default: off")
     g = p.add_argument_group("access")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (default: $PYSPEC_API_KEY; tenant "

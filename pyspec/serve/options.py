@@ -31,6 +31,8 @@ class ServeOptions:
         docs: serve FastAPI's ``/docs``, ``/redoc`` and ``/openapi.json``.
         on_engine_failure: ``restart`` or ``exit`` (see :class:`~pyspec.serve.engine_loop.
             EngineLoop`); ``max_engine_restarts``: restarts before it stays down.
+        profile_dir: a folder for kernel-level profiles of engine steps, recorded on request
+            (``POST /admin/profile``, :mod:`pyspec.profiling`); None: the endpoint is off.
     """
 
     access: AccessPolicy = field(default_factory=AccessPolicy)
@@ -42,6 +44,7 @@ class ServeOptions:
     docs: bool = False
     on_engine_failure: str = "restart"
     max_engine_restarts: int = 3
+    profile_dir: Optional[str] = None
 
     def __post_init__(self):
         if not isinstance(self.access, AccessPolicy):
@@ -62,3 +65,7 @@ class ServeOptions:
         r = self.max_engine_restarts
         if not isinstance(r, int) or isinstance(r, bool) or r < 0:
             raise ValueError(f"max_engine_restarts must be an int >= 0; got {r!r}")
+        if self.profile_dir is not None and (not isinstance(self.profile_dir, str)
+                                             or not self.profile_dir):
+            raise ValueError(f"profile_dir must be a folder's path or None; got "
+                             f"{self.profile_dir!r}")

@@ -62,26 +62,30 @@ class RequestTracer:
         s.end(end_time=self.ns(t1))
 
     def step(self, st, live) -> None:
+        # A profiled step (Engine.profile): every span of it names the Chrome trace and the step.
+        prof = {} if st.profile is None else {"pyspec.profile.file": st.profile[0],
+                                              "pyspec.profile.step": st.profile[1]}
         for rid, n in st.prefill.items():
             h = live.get(rid)
             if h is not None and getattr(h, "span", None) is not None:
                 self._child(h, "pyspec.prefill", st.verify[0], st.verify[1],
-                            {"pyspec.prefill.tokens": n})
+                            {"pyspec.prefill.tokens": n, **prof})
         for name, t0, t1, rids in st.drafts:
             for rid in rids:
                 h = live.get(rid)
                 if h is not None and getattr(h, "span", None) is not None:
                     self._child(h, "pyspec.draft", t0, t1, {"pyspec.drafter": name,
-                                                             "pyspec.batch_requests": len(rids)})
+                                                             "pyspec.batch_requests": len(rids),
+                                                             **prof})
         for rid, (nodes, depth, acc, emitted) in st.decisions.items():
             h = live.get(rid)
             if h is None or getattr(h, "span", None) is None:
                 continue
             self._child(h, "pyspec.verify", st.verify[0], st.verify[1],
-                        {"pyspec.tree_size": nodes + 1})
+                        {"pyspec.tree_size": nodes + 1, **prof})
             self._child(h, "pyspec.accept", st.verify[1], st.end,
                         {"pyspec.draft_length": depth, "pyspec.tree_size": nodes + 1,
-                         "pyspec.accepted": acc, "pyspec.emitted": emitted})
+                         "pyspec.accepted": acc, "pyspec.emitted": emitted, **prof})
 
     def finish(self, h, reason, n_tokens) -> None:
         s = getattr(h, "span", None)
