@@ -4,14 +4,17 @@ Per request and step: the target's context is decoded to text and encoded with t
 tokenizer; the draft model (its own KV pool, its own positions) runs what is new since its last
 step (the longest common prefix of draft tokens keeps its KV) and greedily writes a few tokens;
 their text is encoded with the target's tokenizer after the context's last few tokens, and the
-target tokens past those are the draft: a chain the target verifies like any other. The target
+target tokens past those are the draft: a chain the target verifies like any other. The step's
+requests run the draft model together (one batched step per token position). The target
 decides every token, so the output is plain decoding's whatever the draft model writes (greedy
 and sampled alike: the chain is deterministic, verified by the target-only walk).
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
+
+import torch
 
 from pyspec.drafters.base import Draft, Drafter, slots_of
 from pyspec.runner import ModelRunner, SeqStep
@@ -84,51 +87,76 @@ class CrossTokenizerDrafter(Drafter):
             table.append(self._free.pop())
         return table
 
-    def _continue(self, rid: int, ids: List[int], n: int) -> List[int]:
-        """The draft model's greedy continuation (``n`` tokens at most, stopping at its
-        end-of-sequence) of draft tokens ``ids``; [] when it does not fit."""
-        if len(ids) + n > self._limit:
-            n = self._limit - len(ids)
-        table = self._reserve(rid, len(ids) + n) if n > 0 else None
-        if table is None:
-            return []
-        have = self._ids.get(rid, [])
-        p = 0
-        while p < min(len(have), len(ids) - 1) and have[p] == ids[p]:
-            p += 1
-        out: List[int] = []
-        new, start = list(ids[p:]), p
-        for _ in range(n):
-            o = self.runner.step([SeqStep(new, start, table, None, "last")])
-            self.runner.commit_kv(o, 0, range(len(new)),
-                                  slots_of(table, self.block_size, start, len(new)))
-            tok = int(o.logits[-1].argmax())
-            start += len(new)
-            if tok in self._eos:
-                break
-            out.append(tok)
-            new = [tok]
-        # KV is written for ids and every token of out but the last (all of out when the loop
-        # stopped at an end-of-sequence token: keeping one fewer only reruns it).
-        self._ids[rid] = list(ids) + out[:-1] if out else list(ids)
-        return out
+    def _continue(self, items: List[Tuple[int, List[int], int]]) -> List[List[int]]:
+        """The draft model's greedy continuations of each ``(request id, draft tokens ids, n)``:
+        up to ``n`` tokens, stopping at its end-of-sequence; [] for one that does not fit. The
+        requests run together: one draft-model step per token position for all of them."""
+        outs: List[List[int]] = [[] for _ in items]
+        live = []  # [item index, request id, ids, table, tokens to run, their start, out, n]
+        for k, (rid, ids, n) in enumerate(items):
+            if len(ids) + n > self._limit:
+                n = self._limit - len(ids)
+            table = self._reserve(rid, len(ids) + n) if n > 0 else None
+            if table is None:
+                continue
+            have = self._ids.get(rid, [])
+            p = 0
+            while p < min(len(have), len(ids) - 1) and have[p] == ids[p]:
+                p += 1
+            live.append([k, rid, ids, table, list(ids[p:]), p, outs[k], n])
+        running = live
+        while running:
+            o = self.runner.step([SeqStep(new, start, table, None, "last")
+                                  for _, _, _, table, new, start, _, _ in running])
+            src: List[int] = []
+            dst: List[int] = []
+            for j, (_, _, _, table, new, start, _, _) in enumerate(running):
+                base = o.row_indptr[j]
+                src.extend(range(base, base + len(new)))
+                dst.extend(slots_of(table, self.block_size, start, len(new)))
+            self.runner.commit_kv(o, 0, src, dst)
+            rows = torch.tensor([o.logits_indptr[j] for j in range(len(running))])
+            toks = o.logits.index_select(0, rows).argmax(-1).tolist()
+            more = []
+            for s, tok in zip(running, toks):
+                s[5] += len(s[4])
+                if tok in self._eos:
+                    continue
+                s[6].append(int(tok))
+                s[4] = [int(tok)]
+                if len(s[6]) < s[7]:
+                    more.append(s)
+            running = more
+        for _, rid, ids, _, _, _, out, _ in live:
+            # KV is written for ids and every token of out but the last (all of out when the
+            # loop stopped at an end-of-sequence token: keeping one fewer only reruns it).
+            self._ids[rid] = list(ids) + out[:-1] if out else list(ids)
+        return outs
 
     # ---- drafting ----
 
     def propose(self, reqs) -> List[Draft]:
-        return [self._propose(r) for r in reqs]
-
-    def _propose(self, r) -> Draft:
-        ctx = [int(t) for t in r.context]
-        root = Draft([ctx[-1]], [-1])
-        depth = min(self.max_draft_depth, r.depth_limit)
-        if depth < 1:
-            return root
-        ids = self.dtok.encode(self.ttok.decode(ctx), add_special_tokens=False)
-        if not ids:
-            return root
+        # Per request, the context as the draft tokenizer reads it; then every continuation in
+        # one batched run of the draft model; then each one's text as target tokens.
+        plans = []
+        for r in reqs:
+            ctx = [int(t) for t in r.context]
+            depth = min(self.max_draft_depth, r.depth_limit)
+            ids = self.dtok.encode(self.ttok.decode(ctx), add_special_tokens=False) \
+                if depth >= 1 else []
+            plans.append((ctx, depth, ids))
+        todo = [k for k, (_, _, ids) in enumerate(plans) if ids]
         # A few more draft tokens than target ones: the vocabularies cut text differently.
-        cont = self._continue(r.request_id, ids, depth + 2)
+        conts = self._continue([(reqs[k].request_id, plans[k][2], plans[k][1] + 2)
+                                for k in todo])
+        cont_of = dict(zip(todo, conts))
+        return [self._proposal(ctx, depth, ids, cont_of.get(k, []))
+                for k, (ctx, depth, ids) in enumerate(plans)]
+
+    def _proposal(self, ctx: List[int], depth: int, ids: List[int], cont: List[int]) -> Draft:
+        """The draft's continuation ``cont`` of the context's draft tokens ``ids`` as a chain of
+        target tokens after the context ``ctx`` (at most ``depth``)."""
+        root = Draft([ctx[-1]], [-1])
         if not cont:
             return root
         # The continuation's text as it reads after the context's last tokens (decoded alone, a

@@ -81,7 +81,7 @@ def test_proposals_follow_the_target_tokenization(folders):
             said["text"] = dt.decode(ids)
             return dt.encode("ld, the end")[:n]
 
-        d._continue = given
+        d._continue = lambda items: [given(*it) for it in items]
         ctx = tt.encode("Hello wor", add_special_tokens=False)
         (prop,) = d.propose([DraftRequest(0, ctx, len(ctx) - 1, [], 6)])
         assert said["text"] == "Hello wor"  # the draft model saw the context's text
@@ -90,7 +90,7 @@ def test_proposals_follow_the_target_tokenization(folders):
         assert text.startswith("Hello world") and "Hello world, the end".startswith(text)
     # A draft token the target's model lacks (an added token of its tokenizer) ends the chain.
     d = CrossTokenizerDrafter(llm.model, dt, tt, target_vocab=5, kv_tokens=256)
-    d._continue = lambda rid, ids, n: dt.encode("abc")
+    d._continue = lambda items: [dt.encode("abc") for _ in items]
     assert d.propose([DraftRequest(0, [1, 2], 1, [], 4)])[0].tokens == [2]
 
 
@@ -135,3 +135,27 @@ def test_draft_kv_is_reused_and_bounded(folders):
     d.release(0)
     d.release(1)
     assert len(d._free) == d.runner.kv.num_blocks
+
+
+def test_requests_draft_together(folders):
+    """Several requests' continuations run in one draft-model step per token position, each
+    the same as when it runs alone."""
+    target, draft = folders
+    from pyspec.models.llama import LlamaForCausalLM
+
+    dt, tt = Tokenizer.from_pretrained(draft), Tokenizer.from_pretrained(target)
+    m = LlamaForCausalLM.from_pretrained(draft)
+    texts = ["the theme of the day", "in the end the thing", "hello there"]
+    ctxs = [tt.encode(t, add_special_tokens=False) for t in texts]
+    alone = []
+    for i, c in enumerate(ctxs):
+        d = CrossTokenizerDrafter(m, dt, tt, target_vocab=tt.vocab_size, max_depth=4,
+                                  kv_tokens=512)
+        alone.append(d.propose([DraftRequest(i, c, len(c) - 1, [], 4)])[0].tokens)
+    d = CrossTokenizerDrafter(m, dt, tt, target_vocab=tt.vocab_size, max_depth=4, kv_tokens=512)
+    calls = []
+    real = d.runner.step
+    d.runner.step = lambda seqs, **kw: (calls.append(len(seqs)), real(seqs, **kw))[1]
+    together = d.propose([DraftRequest(i, c, len(c) - 1, [], 4) for i, c in enumerate(ctxs)])
+    assert [p.tokens for p in together] == alone
+    assert calls[0] == 3 and len(calls) <= 4 + 2  # one step per position for all three
