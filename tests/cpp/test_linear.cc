@@ -20,6 +20,7 @@ namespace pyspec {
 namespace {
 
 using testing_util::FromBits;
+using testing_util::F32Bits;
 using testing_util::ToBits;
 
 // Values in fp32 master copies (exactly representable in `dtype`) plus their storage.
@@ -389,7 +390,7 @@ TEST(LinearPacked, EqualsFloat32KernelBitForBit) {
                          TensorView::Contiguous(got.data(), DType::kFloat32, {M, N}), nullptr,
                          &*lk);
             for (int64_t i = 0; i < M * N; ++i) {
-              ASSERT_EQ(ToBits(got[i], DType::kFloat32), ToBits(want[i], DType::kFloat32))
+              ASSERT_EQ(F32Bits(got[i]), F32Bits(want[i]))
                   << "output " << i << ": " << got[i] << " vs " << want[i];
             }
           }
@@ -398,6 +399,69 @@ TEST(LinearPacked, EqualsFloat32KernelBitForBit) {
     }
   }
   if (isas_run == 0) GTEST_SKIP() << "no AVX2 or AVX-512 float32 kernel on this CPU";
+}
+
+// 16-bit codes: a float32 matrix whose values are float16 (or bfloat16) values, held as those
+// values, gives Linear's float32 results bit for bit at every M (subnormal float16 values and
+// signed zeros included), and UnpackPacked widens them exactly, on any CPU.
+TEST(LinearPacked, SixteenBitCodesEqualFloat32KernelBitForBit) {
+  std::mt19937 rng(17);
+  std::normal_distribution<float> nd(0.0f, 0.5f);
+  for (DType half_t : {DType::kFloat16, DType::kBFloat16}) {
+    for (auto nk : {std::pair<int64_t, int64_t>{13, 96}, {300, 576}, {5, 32}}) {
+      const int64_t N = nk.first, K = nk.second;
+      std::vector<uint16_t> q(N * K);
+      std::vector<float> w(N * K);
+      for (int64_t i = 0; i < N * K; ++i) {
+        float v = nd(rng) * (i % 7 == 3 ? 1e-6f : 1.0f);  // float16 subnormals among them
+        if (i == 1) v = -0.0f;
+        q[i] = half_t == DType::kFloat16 ? half::FloatToHalf(v) : half::FloatToBF16(v);
+        w[i] = half_t == DType::kFloat16 ? half::HalfToFloat(q[i]) : half::BF16ToFloat(q[i]);
+      }
+      SCOPED_TRACE(::testing::Message() << DTypeName(half_t) << " N=" << N << " K=" << K);
+      const TensorView qv = TensorView::Contiguous(q.data(), half_t, {N, K});
+      std::vector<float> unpacked(N * K, NAN);
+      UnpackPacked(qv, TensorView(), nullptr,
+                   TensorView::Contiguous(unpacked.data(), DType::kFloat32, {N, K}));
+      for (int64_t i = 0; i < N * K; ++i) {
+        ASSERT_EQ(F32Bits(unpacked[i]), F32Bits(w[i])) << i;
+      }
+      for (const char* isa : {"avx2", "avx512"}) {
+        std::optional<LinearKernels> lk;
+        try {
+          lk.emplace(isa);
+        } catch (const ValueError&) {
+          continue;  // this CPU lacks it (the 4-/8-bit test above says which ran)
+        }
+        for (int64_t M : {1, 3, 5, 8, 9, 33}) {
+          SCOPED_TRACE(::testing::Message() << isa << " M=" << M);
+          std::vector<float> x(M * K), want(M * N), got(M * N, NAN);
+          for (float& v : x) v = nd(rng);
+          const TensorView xv = TensorView::Contiguous(x.data(), DType::kFloat32, {M, K});
+          Linear(xv, TensorView::Contiguous(w.data(), DType::kFloat32, {N, K}), nullptr,
+                 TensorView::Contiguous(want.data(), DType::kFloat32, {M, N}), nullptr, &*lk);
+          LinearPacked(xv, qv, TensorView(), nullptr, nullptr,
+                       TensorView::Contiguous(got.data(), DType::kFloat32, {M, N}), nullptr,
+                       &*lk);
+          for (int64_t i = 0; i < M * N; ++i) {
+            ASSERT_EQ(F32Bits(got[i]), F32Bits(want[i])) << i;
+          }
+        }
+      }
+    }
+  }
+  // 16-bit codes take no scales, and [N, K] values.
+  std::vector<uint16_t> q(3 * 64);
+  std::vector<float> f(4096);
+  const TensorView qv = TensorView::Contiguous(q.data(), DType::kFloat16, {3, 64});
+  const TensorView d = TensorView::Contiguous(f.data(), DType::kFloat32, {3, 2});
+  const TensorView x = TensorView::Contiguous(f.data() + 8, DType::kFloat32, {2, 64});
+  const TensorView out = TensorView::Contiguous(f.data() + 512, DType::kFloat32, {2, 3});
+  ExpectValueError([&] { LinearPacked(x, qv, d, nullptr, nullptr, out); }, "no scales");
+  ExpectValueError([&] {
+    LinearPacked(x, TensorView::Contiguous(q.data(), DType::kFloat16, {3, 32}), TensorView(),
+                 nullptr, nullptr, out);
+  }, "'q'");
 }
 
 // Buffers viewed as float32 or uint8 tensors of any small shape (argument checks).
@@ -427,7 +491,7 @@ TEST(UnpackPacked, RebuildsTheMatrixBitForBit) {
                    bits == 4 ? &mv : nullptr,
                    TensorView::Contiguous(got.data(), DType::kFloat32, {N, K}));
       for (int64_t i = 0; i < N * K; ++i) {
-        ASSERT_EQ(ToBits(got[i], DType::kFloat32), ToBits(p.w[i], DType::kFloat32))
+        ASSERT_EQ(F32Bits(got[i]), F32Bits(p.w[i]))
             << "bits=" << bits << " N=" << N << " K=" << K << " element " << i;
       }
     }
