@@ -324,8 +324,6 @@ def merge_metrics(texts: Dict[str, bytes]) -> bytes:
 
 def _failed(status: int, message: str, code: str, retry: bool = False):
     """A server-side error in the server's own shape (:class:`RequestError`)."""
-    from pyspec.serve.protocol import RequestError
-
     e = RequestError(status, message, code=code, kind="server_error")
     if retry:
         e.headers = {"retry-after": "1"}
