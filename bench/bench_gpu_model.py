@@ -41,6 +41,26 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def profile_check(eng, prompts, folder):
+    """A 4-step profile window of ``eng`` (untimed): the trace's file, its step ranges, and how
+    many device kernels it holds (a CUDA trace has events of category "kernel")."""
+    from pyspec.engine import SamplingParams
+
+    path = eng.profile(folder, steps=4)
+    eng.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    st = eng.stop_profile()
+    out = {"path": path, "recorded": st["recorded"], "error": st["error"]}
+    if st["error"] is None:
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+        out["step_ranges"] = sum(str(e.get("name", "")).startswith("pyspec.step ")
+                                 for e in events)
+        out["kernels"] = sum(e.get("cat") == "kernel" for e in events)
+        with open(st["summary"]) as f:
+            out["top"] = json.load(f)["top"][:5]
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
@@ -51,6 +71,9 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--batch", default="1,8", help="engine batch sizes")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--profile-dir", default=None,
+                    help="also record a kernel-level profile (Engine.profile) of 4 speculative "
+                         "steps at the first batch size, after its timed run, into this folder")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -129,6 +152,8 @@ def main(argv=None):
             if drafter:
                 row[f"{name}_acceptance_length"] = round(
                     sum(r.stats.acceptance_length for r in res) / len(res), 3)
+            if drafter and args.profile_dir and not engine:
+                row["profile"] = profile_check(eng, prompts, args.profile_dir)
             del eng, runner
         row["speedup"] = round(row["ngram_tok_s"] / row["plain_tok_s"], 3)
         row["identical"] = sum(a == p for a, p in zip(outs["ngram"], outs["plain"]))

@@ -5,7 +5,8 @@
 #   3. runs compute-sanitizer memcheck on a short CUDA smoke program, then racecheck and synccheck
 #      on its attention kernels (skipped, and said so, where the tool cannot attach, e.g. gVisor),
 #   4. runs the kernel benchmarks (bench/bench_gpu_kernels.py),
-#   5. runs the model on the GPU (bench/bench_gpu_model.py: verify cost, engine tokens/s),
+#   5. runs the model on the GPU (bench/bench_gpu_model.py: verify cost, engine tokens/s, and a
+#      4-step kernel-level profile: its Chrome trace in $OUT/profile, kernel events counted),
 #   6. measures speedup against draft acceptance (bench/bench_oracle_scaling.py: the oracle
 #      drafter on random 1B and 8B layouts, batch 1 and 32).
 # Writes $OUT/gpu_check.json (what ran, pass/fail, timings) and $OUT/gpu_check.log, plus the
@@ -125,7 +126,8 @@ PYEOF
   # The whole model on the GPU (random ~1B Llama, bf16): tree verify cost vs a decode step, and
   # the engine's plain vs prompt-lookup tokens/s in one run.
   (cd /tmp && run_step model_bench 150 "$PY" "$ROOT/bench/bench_gpu_model.py" --device cuda \
-      --out "$OUT/gpu_model.json"; echo "${status[model_bench]}" > "$OUT/.model_bench_rc")
+      --profile-dir "$OUT/profile" --out "$OUT/gpu_model.json"; \
+      echo "${status[model_bench]}" > "$OUT/.model_bench_rc")
   status[model_bench]=$(cat "$OUT/.model_bench_rc" 2>/dev/null || echo 1)
 
   # Speedup against draft acceptance: the oracle drafter (true continuations, each token replaced
