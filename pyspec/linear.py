@@ -199,6 +199,11 @@ def pack_exact(w, bits=(4, 8, 16)) -> Optional["PackedWeight"]:
     return None
 
 
+# A codes-only matrix larger than this, rebuilt as float32, is not rebuilt for a call of many
+# rows (the per-thread buffer would keep that much): its rows go through the codes' route in
+# chunks instead.
+REBUILD_MAX_BYTES = 64 << 20
+
 _tls = threading.local()
 
 
@@ -298,16 +303,26 @@ class Linear:
         shape = x.shape
         rows = x.numel() // shape[-1] if len(shape) and shape[-1] else 0
         n, k = w.shape
-        if (rows == 0 or rows > self._packed_limit[dense is not None]
-                or shape[-1] != k or not x.is_contiguous()
+        limit = self._packed_limit[dense is not None]
+        chunks = False
+        if (rows == 0 or rows > limit or shape[-1] != k or not x.is_contiguous()
                 or (bias is not None and (bias.dtype is not torch.float32
                                           or not bias.is_contiguous()))):
-            return self(x, dense if dense is not None else w.unpack(_scratch(n * k).view(n, k)),
-                        bias, out)
+            # Codes alone of a matrix too large to rebuild per call (a vocabulary's table): the
+            # rows in chunks the codes' route takes.
+            chunks = (dense is None and limit > 0 and rows > limit and shape[-1] == k
+                      and n * k * 4 > REBUILD_MAX_BYTES and x.is_contiguous()
+                      and (bias is None or (bias.dtype is torch.float32
+                                            and bias.is_contiguous())))
+            if not chunks:
+                return self(x, dense if dense is not None else
+                            w.unpack(_scratch(n * k).view(n, k)), bias, out)
         x2 = x if len(shape) == 2 else x.view(rows, shape[-1])
         res = _empty((rows, n), dtype=torch.float32) if out is None else (
             out if out.dim() == 2 else out.view(rows, n))
-        _core_packed(x2, w.q, w.d, w.m, bias, res, self.kernels)
+        step = limit if chunks else rows
+        for i in range(0, rows, step):
+            _core_packed(x2[i:i + step], w.q, w.d, w.m, bias, res[i:i + step], self.kernels)
         if out is not None:
             return out
         return res if len(shape) == 2 else res.view(*shape[:-1], n)

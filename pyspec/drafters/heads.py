@@ -298,9 +298,11 @@ class EagleDrafter(Drafter):
                 self.fc_b = _shape(weights, "fc.bias", (h,)).to(tm.dtype)
         self.vocab_map = None
         # The head runs on the host (like every drafter), on host copies of the target's
-        # embedding and lm_head when the target is on a GPU (no copy for a CPU target).
+        # embedding and lm_head when the target is on a GPU (no copy for a CPU target, unless it
+        # holds its tied table only as codes: then the head holds the rebuilt table).
         self.embed_w = tm.embed.cpu()
-        lm_head = self.embed_w if tm.lm_head is tm.embed else tm.lm_head.cpu()
+        tied = getattr(tm, "_lm_head", 0) is None or tm.lm_head is tm.embed
+        lm_head = self.embed_w if tied else tm.lm_head.cpu()
         if "lm_head.weight" in weights:
             if "draft_vocab" not in weights:
                 raise ValueError("a drafter with its own lm_head.weight needs draft_vocab (its "

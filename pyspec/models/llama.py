@@ -344,7 +344,7 @@ class LlamaForCausalLM(LlamaWeights):
         kept = {}
         t = input_ids.shape[0]
         cos, sin = self.rope_tables(positions, rope_lens)
-        x = F.embedding(input_ids, self.embed) if inputs_embeds is None else inputs_embeds
+        x = self.embed_rows(input_ids) if inputs_embeds is None else inputs_embeds
         with profile_range("pyspec.layers"):
             stack = self._fused_stack(t, x, k_pages)
             if stack is not None:

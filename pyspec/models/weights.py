@@ -10,6 +10,7 @@ import warnings
 from typing import Dict, Optional
 
 import torch
+import torch.nn.functional as F
 
 from pyspec import _C
 from pyspec.models.config import ModelConfig
@@ -67,9 +68,11 @@ class LlamaWeights:
         self.cfg = cfg
         self.dtype = dtype
         self.device = resolve_device(device)  # "cuda" -> "cuda:0": the device the KV pool gets
-        self.embed = weights.pop("model.embed_tokens.weight")
+        # The embedding table, and lm_head's own matrix (None: tied to the table); the table is
+        # None when only its codes are held (drop_dense: see the embed property).
+        self._embed = weights.pop("model.embed_tokens.weight")
         lm = weights.pop("lm_head.weight", None)
-        self.lm_head = self.embed if cfg.tie_word_embeddings else lm
+        self._lm_head = None if cfg.tie_word_embeddings else lm
         self.norm = weights.pop("model.norm.weight")
         self.layers = []
         from pyspec.linear import PackedWeight, pack_exact
@@ -129,6 +132,43 @@ class LlamaWeights:
             if self.device.type == "cpu":
                 self._codes_on_huge_pages()
 
+    @property
+    def embed(self) -> torch.Tensor:
+        """The embedding table [vocab, hidden]. Where the model holds it only as codes (a tied
+        table whose lm_head codes are exact, after :meth:`drop_dense`) this is a copy rebuilt
+        for the caller, not kept: lookups go through :meth:`embed_rows`."""
+        if self._embed is None:
+            return self._packed_lm_head.unpack()
+        return self._embed
+
+    @embed.setter
+    def embed(self, t: torch.Tensor) -> None:
+        self._embed = t
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        """The output projection [vocab, hidden]: the embedding table itself where tied."""
+        return self.embed if self._lm_head is None else self._lm_head
+
+    @lm_head.setter
+    def lm_head(self, t: torch.Tensor) -> None:
+        if self._lm_head is None and t is self._embed:
+            return  # (still tied)
+        self._lm_head = t
+
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of token ids ``[T]`` as ``[T, hidden]``: rows of the table, or rebuilt
+        from the codes alone where the table is held only as those (the same values bit for
+        bit)."""
+        if self._embed is not None:
+            return F.embedding(ids, self._embed)
+        p = self._packed_lm_head
+        ids = ids.reshape(-1)
+        pick = (lambda t: None if t is None else t.index_select(0, ids))  # noqa: E731
+        out = torch.empty(ids.shape[0], p.shape[1], dtype=torch.float32)
+        _C.unpack_packed(pick(p.q), pick(p.d), pick(p.m), out)
+        return out
+
     def _reads_codes(self) -> bool:
         """Whether the forward's dense layers can read packed codes (subclasses decide)."""
         return False
@@ -141,8 +181,11 @@ class LlamaWeights:
         the layer's entry becomes the :class:`~pyspec.linear.PackedWeight` and the float32 matrix
         is freed. Outputs stay the same bit for bit: the core kernel reads the codes at every row
         count it runs, and steps beyond it (long prefills) rebuild each matrix from its codes
-        for the call (:meth:`PackedWeight.unpack`). ``lm_head`` keeps its float32 matrix (for
-        the default model it is the embedding table). Returns how many matrices were dropped.
+        for the call (:meth:`PackedWeight.unpack`). An embedding table tied to lm_head whose
+        codes are exact (the default model's 8-bit ones, a 16-bit checkpoint's values) is held as
+        those codes alone too: lookups rebuild their rows (:meth:`embed_rows`), and :attr:`embed`
+        rebuilds the table for a caller that asks. An untied lm_head keeps its float32 matrix.
+        Returns how many matrices were dropped.
         Readers of ``layers[i][k]`` get a PackedWeight there: :meth:`layer_weight` gives the
         float32 matrix in either case."""
         from pyspec.linear import PackedWeight
@@ -156,6 +199,12 @@ class LlamaWeights:
                     p.drop_dense()
                     layer[k] = p
                     count += 1
+        lm = self._packed_lm_head
+        if (lm is not None and self._lm_head is None and self._embed is not None
+                and lm.dense is self._embed and self.device.type == "cpu"):
+            lm.drop_dense()
+            self._embed = None
+            count += 1
         if count:
             self._codes_only = True
             # The float32 matrices may share one huge-page mapping with the rest: copying the rest
@@ -193,7 +242,8 @@ class LlamaWeights:
                 lp[k] = layer[k] if p is None else p
                 count += p is not None
             packed.append(lp)
-        lm = pack_exact(self.lm_head)
+        # (A table held only as its codes keeps them: packing its rebuilt copy would hold both.)
+        lm = self._packed_lm_head if self._embed is None else pack_exact(self.lm_head)
         count += lm is not None
         if count == 0:
             return 0
@@ -245,18 +295,16 @@ class LlamaWeights:
         have their own), or None where none can be made (see Arena.for_tensors)."""
         from pyspec.hugepages import Arena
 
-        tied = self.lm_head is self.embed
         layer_ts = [t for layer in self.layers for t in layer.values()
                     if isinstance(t, torch.Tensor)]
-        return Arena.for_tensors([self.embed, self.norm] + ([] if tied else [self.lm_head])
-                                 + layer_ts)
+        return Arena.for_tensors([t for t in (self._embed, self.norm, self._lm_head)
+                                  if t is not None] + layer_ts)
 
     def _rehome(self, copy) -> None:
         """Replace every CPU weight tensor by ``copy(tensor)``, one at a time, so each source can
         go as soon as its copy exists: no decoder stack, packed matrix (its ``dense``) or
         unpacked entry of the packed layers may keep holding the old one."""
         self._weights_changed()
-        tied = self.lm_head is self.embed
         # id(tensor) -> its other holders: PackedWeights (dense) and packed-layer dicts holding a
         # matrix that did not pack (the forward reads those dicts).
         owners: Dict[int, list] = {}
@@ -277,8 +325,10 @@ class LlamaWeights:
                     holder[k] = new
             return new
 
-        self.embed = move(self.embed)
-        self.lm_head = self.embed if tied else move(self.lm_head)
+        if self._embed is not None:
+            self._embed = move(self._embed)
+        if self._lm_head is not None:
+            self._lm_head = move(self._lm_head)
         self.norm = move(self.norm)
         for layer in self.layers:
             for k, t in layer.items():
@@ -297,9 +347,10 @@ class LlamaWeights:
                 return mv(t)
             return t if dev.type == "cpu" else t.natural().to(dev)
 
-        tied = self.lm_head is self.embed
-        self.embed = mv(self.embed)
-        self.lm_head = self.embed if tied else mv(self.lm_head)
+        if self._embed is None and dev.type != "cpu":
+            self._embed = self.embed  # rebuilt from its codes: the device reads the table
+        self._embed = mv(self._embed)
+        self._lm_head = mv(self._lm_head)
         self.norm = mv(self.norm)
         self.layers = [{k: mv_layer(v) for k, v in layer.items()} for layer in self.layers]
         self.device = dev

@@ -209,12 +209,15 @@ def memory_limit() -> int:
 
 def model_tensors(model):
     """The tensors a loaded model holds (embedding, head, final norm, every layer's), each once.
-    Codes-only matrices (packed_weights="codes") count through the model's packed_bytes."""
+    Codes-only matrices (packed_weights="codes", a tied table held as codes) count through the
+    model's packed_bytes."""
     import torch
 
     seen = set()
-    for t in [model.embed, model.lm_head, model.norm] + [v for layer in model.layers
-                                                         for v in layer.values()]:
+    # (The held tensors themselves: a table held only as codes is not rebuilt to be counted.)
+    tables = [getattr(model, "_embed", None), getattr(model, "_lm_head", None)] \
+        if hasattr(model, "_embed") else [model.embed, model.lm_head]
+    for t in tables + [model.norm] + [v for layer in model.layers for v in layer.values()]:
         if isinstance(t, torch.Tensor) and id(t) not in seen:
             seen.add(id(t))
             yield t

@@ -85,6 +85,27 @@ def sixteen_bit_model_dir(path, layers=2):
     return str(path)
 
 
+def tied_model_dir(path, dtype=torch.bfloat16, layers=2):
+    """write_tiny_model with its embedding table tied to lm_head (no lm_head tensor) and every
+    matrix stored in ``dtype``, as small published checkpoints are."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    write_tiny_model(path, layers=layers)
+    f = os.path.join(str(path), "model.safetensors")
+    w = load_file(f)
+    del w["lm_head.weight"]
+    save_file({k: v.to(dtype) for k, v in w.items()}, f)
+    cfg = os.path.join(str(path), "config.json")
+    with open(cfg) as fh:
+        conf = json.load(fh)
+    conf["tie_word_embeddings"] = True
+    with open(cfg, "w") as fh:
+        json.dump(conf, fh)
+    return str(path)
+
+
 STEP_NAMES = ("prefill", "chunk", "hidden", "tree", "decode", "chain")
 
 

@@ -12,7 +12,7 @@ from pyspec.models.llama import LlamaForCausalLM
 from pyspec.runner import ModelRunner, SeqStep
 
 from packed_support import (assert_steps_bit_equal, bits_equal, needs_kernel, q4_grid, q8_grid,
-                            sixteen_bit_model_dir, snap_model_dir)
+                            sixteen_bit_model_dir, snap_model_dir, tied_model_dir)
 
 
 @pytest.fixture(scope="module", params=["block-codes", "16-bit"])
@@ -103,6 +103,71 @@ def test_codes_model_steps_equal_the_float32_model_bit_for_bit(grid_dir, fused, 
     assert (codes._fused is not None and codes._fused[2] is not None) == fused
     view = codes.truncated(1)
     assert len(view._packed) == 1 and view._packed[0] is codes._packed[0]
+
+
+@needs_kernel
+def test_a_tied_table_is_held_as_codes_alone(tmp_path):
+    """A tied embedding table whose lm_head codes are exact is held as those codes alone under
+    "codes": lookups and logits are the float32 model's bit for bit, the table's float32 copy
+    is gone, and a caller asking for the table gets it rebuilt."""
+    from pyspec.serve.metrics import model_tensors
+
+    path = tied_model_dir(tmp_path / "tied")
+    codes = LlamaForCausalLM.from_pretrained(path, packed_weights="codes")
+    auto = LlamaForCausalLM.from_pretrained(path)
+    dense = LlamaForCausalLM.from_pretrained(path, packed_weights="off")
+    assert codes._embed is None and codes._packed_lm_head.dense is None
+    assert codes._packed_lm_head.bits == 16 and auto._embed is not None
+    table = dense.embed
+    assert bits_equal(codes.embed, table) and bits_equal(codes.lm_head, table)
+    assert codes.embed is not codes.embed  # rebuilt per call, not kept
+    ids = torch.tensor([5, 0, 77, 255, 5])
+    assert bits_equal(codes.embed_rows(ids), table[ids])
+    assert_steps_bit_equal(codes, dense, seed=4)
+    # Only the codes stay: the model holds the table's float32 bytes less than "auto" does, on
+    # top of the layers' matrices.
+
+    def held(m):
+        return sum(t.numel() * t.element_size() for t in model_tensors(m)) + m.packed_bytes
+
+    layers_f32 = sum(auto.layer_weight(i, k).numel() * 4 for i in range(len(auto.layers))
+                     for k in ("wqkv", "wo", "wgu", "wd"))
+    assert held(codes) == held(auto) - layers_f32 - table.numel() * 4
+    assert codes.drop_dense() == 0 and codes.pack_weights() > 0 and codes._embed is None
+    # The engine on it: the plain float32 model's tokens.
+    llm = pyspec.LLM(path, draft="ngram", progress=False, kv_cache_tokens=1024)
+    ref = pyspec.LLM(path, draft="none", progress=False, kv_cache_tokens=1024,
+                     packed_weights="off")
+    assert llm.model._embed is None
+    prompt = [5, 77, 140, 9, 31, 5, 77, 140, 9, 31, 5, 77]
+    p = pyspec.SamplingParams(max_tokens=24, ignore_eos=True)
+    assert llm.generate([prompt], p)[0].token_ids == ref.generate([prompt], p)[0].token_ids
+    # On another device the table comes back as a tensor (checked on the CPU: the same path).
+    moved = codes.to("cpu")
+    assert moved._embed is None
+
+
+def test_large_codes_only_matrices_take_many_rows_in_chunks(packed_kernels, monkeypatch):
+    """A codes-only matrix too large to rebuild per call (REBUILD_MAX_BYTES) takes a call of many
+    rows through the codes' route in chunks: each row the core kernel's bits, no rebuilt copy."""
+    import pyspec.linear as lin_mod
+
+    linear = Linear(packed_kernels)
+    w = q8_grid(96, 128, seed=3)
+    p = pack_exact(w)
+    codes = PackedWeight(None, p.q, p.d, p.m, p.bits)
+    limit = packed_kernels.packed_rows_limit(False)
+    rows = 2 * limit + 5
+    x = torch.randn(rows, 128)
+    monkeypatch.setattr(lin_mod, "REBUILD_MAX_BYTES", 0)
+    calls = []
+    real = lin_mod._core_packed
+    monkeypatch.setattr(lin_mod, "_core_packed", lambda *a: (calls.append(a[0].shape[0]),
+                                                              real(*a))[1])
+    got = linear(x, codes)
+    assert calls == [limit, limit, 5]
+    want = torch.cat([linear(x[i:i + limit], w) for i in range(0, rows, limit)])
+    assert bits_equal(got, want)
 
 
 @needs_kernel
