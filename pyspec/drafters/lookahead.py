@@ -31,7 +31,7 @@ with the target-only walk, greedy ones with the greedy walk; both lossless.
 from __future__ import annotations
 
 import collections
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 from pyspec.drafters.base import Draft, Drafter, DraftRequest, Verified
 from pyspec.drafters.merged import merge_drafts
