@@ -176,8 +176,9 @@ def pack_exact(w, bits=(4, 8, 16)) -> Optional["PackedWeight"]:
         return None
     n = w.shape[0]
     # Rows per call: a large matrix (an embedding table) packs in slices, so the check's float32
-    # temporaries stay a few times 16 MB instead of a few times the matrix.
-    rows = max(64, (1 << 22) // w.shape[1])
+    # temporaries stay a few times 4 MB instead of a few times the matrix; the slices' codes are
+    # written into the whole matrix's (no concatenation holding them twice).
+    rows = max(64, (1 << 20) // w.shape[1])
     with torch.no_grad():
         packs = [{4: _pack4, 8: _pack8}[b] for b in bits if b != 16]
         if 16 in bits:
@@ -186,16 +187,26 @@ def pack_exact(w, bits=(4, 8, 16)) -> Optional["PackedWeight"]:
             # A few rows first: a matrix of another format (or none) fails there, cheaply.
             if n > 64 and pack(w[:16]) is None:
                 continue
-            parts = []
+            whole, ok = None, True
             for i in range(0, n, rows):
                 p = pack(w[i:i + rows])
                 if p is None:
+                    ok = False
                     break
-                parts.append(p)
-            else:
-                p = parts[0] if len(parts) == 1 else PackedWeight.cat_rows(parts)
-                p.dense = w
-                return p
+                if i == 0 and rows >= n:  # one slice: the whole matrix
+                    whole = p
+                    break
+                if whole is None:
+                    whole = PackedWeight(None, *(
+                        None if t is None else torch.empty((n,) + tuple(t.shape[1:]),
+                                                           dtype=t.dtype)
+                        for t in (p.q, p.d, p.m)), p.bits)
+                for mine, part in ((whole.q, p.q), (whole.d, p.d), (whole.m, p.m)):
+                    if mine is not None:
+                        mine[i:i + rows].copy_(part)
+            if ok:
+                whole.dense = w
+                return whole
     return None
 
 
@@ -303,6 +314,8 @@ class Linear:
         shape = x.shape
         rows = x.numel() // shape[-1] if len(shape) and shape[-1] else 0
         n, k = w.shape
+        if rows == 0 and len(shape) and shape[-1] == k:  # (no rows: nothing to rebuild or read)
+            return _empty((*shape[:-1], n), dtype=torch.float32) if out is None else out
         limit = self._packed_limit[dense is not None]
         chunks = False
         if (rows == 0 or rows > limit or shape[-1] != k or not x.is_contiguous()

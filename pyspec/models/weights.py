@@ -230,35 +230,40 @@ class LlamaWeights:
         the CPU whose dense-layer kernels read codes (``_reads_codes``: the AVX2 or AVX-512
         float32 build); returns how many matrices were packed (0 otherwise)."""
         from pyspec.linear import pack_exact
+        from pyspec.models.loader import return_freed_memory
 
         if (self.dtype != torch.float32 or self.device.type != "cpu"
                 or not self._reads_codes()):
             return 0
-        packed, count = [], 0
+        packed, new = [], []
         for layer in self.layers:
             lp = {}
             for k in ("wqkv", "wo", "wgu", "wd"):
                 p = pack_exact(layer[k])
                 lp[k] = layer[k] if p is None else p
-                count += p is not None
+                if p is not None:
+                    new.append(p)
             packed.append(lp)
         # (A table held only as its codes keeps them: packing its rebuilt copy would hold both.)
         lm = self._packed_lm_head if self._embed is None else pack_exact(self.lm_head)
-        count += lm is not None
-        if count == 0:
+        if lm is not None and lm is not self._packed_lm_head:
+            new.append(lm)
+        if not new:
             return 0
         self._packed = packed
         self._packed_lm_head = lm
         self._weights_changed()
-        self._codes_on_huge_pages()
-        return count
+        # The packing's temporaries go back to the system before the codes are copied again.
+        return_freed_memory()
+        self._codes_on_huge_pages(new)
+        return len(new)
 
-    def _codes_on_huge_pages(self) -> None:
-        """Copy the packed matrices' codes into one huge-page mapping (they stream every step,
-        like the weights), where one can be made."""
+    def _codes_on_huge_pages(self, ps: Optional[list] = None) -> None:
+        """Copy the packed matrices' codes (``ps``; default every one) into one huge-page
+        mapping (they stream every step, like the weights), where one can be made."""
         from pyspec.hugepages import Arena
 
-        ps = self._packed_weights()
+        ps = self._packed_weights() if ps is None else ps
         arena = Arena.for_tensors([t for p in ps for t in (p.q, p.d, p.m) if t is not None])
         if arena is not None:
             for p in ps:

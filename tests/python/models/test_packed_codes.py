@@ -133,7 +133,7 @@ def test_a_tied_table_is_held_as_codes_alone(tmp_path):
     layers_f32 = sum(auto.layer_weight(i, k).numel() * 4 for i in range(len(auto.layers))
                      for k in ("wqkv", "wo", "wgu", "wd"))
     assert held(codes) == held(auto) - layers_f32 - table.numel() * 4
-    assert codes.drop_dense() == 0 and codes.pack_weights() > 0 and codes._embed is None
+    assert codes.drop_dense() == 0 and codes.pack_weights() == 0 and codes._embed is None
     # The engine on it: the plain float32 model's tokens.
     llm = pyspec.LLM(path, draft="ngram", progress=False, kv_cache_tokens=1024)
     ref = pyspec.LLM(path, draft="none", progress=False, kv_cache_tokens=1024,
@@ -168,6 +168,14 @@ def test_large_codes_only_matrices_take_many_rows_in_chunks(packed_kernels, monk
     assert calls == [limit, limit, 5]
     want = torch.cat([linear(x[i:i + limit], w) for i in range(0, rows, limit)])
     assert bits_equal(got, want)
+    # No rows (a prefill chunk that asks for no logits): nothing rebuilt, nothing read.
+
+    def no_rebuild(n):
+        raise AssertionError("a call of no rows rebuilt the matrix")
+
+    monkeypatch.setattr(lin_mod, "_scratch", no_rebuild)
+    calls.clear()
+    assert linear(torch.empty(0, 128), codes).shape == (0, 96) and calls == []
 
 
 @needs_kernel
