@@ -791,13 +791,16 @@ bool Pack16Rows(const float* w, int64_t K, int64_t r0, int64_t r1, Packed& p) {
 // float16 (then bfloat16) values. Rows are checked in parallel on the core's thread pool.
 bool PackExact(const std::vector<float>& w, int64_t N, int64_t K, Packed& p) {
   if (K % 32 != 0 || K == 0 || N == 0) return false;
-  for (const int format : {4, 8, 16, 17}) {  // 17: bfloat16
-    auto rows = format == 4 ? &Pack4Rows : format == 8 ? &Pack8Rows : &Pack16Rows;
-    p.bits = std::min(format, 16);
-    p.half = format == 17 ? DType::kBFloat16 : DType::kFloat16;
+  // (bits, the 16-bit codes' float type), in the order tried.
+  const std::pair<int, DType> formats[] = {{4, DType::kFloat16}, {8, DType::kFloat16},
+                                           {16, DType::kFloat16}, {16, DType::kBFloat16}};
+  for (const auto& [bits, half] : formats) {
+    auto rows = bits == 4 ? &Pack4Rows : bits == 8 ? &Pack8Rows : &Pack16Rows;
+    p.bits = bits;
+    p.half = half;
     p.q.assign(static_cast<size_t>(N * p.row_bytes(K)), 0);
-    p.d.assign(format <= 8 ? static_cast<size_t>(N * K / 32) : 0, 0.f);
-    p.m.assign(format == 4 ? static_cast<size_t>(N * K / 32) : 0, 0.f);
+    p.d.assign(bits != 16 ? static_cast<size_t>(N * K / 32) : 0, 0.f);
+    p.m.assign(bits == 4 ? static_cast<size_t>(N * K / 32) : 0, 0.f);
     // A few rows first: a matrix of another format (or none) fails there, cheaply.
     if (!rows(w.data(), K, 0, std::min<int64_t>(N, 16), p)) continue;
     std::atomic<bool> ok{true};
