@@ -317,19 +317,14 @@ class Linear:
         if rows == 0 and len(shape) and shape[-1] == k:  # (no rows: nothing to rebuild or read)
             return _empty((*shape[:-1], n), dtype=torch.float32) if out is None else out
         limit = self._packed_limit[dense is not None]
-        chunks = False
-        if (rows == 0 or rows > limit or shape[-1] != k or not x.is_contiguous()
-                or (bias is not None and (bias.dtype is not torch.float32
-                                          or not bias.is_contiguous()))):
-            # Codes alone of a matrix too large to rebuild per call (a vocabulary's table): the
-            # rows in chunks the codes' route takes.
-            chunks = (dense is None and limit > 0 and rows > limit and shape[-1] == k
-                      and n * k * 4 > REBUILD_MAX_BYTES and x.is_contiguous()
-                      and (bias is None or (bias.dtype is torch.float32
-                                            and bias.is_contiguous())))
-            if not chunks:
-                return self(x, dense if dense is not None else
-                            w.unpack(_scratch(n * k).view(n, k)), bias, out)
+        fits = (rows > 0 and shape[-1] == k and x.is_contiguous()
+                and (bias is None or (bias.dtype is torch.float32 and bias.is_contiguous())))
+        # Codes alone of a matrix too large to rebuild per call (a vocabulary's table): a call of
+        # more rows than the codes' route takes goes through it in chunks of its rows.
+        chunks = fits and dense is None and 0 < limit < rows and n * k * 4 > REBUILD_MAX_BYTES
+        if not fits or (rows > limit and not chunks):
+            return self(x, dense if dense is not None else w.unpack(_scratch(n * k).view(n, k)),
+                        bias, out)
         x2 = x if len(shape) == 2 else x.view(rows, shape[-1])
         res = _empty((rows, n), dtype=torch.float32) if out is None else (
             out if out.dim() == 2 else out.view(rows, n))

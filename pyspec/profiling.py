@@ -73,10 +73,10 @@ class StepProfiler:
             raise ValueError(f"the profile folder {str(out_dir)!r} is not writable")
         stamp = time.strftime("%Y%m%d-%H%M%S")
         base = os.path.join(str(out_dir), f"pyspec-steps-{stamp}-{os.getpid()}")
-        n = 0
-        while os.path.exists(f"{base}{'-' + str(n) if n else ''}.json"):
+        self.path, n = base + ".json", 0
+        while os.path.exists(self.path):
             n += 1
-        self.path = f"{base}{'-' + str(n) if n else ''}.json"
+            self.path = f"{base}-{n}.json"
         self.summary_path = self.path[:-len(".json")] + ".summary.json"
         self.steps = int(steps)
         self.recorded = 0

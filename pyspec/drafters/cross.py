@@ -12,6 +12,7 @@ and sampled alike: the chain is deterministic, verified by the target-only walk)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -38,6 +39,19 @@ def _strip_partial(text: str) -> str:
     """``text`` without the replacement characters a cut-off UTF-8 sequence decodes to at its
     end."""
     return text.rstrip("\ufffd")
+
+
+@dataclass
+class _Run:
+    """One request's continuation while the draft model writes it."""
+
+    rid: int
+    ids: List[int]  # the context's draft tokens
+    table: List[int]  # its pages in the draft model's pool
+    new: List[int]  # tokens the next draft-model step runs
+    start: int  # their first position
+    out: List[int]  # the continuation so far
+    n: int  # its most tokens
 
 
 class CrossTokenizerDrafter(Drafter):
@@ -92,8 +106,8 @@ class CrossTokenizerDrafter(Drafter):
         up to ``n`` tokens, stopping at its end-of-sequence; [] for one that does not fit. The
         requests run together: one draft-model step per token position for all of them."""
         outs: List[List[int]] = [[] for _ in items]
-        live = []  # [item index, request id, ids, table, tokens to run, their start, out, n]
-        for k, (rid, ids, n) in enumerate(items):
+        live: List[_Run] = []
+        for (rid, ids, n), out in zip(items, outs):
             if len(ids) + n > self._limit:
                 n = self._limit - len(ids)
             table = self._reserve(rid, len(ids) + n) if n > 0 else None
@@ -103,34 +117,34 @@ class CrossTokenizerDrafter(Drafter):
             p = 0
             while p < min(len(have), len(ids) - 1) and have[p] == ids[p]:
                 p += 1
-            live.append([k, rid, ids, table, list(ids[p:]), p, outs[k], n])
+            live.append(_Run(rid, ids, table, list(ids[p:]), p, out, n))
         running = live
         while running:
-            o = self.runner.step([SeqStep(new, start, table, None, "last")
-                                  for _, _, _, table, new, start, _, _ in running])
+            o = self.runner.step([SeqStep(r.new, r.start, r.table, None, "last")
+                                  for r in running])
             src: List[int] = []
             dst: List[int] = []
-            for j, (_, _, _, table, new, start, _, _) in enumerate(running):
+            for j, r in enumerate(running):
                 base = o.row_indptr[j]
-                src.extend(range(base, base + len(new)))
-                dst.extend(slots_of(table, self.block_size, start, len(new)))
+                src.extend(range(base, base + len(r.new)))
+                dst.extend(slots_of(r.table, self.block_size, r.start, len(r.new)))
             self.runner.commit_kv(o, 0, src, dst)
             rows = torch.tensor([o.logits_indptr[j] for j in range(len(running))])
             toks = o.logits.index_select(0, rows).argmax(-1).tolist()
             more = []
-            for s, tok in zip(running, toks):
-                s[5] += len(s[4])
+            for r, tok in zip(running, toks):
+                r.start += len(r.new)
                 if tok in self._eos:
                     continue
-                s[6].append(int(tok))
-                s[4] = [int(tok)]
-                if len(s[6]) < s[7]:
-                    more.append(s)
+                r.out.append(int(tok))
+                r.new = [int(tok)]
+                if len(r.out) < r.n:
+                    more.append(r)
             running = more
-        for _, rid, ids, _, _, _, out, _ in live:
+        for r in live:
             # KV is written for ids and every token of out but the last (all of out when the
             # loop stopped at an end-of-sequence token: keeping one fewer only reruns it).
-            self._ids[rid] = list(ids) + out[:-1] if out else list(ids)
+            self._ids[r.rid] = list(r.ids) + r.out[:-1] if r.out else list(r.ids)
         return outs
 
     # ---- drafting ----

@@ -301,8 +301,7 @@ class EagleDrafter(Drafter):
         # embedding and lm_head when the target is on a GPU (no copy for a CPU target, unless it
         # holds its tied table only as codes: then the head holds the rebuilt table).
         self.embed_w = tm.embed.cpu()
-        tied = getattr(tm, "_lm_head", 0) is None or tm.lm_head is tm.embed
-        lm_head = self.embed_w if tied else tm.lm_head.cpu()
+        lm_head = self.embed_w if tm.tied else tm.lm_head.cpu()
         if "lm_head.weight" in weights:
             if "draft_vocab" not in weights:
                 raise ValueError("a drafter with its own lm_head.weight needs draft_vocab (its "

@@ -242,8 +242,8 @@ class Engine:
         if cur is not None and not cur.done:
             raise RuntimeError(f"this engine is already recording a profile ({cur.path}: "
                                f"{cur.recorded} of {cur.steps} steps)")
-        cuda = getattr(getattr(self.runner.model, "device", None), "type", "cpu") == "cuda"
-        self._profiler = StepProfiler(out_dir, steps, cuda=cuda)
+        self._profiler = StepProfiler(out_dir, steps,
+                                      cuda=self.runner.model.device.type == "cuda")
         return self._profiler.path
 
     def stop_profile(self) -> Optional[dict]:
@@ -460,13 +460,11 @@ class Engine:
         so = self.scheduler.step()
         self._step_open = True
         prof = self._profiler
+        recording = prof is not None and not prof.done and len(so)
         try:
-            if prof is not None and not prof.done and len(so):
-                with prof.step(so.ids) as k:
-                    if trace is not None and k is not None:
-                        trace.profile = (prof.path, k)
-                    outs = self._run_step(so, trace)
-            else:
+            with prof.step(so.ids) if recording else contextlib.nullcontext() as k:
+                if trace is not None and k is not None:
+                    trace.profile = (prof.path, k)
                 outs = self._run_step(so, trace)
         except BaseException as e:
             failed = self._fail_step(so)

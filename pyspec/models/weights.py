@@ -146,6 +146,11 @@ class LlamaWeights:
         self._embed = t
 
     @property
+    def tied(self) -> bool:
+        """lm_head is the embedding table itself."""
+        return self._lm_head is None
+
+    @property
     def lm_head(self) -> torch.Tensor:
         """The output projection [vocab, hidden]: the embedding table itself where tied."""
         return self.embed if self._lm_head is None else self._lm_head
@@ -200,7 +205,7 @@ class LlamaWeights:
                     layer[k] = p
                     count += 1
         lm = self._packed_lm_head
-        if (lm is not None and self._lm_head is None and self._embed is not None
+        if (lm is not None and self.tied and self._embed is not None
                 and lm.dense is self._embed and self.device.type == "cpu"):
             lm.drop_dense()
             self._embed = None
