@@ -14,6 +14,9 @@ Measured in one run, with CUDA events (median of repeated launches after a warm-
   mask (prefix visible, tree part under the ancestor mask; tree 64 only, as it compiles per
   shape), and SDPA (``enable_gqa``) with the dense boolean mask (trees 16 and 64, decode at 8k).
   Both get contiguous K/V (no paging), which favours them.
+* ``triton``: the Triton kernel (``tree_attention(..., backend="triton")``) on every attention
+  problem, its largest difference from pyspec's CUDA kernel, and both kernels' time per call
+  with the host taken out (10 calls captured in a CUDA graph, median of 5 replays: ``*_graph_s``).
 * ``filters``: sampling filters (temperature 0.7, top-k 50, top-p 0.9) on bf16 logits
   [256 x 16, 128256]; bandwidth = logit bytes / time.
 * ``acceptance``: batch 256, vocab 128256, chains of 16 draft tokens; greedy and sampled
@@ -53,6 +56,32 @@ def cuda_time(fn, reps=20, warmup=3):
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def graph_time(fn, calls=10, replays=5):
+    """Seconds per call of ``fn`` with no host overhead: ``calls`` calls captured in one CUDA graph,
+    median of ``replays`` replays. Warmed up on the capture stream (plans cached per stream)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=s):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / calls)
     return statistics.median(times)
 
 
@@ -136,6 +165,27 @@ def bench_attention(batch, ctx, tree, flex, compare, g):
         row[f"{other}_max_abs_diff"] = (out_other.float() - out.float()).abs().max().item()
     finally:
         _C._set_cuda_attention_variant(prev)
+    # Kernel time without host overhead (CUDA graphs), and the Triton kernel on the same problem.
+    args = (plan, p["q"], p["kp"], p["vp"], p["kn"], p["vn"])
+    try:
+        row["pyspec_graph_s"] = graph_time(lambda: tree_attention(*args, out=out))
+        row["pyspec_graph_gbps"] = kv_bytes / row["pyspec_graph_s"] / 1e9
+    except Exception as e:  # noqa: BLE001 - record why the graph could not be captured
+        row["graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    try:
+        out_t = torch.empty_like(out)
+        tree_attention(*args, out=out_t, backend="triton")  # compiles
+        row["triton_s"] = cuda_time(lambda: tree_attention(*args, out=out_t, backend="triton"))
+        row["triton_graph_s"] = graph_time(lambda: tree_attention(*args, out=out_t,
+                                                                  backend="triton"))
+        row["triton_graph_gbps"] = kv_bytes / row["triton_graph_s"] / 1e9
+        row["triton_max_abs_diff"] = (out_t.float() - out.float()).abs().max().item()
+        step = next(v for k, v in plan.__dict__.items() if k[0] == "_triton_step")
+        row["triton_items"], row["triton_merges"] = step.num_items, step.num_merges
+        if "pyspec_graph_s" in row:
+            row["triton_speedup"] = row["pyspec_graph_s"] / row["triton_graph_s"]
+    except Exception as e:  # noqa: BLE001 - record why the Triton kernel could not run
+        row["triton_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
     if not compare:
         return row
     k, v = contiguous_kv(p, batch, ctx)
@@ -250,6 +300,9 @@ def main(argv=None):
                 compare = tree in (64, 16) or ctx == 8192
                 row = bench_attention(batch, ctx, tree, flex if tree == 64 else None, compare, g)
                 row["copy_fraction"] = row["pyspec_gbps"] / res["copy"]["gbps"]
+                for name in ("pyspec_graph", "triton_graph"):
+                    if f"{name}_gbps" in row:
+                        row[f"{name}_copy_fraction"] = row[f"{name}_gbps"] / res["copy"]["gbps"]
                 if "flex_s" in row:
                     row["speedup_vs_flex"] = row["flex_s"] / row["pyspec_s"]
                 if "sdpa_s" in row:

@@ -61,46 +61,15 @@ def profile_check(eng, prompts, folder):
     return out
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--config", default="1b", choices=sorted(CONFIGS))
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--contexts", default="512,2048")
-    ap.add_argument("--nodes", default="1,4,8,16,32,64")
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--batch", default="1,8", help="engine batch sizes")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--profile-dir", default=None,
-                    help="also record a kernel-level profile (Engine.profile) of 4 speculative "
-                         "steps at the first batch size, after its timed run, into this folder")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
-
+def verify_cost(model, args, backend, bs=16):
+    """One request, a chain-shaped tree of N nodes after C tokens: a target step's time and its
+    ratio to a one-token step, with the model's attention backend ``backend``."""
     import torch
 
     from pyspec import TokenTree
-    from pyspec.engine import Engine, SamplingParams
-    from pyspec.models.llama import LlamaForCausalLM, resolve_device
-    from pyspec.models.loader import resolve_dtype
     from pyspec.runner import ModelRunner, SeqStep
 
-    device = resolve_device(args.device)
-    cfg = layout_config(args.config)
-    t0 = time.perf_counter()
-    model = LlamaForCausalLM.random(cfg, seed=0, dtype=resolve_dtype(args.dtype)).to(device)
-    params = sum(p.numel() for p in [model.embed, model.lm_head, model.norm]) + sum(
-        v.numel() for layer in model.layers for v in layer.values() if v is not None)
-    info = {"device": str(device), "config": args.config, "dtype": args.dtype,
-            "parameters": params, "init_s": round(time.perf_counter() - t0, 1)}
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    info["torch"] = torch.__version__
-    print(json.dumps(info), flush=True)
-
-    # ---- verify cost: one request, a chain-shaped tree of N nodes after C tokens ----------------
-    verify = []
-    bs = 16
+    device, cfg, verify = model.device, model.cfg, []
     for ctx in (int(x) for x in args.contexts.split(",")):
         runner = ModelRunner(model, num_blocks=(ctx + 128) // bs + 2, block_size=bs)
         table = list(range(runner.kv.num_blocks))
@@ -120,13 +89,68 @@ def main(argv=None):
                 runner.step([step])  # logits come back to the host: each step ends synchronized
             ms = (time.perf_counter() - t0) / args.repeats * 1000
             base = ms if n == 1 else base
-            row = {"context": ctx, "nodes": n, "step_ms": round(ms, 3),
+            row = {"attention": backend, "context": ctx, "nodes": n, "step_ms": round(ms, 3),
                    "vs_plain": round(ms / base, 3) if base else None}
             verify.append(row)
             print(json.dumps(row), flush=True)
         del runner
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    return verify
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--config", default="1b", choices=sorted(CONFIGS))
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--contexts", default="512,2048")
+    ap.add_argument("--nodes", default="1,4,8,16,32,64")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--batch", default="1,8", help="engine batch sizes")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--profile-dir", default=None,
+                    help="also record a kernel-level profile (Engine.profile) of 4 speculative "
+                         "steps at the first batch size, after its timed run, into this folder")
+    ap.add_argument("--attention-backends", default="native,triton",
+                    help="tree attention kernels the verify cost is measured with (triton: where "
+                         "the package is present)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from pyspec.engine import Engine, SamplingParams
+    from pyspec.models.llama import LlamaForCausalLM, resolve_device
+    from pyspec.models.loader import resolve_dtype
+    from pyspec.runner import ModelRunner
+
+    device = resolve_device(args.device)
+    cfg = layout_config(args.config)
+    t0 = time.perf_counter()
+    model = LlamaForCausalLM.random(cfg, seed=0, dtype=resolve_dtype(args.dtype)).to(device)
+    params = sum(p.numel() for p in [model.embed, model.lm_head, model.norm]) + sum(
+        v.numel() for layer in model.layers for v in layer.values() if v is not None)
+    info = {"device": str(device), "config": args.config, "dtype": args.dtype,
+            "parameters": params, "init_s": round(time.perf_counter() - t0, 1)}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    info["torch"] = torch.__version__
+    print(json.dumps(info), flush=True)
+
+    # ---- verify cost: one request, a chain-shaped tree of N nodes after C tokens ----------------
+    verify = []
+    bs = 16
+    backends = [b for b in args.attention_backends.split(",") if b]
+    for backend in backends:
+        try:
+            model.set_attention_backend(backend)
+        except ValueError as e:
+            verify.append({"attention": backend, "error": str(e)})
+            print(json.dumps(verify[-1]), flush=True)
+            continue
+        verify += verify_cost(model, args, backend, bs)
+    model.set_attention_backend("native")
 
     # ---- engine: plain vs prompt-lookup speculation, same prompts, one run -----------------------
     engine = []

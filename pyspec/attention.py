@@ -38,6 +38,16 @@ from pyspec import _C
 
 __all__ = ["AttentionPlan", "plan_attention", "tree_attention"]
 
+# tree_attention's kernels: pyspec's own (cpu and CUDA) or the Triton kernel (pyspec.triton_attention)
+ATTENTION_BACKENDS = ("native", "triton")
+
+
+def check_attention_backend(backend) -> str:
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"the attention backend must be one of {', '.join(ATTENTION_BACKENDS)}; "
+                         f"got {backend!r}")
+    return backend
+
 AttentionPlan = _C.AttentionPlan
 
 _IndexLike = Union[torch.Tensor, Sequence[int], Sequence[Sequence[int]]]
@@ -134,6 +144,7 @@ def tree_attention(
     out: Optional[torch.Tensor] = None,
     lse: Optional[torch.Tensor] = None,
     return_lse: bool = False,
+    backend: str = "native",
 ):
     """Attention of every new token over its prefix (from pages) and visible new tokens.
 
@@ -147,6 +158,8 @@ def tree_attention(
         out: optional ``[T, Hq, D]`` output with ``q``'s dtype (allocated when ``None``).
         lse: optional float32 ``[T, Hq]`` receiving the natural log-sum-exp of the scaled scores.
         return_lse: also return ``lse`` (allocated when not given).
+        backend: ``"native"`` (pyspec's own CPU and CUDA kernels) or ``"triton"``: the Triton
+            kernel of :mod:`pyspec.triton_attention` (CUDA tensors; q, K and V of one dtype).
 
     Returns:
         ``out``, or ``(out, lse)`` when ``return_lse`` is true or ``lse`` was given.
@@ -154,6 +167,7 @@ def tree_attention(
     All tensors must be contiguous and on one device (cpu, or one cuda device; a CUDA tensor in a
     build without CUDA raises ``RuntimeError``).
     """
+    check_attention_backend(backend)
     for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages), ("k_new", k_new),
                     ("v_new", v_new)):
         if not isinstance(t, torch.Tensor):
@@ -169,7 +183,10 @@ def tree_attention(
     want_lse = return_lse or lse is not None
     if return_lse and lse is None:
         lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
-    if q.is_cuda and getattr(_C, "built_with_cuda", False):
+    if backend == "triton":
+        from pyspec.triton_attention import tree_attention_triton
+        tree_attention_triton(plan, q, k_pages, v_pages, k_new, v_new, float(scale), out, lse)
+    elif q.is_cuda and getattr(_C, "built_with_cuda", False):
         if k_pages.dim() != 4:
             raise ValueError("'k_pages' must be [num_blocks, block_size, num_kv_heads, head_dim]; "
                              f"got {tuple(k_pages.shape)}")

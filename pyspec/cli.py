@@ -90,7 +90,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     llm = pyspec.LLM(args.model, draft, spec, dtype=args.dtype, device=args.device,
                      packed_weights=args.packed_weights,
                      kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
-                     tensor_parallel_size=args.tensor_parallel_size)
+                     tensor_parallel_size=args.tensor_parallel_size,
+                     attention_backend=args.attention_backend)
     prompt = ([{"role": "user", "content": args.prompt}]
               if not args.no_chat and llm.tokenizer.chat_template else args.prompt)
     ids = llm.chat_prompt(prompt) if isinstance(prompt, list) else llm.encode(prompt)

@@ -8,6 +8,7 @@ from typing import Sequence
 
 __all__ = ["DTYPES", "add_model_flags"]
 
+from pyspec.attention import ATTENTION_BACKENDS
 from pyspec.models.llama import PACKED_WEIGHTS_CHOICES
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -31,6 +32,9 @@ def add_model_flags(p: argparse.ArgumentParser, *, dtypes: Sequence[str] = DTYPE
     if device:
         p.add_argument("--device", default="cpu",
                        help="cpu, or cuda / cuda:N (a CUDA build with a GPU): where the model runs")
+        p.add_argument("--attention-backend", default="native", choices=list(ATTENTION_BACKENDS),
+                       help="tree attention's kernels: native (pyspec's) or triton (on cuda, with "
+                            "the triton package: one pass over a prefix per draft tree)")
     p.add_argument("--packed-weights", default="codes", choices=list(PACKED_WEIGHTS_CHOICES),
                    help=_PACKED_HELP)
     p.add_argument("--kv-cache-dtype", default="auto",

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
+from pyspec.attention import check_attention_backend
 from pyspec.engine import Engine, Router, StepError
 from pyspec.outputs import (Completion, GenerationOutput, OutputTracker, StreamChunk,
                             apply_outputs)
@@ -180,6 +181,9 @@ class LLM:
             and MLP across this process and N-1 worker processes (:mod:`pyspec.tensor_parallel`:
             CPU, gloo; at most the model's KV heads); drafting and acceptance stay here, so every
             rank verifies the same drafts. :meth:`close` stops the workers.
+        attention_backend: "native" (default: pyspec's CPU and CUDA kernels) or "triton" (with
+            ``device="cuda"`` and the ``triton`` package: :mod:`pyspec.triton_attention`, one
+            pass over a request's prefix for its whole draft tree).
     """
 
     def __init__(self, model: Optional[str] = None, draft="default",
@@ -190,10 +194,11 @@ class LLM:
                  max_prefill_chunk: int = 0, enable_prefix_cache: bool = True,
                  progress: bool = True,
                  packed_weights: str = "codes", kernels=None,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, attention_backend: str = "native"):
         from pyspec.models.llama import LlamaForCausalLM
         from pyspec.tokenizer import Tokenizer
 
+        check_attention_backend(attention_backend)  # before the model loads
         spec = spec or SpecConfig()
         if not isinstance(spec, SpecConfig):
             raise ValueError(f"spec must be a pyspec.SpecConfig; got {type(spec).__name__}")
@@ -232,6 +237,7 @@ class LLM:
         self.model = LlamaForCausalLM.from_pretrained(path, dtype=dtype, device=device,
                                                       packed_weights=packed_weights,
                                                       kernels=kernels)
+        self.model.set_attention_backend(attention_backend)
         self.tokenizer = Tokenizer.from_pretrained(path)
         # config.json's and generation_config.json's ids were checked as the config was read.
         eos, vocab = self.tokenizer.eos_token_id, self.model.cfg.vocab_size

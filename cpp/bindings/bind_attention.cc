@@ -10,6 +10,7 @@
 #include "dlpack_view.h"
 #include "pyspec/attention.h"
 #include "pyspec/check.h"
+#include "pyspec/tree.h"
 #include "registry.h"
 #include "uninitialized.h"
 #ifdef PYSPEC_WITH_CUDA
@@ -71,6 +72,25 @@ partition. Immutable; safe to share between threads.
           },
           py::arg("request"),
            "True when the request's new tokens form a tree, False for a causal chunk.")
+      .def(
+          "_step_arrays",
+          [](const AttentionPlan& p) {
+            auto bytes = [](const auto& v) {
+              return py::bytes(reinterpret_cast<const char*>(v.data()),
+                               v.size() * sizeof(v[0]));
+            };
+            py::dict d;
+            d["q_indptr"] = bytes(p.q_indptr());        // int64 [B + 1]
+            d["prefix_lens"] = bytes(p.prefix_lens());  // int64 [B]
+            d["page_indptr"] = bytes(p.page_indptr());  // int64 [B + 1]
+            d["pages"] = bytes(p.pages());              // int32, used pages of every request
+            d["tree_flags"] = bytes(p.tree_flags());    // uint8 [B]
+            d["masks"] = bytes(p.masks());              // uint64 [T, mask_words] or empty
+            d["mask_words"] = static_cast<int64_t>(TokenTree::kMaskWords);
+            return d;
+          },
+          "The validated step metadata as raw little-endian arrays (for device back ends that "
+          "lay out their own work partition, such as the Triton kernel).")
       .def("__repr__", &AttentionPlan::ToString);
   RefuseUninitialized<AttentionPlan>();
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pyspec import _C, ops
-from pyspec.attention import tree_attention
+from pyspec.attention import check_attention_backend, tree_attention
 from pyspec.linear import Linear
 from pyspec.models.config import ModelConfig
 from pyspec.models.loader import load_weights, resolve_dtype, return_freed_memory
@@ -127,11 +127,27 @@ class LlamaForCausalLM(LlamaWeights):
         # Tensor parallelism (pyspec.tensor_parallel): this model is one rank's share and the
         # row-parallel layers' outputs are summed over this process group; None: the whole model.
         self.tp_group = None
+        # Tree attention's kernels (pyspec.attention.tree_attention's backend): "native" or
+        # "triton" (CUDA tensors; see set_attention_backend).
+        self.attention_backend = "native"
         super().__init__(cfg, weights, dtype, device)
         self._inv_freq = rope_inv_freq(cfg, 0).to(self.device)
         # (layers list, packed list, _C.DecoderStack, the tensors it holds) for steps that run
         # every layer in one core call (_fused_stack); rebuilt when any of them is replaced.
         self._fused = None
+
+    def set_attention_backend(self, backend: str) -> None:
+        """Run this model's tree attention on pyspec's own kernels (``"native"``, the default) or
+        on the Triton kernel of :mod:`pyspec.triton_attention` (``"triton"``: a model on a GPU
+        in bfloat16 / float16 / float32, with the ``triton`` package)."""
+        if check_attention_backend(backend) == "triton":
+            from pyspec import triton_attention
+            if self.device.type != "cuda":
+                raise ValueError("attention backend 'triton' runs on CUDA; this model is on "
+                                 f"{self.device}")
+            if not triton_attention.available():
+                raise ValueError("attention backend 'triton' needs the 'triton' package")
+        self.attention_backend = backend
 
     def set_kernels(self, kernels=None) -> None:
         """Choose the dense layers' kernels (a :class:`pyspec._C.LinearKernels`, an ISA name, or
@@ -446,7 +462,8 @@ class LlamaForCausalLM(LlamaWeights):
             qkv = self.linear(h, mats["wqkv"], layer["bqkv"])
             q = ops.rotary_qkv(qkv, cos, sin, cfg.num_attention_heads, cfg.num_key_value_heads,
                                k_new[li], v_new[li])
-            a = tree_attention(plan, q, k_pages[li], v_pages[li], k_new[li], v_new[li])
+            a = tree_attention(plan, q, k_pages[li], v_pages[li], k_new[li], v_new[li],
+                               backend=self.attention_backend)
             x = x + self._summed(self.linear(a.view(t, qs), mats["wo"], layer["bo"]))
             h = self._rms(x, layer["ln2"])
             gu = self.linear(h, mats["wgu"])

@@ -1,0 +1,197 @@
+"""The Triton tree-attention kernel (``tree_attention(..., backend="triton")``) against the dense
+float64 reference of test_attention.py.
+
+On a GPU the kernel runs compiled. Without one it runs in Triton's interpreter, which Triton only
+turns on for a whole process (``TRITON_INTERPRET=1`` before it is imported): those cases run in a
+child process, whose failures fail the test here.
+"""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pyspec import triton_attention
+from pyspec.attention import tree_attention
+from test_attention import BF16, F16, F32, check, make_batch, make_step, plan_for
+
+pytest.importorskip("triton", reason="the Triton kernel needs the 'triton' package")
+
+# (seed, batch, block_size, hq, hkv, head_dim, dtype): GQA 1/3/4, a head dim that is not a power
+# of two, pages of 1 and 16 tokens, trees up to 256 nodes (several tiles and mask words),
+# prefixes up to 3,000 keys (split and merged where the step has few tiles).
+CASES = [
+    (0, 1, 16, 4, 4, 64, F32),
+    (1, 9, 16, 9, 3, 64, F32),
+    (2, 5, 1, 12, 4, 80, F32),
+    (3, 6, 16, 8, 2, 128, BF16),
+    (4, 4, 16, 9, 3, 64, F16),
+    (5, 3, 16, 8, 2, 256, F32),
+]
+
+
+def run_case(case, device):
+    seed, batch, bs, hq, hkv, d, dtype = case
+    c = make_batch(seed, batch, bs, hq, hkv, d, dtype, device)
+    plan = plan_for(c, hq, hkv)
+    scale = 1 / math.sqrt(d)
+    out, lse = tree_attention(plan, c["q"], c["k_pages"], c["v_pages"], c["k_new"], c["v_new"],
+                              return_lse=True, backend="triton")
+    check(c, out, lse, dtype, scale)
+
+
+def run_split_case(device):
+    """A tree, a decode token and a causal chunk over long prefixes, split into 64-key chunks."""
+    reqs = [(700, 16, [-1] + [i // 2 for i in range(15)]), (300, 1, None), (129, 70, None),
+            (0, 40, [-1] + list(range(39)))]
+    c = make_step(reqs, 16, 8, 2, 64, F32, device, seed=3)
+    plan = plan_for(c, 8, 2)
+    out = torch.empty_like(c["q"])
+    lse = torch.empty(c["q"].shape[:2], dtype=torch.float32, device=device)
+    triton_attention.tree_attention_triton(plan, c["q"], c["k_pages"], c["v_pages"], c["k_new"],
+                                           c["v_new"], 0.125, out, lse, num_sms=64,
+                                           min_chunk=64)
+    step = next(v for k, v in plan.__dict__.items() if k[0] == "_triton_step")
+    assert step.num_merges > 0 and step.num_items > step.num_merges
+    check(c, out, lse, F32, 0.125)
+
+
+def run_all(device):
+    for case in CASES:
+        run_case(case, device)
+    run_split_case(device)
+
+
+def test_interpreted_kernel_matches_reference():
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([here, os.path.dirname(here),
+                                           os.environ.get("PYTHONPATH", "")]))
+    code = "import test_triton_attention as t; t.run_all('cpu'); print('all cases passed')"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0 and "all cases passed" in r.stdout, r.stdout[-3000:] + \
+        r.stderr[-6000:]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", CASES)
+def test_cuda_kernel_matches_reference(case):
+    run_case(case, "cuda")
+
+
+@pytest.mark.cuda
+def test_cuda_split_prefix():
+    run_split_case("cuda")
+
+
+def test_partition_covers_every_row_and_key_once():
+    # requests: (rows, prefix); GQA 4, 2 KV heads, a GPU of 8 processors, 512-key chunks
+    lens, prefixes = [16, 1, 0, 64, 3], [4000, 100, 7, 2048, 0]
+    q_indptr = [0]
+    for n in lens:
+        q_indptr.append(q_indptr[-1] + n)
+    items, merges, block_m, part_rows = triton_attention._partition(q_indptr, prefixes, 4, 2, 8)
+    assert block_m == 128
+    seen = {}
+    for b, row, k0, k1, with_new, slot in items:
+        seen.setdefault((b, row), []).append((k0, k1, with_new, slot))
+    for b, (n, pre) in enumerate(zip(lens, prefixes)):
+        tiles = sorted(r for (bb, r) in seen if bb == b)
+        assert tiles == list(range(0, n * 4, block_m))
+        for r in tiles:
+            parts = sorted(seen[(b, r)])
+            assert [p[0] for p in parts][0] == 0 and parts[-1][1] == pre
+            assert all(parts[i][1] == parts[i + 1][0] for i in range(len(parts) - 1))
+            assert sum(p[2] for p in parts) == 1 and parts[-1][2] == 1  # new tokens once, last
+            assert all(p[1] - p[0] >= triton_attention.MIN_CHUNK for p in parts[:-1])
+    assert sum(m[3] for m in merges) * block_m == part_rows
+    assert {(m[0], m[1]) for m in merges} == {k for k, v in seen.items() if len(v) > 1}
+
+
+def test_bad_input():
+    c = make_step([(5, 3, None)], 16, 4, 2, 16, F32, "cpu")
+    plan = plan_for(c, 4, 2)
+    args = (plan, c["q"], c["k_pages"], c["v_pages"], c["k_new"], c["v_new"])
+    with pytest.raises(ValueError, match="attention backend must be one of native, triton"):
+        tree_attention(*args, backend="cuda")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(ValueError, match="runs on CUDA tensors"):
+            tree_attention(*args, backend="triton")
+    bad = (plan, c["q"], c["k_pages"].half(), c["v_pages"], c["k_new"], c["v_new"])
+    with pytest.raises(ValueError, match="'k_pages' in q's dtype"):
+        tree_attention(*bad, backend="triton")
+
+
+def test_model_and_llm_settings():
+    from pyspec import LLM
+    from pyspec.models.llama import LlamaForCausalLM
+    from helpers import tiny_config
+
+    model = LlamaForCausalLM.random(tiny_config(), seed=0)
+    assert model.attention_backend == "native"
+    with pytest.raises(ValueError, match="'triton' runs on CUDA; this model is on cpu"):
+        model.set_attention_backend("triton")
+    with pytest.raises(ValueError, match="must be one of native, triton; got 'flash'"):
+        model.set_attention_backend("flash")
+    assert model.attention_backend == "native"
+    with pytest.raises(ValueError, match="must be one of native, triton; got 'flash'"):
+        LLM("/nonexistent", attention_backend="flash")  # refused before the model loads
+
+
+# Compiled for an H100 (sm_90) here, without a GPU: the kernels must build, keep every register
+# (no local-memory stack) and fit in shared memory (227 KB per block) in the shapes the launcher
+# picks for 16-bit models. float32 compiles too, without tensor cores (it spills: for tests only).
+SM90_SMEM = 227 * 1024
+COMPILED = [  # (kernel, dtype, head_dim, tile rows, warps, must not spill)
+    ("tree_attn", "bf16", 128, 16, 4, True),
+    ("tree_attn", "bf16", 128, 64, 4, True),
+    ("tree_attn", "bf16", 128, 128, 8, True),
+    ("tree_attn", "fp16", 64, 64, 4, True),
+    ("tree_attn", "fp32", 64, 64, 4, False),
+    ("merge", "bf16", 128, 64, 4, True),
+]
+
+
+@pytest.mark.parametrize("kernel, dtype, d, block_m, warps, no_spill", COMPILED)
+def test_compiles_for_sm90_without_spills(kernel, dtype, d, block_m, warps, no_spill, tmp_path):
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pyspec import _triton_kernels
+
+    fn = getattr(_triton_kernels, kernel)
+    names = list(inspect.signature(fn.fn).parameters)
+    types = {"items": "*i64", "merges": "*i64", "q_indptr": "*i64", "page_indptr": "*i64",
+             "pages": "*i32", "tree_flags": "*u8", "masks": "*i64", "lse": "*fp32",
+             "part_o": "*fp32", "part_lse": "*fp32", "scale_log2": "fp32"}
+    types.update({n: f"*{dtype}" for n in ("q", "kp", "vp", "kn", "vn", "out")})
+    const = {"GROUP": 4, "D": d, "BLOCK_D": d, "BLOCK_M": block_m, "BLOCK_N": 64, "PAGE": 16,
+             "MASK_WORDS": 4, "HAS_LSE": True, "PREC": "ieee" if dtype == "fp32" else "tf32",
+             "WIDEN": False}
+    signature = {n: "constexpr" if n in const else types.get(n, "i64") for n in names}
+    # As Triton specializes at launch: 16-byte aligned tensors and strides divisible by 16.
+    aligned = [n for n in names if signature[n].startswith("*") and n not in
+               ("items", "merges", "q_indptr", "page_indptr", "pages", "tree_flags", "masks")]
+    aligned += [n for n in names if n.startswith("s_")]
+    src = ASTSource(fn=fn, signature=signature,
+                    constexprs={(names.index(k),): v for k, v in const.items() if k in names},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": 3})
+    assert compiled.metadata.shared <= SM90_SMEM
+    if not no_spill:
+        return
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    cubin = tmp_path / "k.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    usage = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True,
+                           check=True).stdout
+    line = next(ln for ln in usage.splitlines() if "REG:" in ln)
+    assert " STACK:0 " in line and " LOCAL:0 " in line, line
