@@ -137,11 +137,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step(self, seqs: Sequence[SeqStep], return_hidden=False,
-             inputs_embeds: Optional[torch.Tensor] = None) -> StepOutput:
+             inputs_embeds: Optional[torch.Tensor] = None, *,
+             logits_to_host: bool = True) -> StepOutput:
         """``return_hidden``: ``True`` for the final hidden states, or a sequence of layer numbers
         for their concatenation (see ``LlamaForCausalLM.forward``). ``inputs_embeds``
         ``[T, hidden]``: layer-0 inputs for the flattened rows instead of
-        the token embeddings (the token ids then only size the rows)."""
+        the token embeddings (the token ids then only size the rows). ``logits_to_host=False``
+        leaves a GPU model's logits on the device (the engine's acceptance runs there and copies
+        back only its decisions); hidden states always come to the host."""
         if not seqs:
             raise ValueError("a step needs at least one sequence")
         cfg = self.model.cfg
@@ -222,9 +225,9 @@ class ModelRunner:
                                  else inputs_embeds.to(self.model.device))
         logits, hidden = out if isinstance(out, tuple) else (out, None)
         if logits.device.type != "cpu":
-            # A model on a GPU: acceptance, sampling and the drafters run on the host; the step's
-            # K/V scratch stays on the device for commit_kv.
-            logits = logits.cpu()
+            # A model on a GPU: the drafters run on the host; the step's K/V scratch stays on the
+            # device for commit_kv, and the logits too where the caller accepts there.
+            logits = logits.cpu() if logits_to_host else logits
             hidden = hidden.cpu() if hidden is not None else None
         return StepOutput(logits, logits_indptr, row_indptr, k_new, v_new, hidden)
 

@@ -254,7 +254,8 @@ class TensorParallelRunner(ModelRunner):
                 self._broken = f"{type(e).__name__}: {e}"
                 raise RuntimeError(f"tensor-parallel step failed: {self._broken}") from e
 
-    def step(self, seqs: Sequence, return_hidden=False, inputs_embeds=None):
+    def step(self, seqs: Sequence, return_hidden=False, inputs_embeds=None, *,
+             logits_to_host: bool = True):  # (a CPU model's logits are on the host)
         seqs = list(seqs)
         return self._run(("step", _portable(seqs), return_hidden, inputs_embeds),
                          lambda: super(TensorParallelRunner, self).step(

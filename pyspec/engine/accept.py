@@ -1,11 +1,14 @@
 """The ACCEPT stage of an engine step: one batched acceptance over every decoding request.
 
-All-greedy batches take the core's greedy walk straight from the logits
+All-greedy batches on the CPU take the core's greedy walk straight from the logits
 (:func:`pyspec.sampling.accept_greedy`); otherwise the logits go through the sampling filters
 (per request temperature / top-k / top-p / min-p; temperature 0 is a one-hot row) and
 :func:`pyspec.sampling.accept` walks the trees: rejection sampling for sampled draft children,
 the target-only walk for deterministic ones. Draws are keyed by the request's seed and the
 sequence position, so a request's output never depends on the rest of the batch.
+
+Logits on a GPU stay there: the filters and the walk run on the device (the same algorithm and
+draws as on the CPU), and only the decisions come back to the host.
 """
 
 from __future__ import annotations
@@ -20,6 +23,18 @@ from pyspec.sampling import accept, accept_greedy, apply_sampling_filters
 __all__ = ["accept_step"]
 
 
+def _decisions(res):
+    """(emitted tokens, accepted paths, accepted counts) as lists, in one copy from a device."""
+    if res.num_accepted.device.type == "cpu":
+        return (res.emitted_tokens.tolist(), res.accepted_nodes.tolist(),
+                res.num_accepted.tolist())
+    b, w = res.emitted_tokens.shape
+    flat = torch.cat([res.emitted_tokens.reshape(-1), res.accepted_nodes.reshape(-1),
+                      res.num_accepted]).cpu()
+    return (flat[:b * w].view(b, w).tolist(), flat[b * w:2 * b * w].view(b, w).tolist(),
+            flat[2 * b * w:].tolist())
+
+
 def accept_step(reqs, drafts: List[Draft], logits: torch.Tensor, vocab_size: int, *,
                 greedy_from_logits: bool = True, debug_skip_residual: bool = False):
     """``(emitted tokens, accepted paths, accepted counts)``, one entry per request.
@@ -27,7 +42,8 @@ def accept_step(reqs, drafts: List[Draft], logits: torch.Tensor, vocab_size: int
     Args:
         reqs: the engine's requests, in the order of ``drafts`` (their params, seeds, contexts).
         drafts: each request's draft tree (its root alone where nothing was drafted).
-        logits: float32 ``[sum of tree sizes, vocab]``, the trees' rows in order.
+        logits: float32 ``[sum of tree sizes, vocab]``, the trees' rows in order (cpu, or the
+            model's GPU).
         greedy_from_logits: all-greedy batches walk the logits directly (False: through the
             temperature-0 rows, the same result; for measurements).
         debug_skip_residual: the deliberately broken rule (tests only).
@@ -42,9 +58,10 @@ def accept_step(reqs, drafts: List[Draft], logits: torch.Tensor, vocab_size: int
     trees = (torch.tensor(flat, dtype=torch.int32), torch.tensor(parents, dtype=torch.int32),
              torch.tensor(indptr, dtype=torch.int64))
     greedy = [r.params.temperature == 0.0 for r in reqs]
-    if all(greedy) and greedy_from_logits and not debug_skip_residual:
+    on_host = logits.device.type == "cpu"
+    if all(greedy) and greedy_from_logits and on_host and not debug_skip_residual:
         res = accept_greedy(logits, *trees)
-        return res.emitted_tokens.tolist(), res.accepted_nodes.tolist(), res.num_accepted.tolist()
+        return _decisions(res)
     if all(greedy):
         probs = apply_sampling_filters(logits, 0.0)
     else:
@@ -63,7 +80,8 @@ def accept_step(reqs, drafts: List[Draft], logits: torch.Tensor, vocab_size: int
     sampled = [d.draft_probs is not None and not g for d, g in zip(drafts, greedy)]
     draft_probs = None
     if any(sampled):
-        draft_probs = torch.zeros((indptr[-1], vocab_size), dtype=torch.float32)
+        draft_probs = torch.zeros((indptr[-1], vocab_size), dtype=torch.float32,
+                                  device=logits.device)
         for k, d in enumerate(drafts):
             if sampled[k]:
                 draft_probs[indptr[k]:indptr[k + 1]] = d.draft_probs
@@ -74,4 +92,4 @@ def accept_step(reqs, drafts: List[Draft], logits: torch.Tensor, vocab_size: int
                  offsets=torch.tensor([len(r.context) for r in reqs], dtype=torch.int64),
                  sampled_children=torch.tensor(sampled, dtype=torch.bool),
                  debug_skip_residual=debug_skip_residual)
-    return res.emitted_tokens.tolist(), res.accepted_nodes.tolist(), res.num_accepted.tolist()
+    return _decisions(res)

@@ -568,7 +568,8 @@ class Engine:
         result = _C.StepResult()
         t0 = time.perf_counter()
         with profile_range("pyspec.verify"):
-            out = self.runner.step(seqs, return_hidden=self.drafting.need_hidden)
+            out = self.runner.step(seqs, return_hidden=self.drafting.need_hidden,
+                                   logits_to_host=False)
         t_fwd = time.perf_counter() - t0
         if trace is not None:
             trace.verify = (t0, t0 + t_fwd)
@@ -635,7 +636,8 @@ class Engine:
                 count_speculative_step(self._stats, nd, a)
             rec = self._record.get(rid)
             if rec is not None:
-                rec.append(out.logits[[out.logits_indptr[i] + n for n in path]].clone())
+                rec.append(out.logits[[out.logits_indptr[i] + n for n in path]].to(
+                    "cpu", copy=True))
             if r.drafter is not None and not r.failed:
                 v = Verified(
                     rid, starts[i], [dr.tokens[n] for n in path], emitted[j][:a + 1], tables[i],

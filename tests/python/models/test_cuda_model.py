@@ -144,3 +144,26 @@ def test_greedy_speculation_with_triton_attention_equals_plain(kind, tmp_path):
     model.set_attention_backend("native")  # the near-tie check's forward uses pyspec's kernel
     assert_equal_up_to_near_ties(model, ps, [r.token_ids for r in res], plain, 0.0625,
                                  f"{kind} with triton attention: ")
+
+
+@pytest.mark.cuda
+@needs_cuda_model
+def test_sampled_acceptance_on_the_device_matches_plain_sampling():
+    """The engine keeps a GPU model's logits on the device: filters and the tree walk run there
+    and only decisions come back. With prompt lookup's deterministic drafts the sampled output is
+    plain sampling's very output for the seed (float32: the tree step's logits equal the decode
+    step's to ~1e-6, so a draw landing between them is not expected at this size)."""
+    model = LlamaForCausalLM.random(tiny_config(), seed=0, dtype=torch.float32).to("cuda")
+    ps = prompts()
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, seed=s)
+              for s in range(len(ps))]
+    params[1] = SamplingParams(max_tokens=MAX_TOKENS)  # a greedy neighbour in the same batch
+    outs = []
+    for drafter in (None, "ngram"):
+        eng = Engine(ModelRunner(model, num_blocks=64, block_size=8), drafter=drafter,
+                     max_num_seqs=8, max_num_batched_tokens=80, max_prefill_chunk=16,
+                     adaptive=False)
+        outs.append(eng.generate(ps, params))
+    plain, spec = outs
+    assert sum(r.stats.draft_tokens for r in spec) > 0
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
