@@ -133,6 +133,47 @@ print(json.dumps({"tok_s": len(out.token_ids) / dt, "rss_mb": rss / 1e6,
 """
 
 
+# Decode steps of both models in one process, alternating (the same machine state for both), at
+# one context: median step time per model, and a torch.profiler pass over each model's steps
+# (self time by op and by pyspec range: the decoder layers, lm_head).
+_CHILD_STEPS = r"""
+import json, statistics, sys, time
+import torch
+import pyspec
+from pyspec.runner import ModelRunner, SeqStep
+paths, steps = sys.argv[1:3], int(sys.argv[3])
+llms = [pyspec.LLM(p, draft="none", progress=False, packed_weights="auto") for p in paths]
+ids = llms[0].encode("Write a short story about a lighthouse keeper who finds a message in a bottle.")
+runs = []
+for llm in llms:
+    r = ModelRunner(llm.model, num_blocks=16, block_size=16)
+    table = list(range(16))
+    out = r.step([SeqStep(ids, 0, table, None, "last")])
+    r.commit_kv(out, 0, range(len(ids)), list(range(len(ids))))
+    step = [SeqStep([ids[-1]], len(ids), table, None, "last")]
+    for _ in range(5):
+        r.step(step)
+    runs.append((r, step))
+times = [[], []]
+for _ in range(steps):
+    for k, (r, step) in enumerate(runs):
+        t0 = time.perf_counter()
+        r.step(step)
+        times[k].append(time.perf_counter() - t0)
+prof = []
+for r, step in runs:
+    with torch.profiler.profile() as p:
+        for _ in range(50):
+            r.step(step)
+    top = sorted(p.key_averages(), key=lambda e: -e.self_cpu_time_total)[:8]
+    prof.append([(e.key, round(e.self_cpu_time_total / 50 / 1e3, 3)) for e in top])
+print(json.dumps({"step_ms": [round(statistics.median(t) * 1e3, 3) for t in times],
+                  "step_ms_p10": [round(sorted(t)[len(t) // 10] * 1e3, 3) for t in times],
+                  "profile_self_ms_per_step": prof,
+                  "packed": [llm.model.describe()["packed"] for llm in llms]}))
+"""
+
+
 def _run(path: str, tokens: int, packed: str = "auto") -> dict:
     r = subprocess.run([sys.executable, "-c", _CHILD, path, str(tokens), packed],
                        capture_output=True, text=True, timeout=1800)
@@ -153,6 +194,9 @@ def main() -> None:
                          "(float16: as published files; float32: as the float checkpoint)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=0,
+                    help="also time N decode steps of the float and the quantized model in one "
+                         "process, alternating, with a profile of each (0: off)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     src = args.model
@@ -172,6 +216,15 @@ def main() -> None:
             runs["float32 packed"].append(_run(src, args.tokens))
             runs[q].append(_run(qdir, args.tokens, "codes" if sixteen else "auto"))
             runs[q + " dequantized to float32"].append(_run(qdir, args.tokens, "off"))
+        same_process = None
+        if args.steps:
+            r = subprocess.run([sys.executable, "-c", _CHILD_STEPS, src, qdir, str(args.steps)],
+                               capture_output=True, text=True, timeout=3600)
+            if r.returncode != 0:
+                raise SystemExit(r.stderr[-2000:])
+            same_process = json.loads(r.stdout.strip().splitlines()[-1])
+            ms = same_process["step_ms"]
+            same_process["step_time_ratio_quantized_over_float"] = round(ms[1] / ms[0], 3)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     best = {k: max(v, key=lambda r: r["tok_s"]) for k, v in runs.items()}
@@ -184,6 +237,8 @@ def main() -> None:
                             "peak_rss_mb": round(best[k]["peak_rss_mb"], 1),
                             "packed": best[k]["packed"]} for k, v in runs.items()},
            "speed_ratio_quantized_over_float": round(b["tok_s"] / a["tok_s"], 3)}
+    if same_process is not None:
+        out["same_process_decode_steps"] = dict(same_process, steps=args.steps)
     print(json.dumps(out, indent=1))
     if args.out:
         with open(args.out, "w") as f:

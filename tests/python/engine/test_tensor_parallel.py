@@ -65,8 +65,12 @@ def test_shards_add_up_to_the_whole_layer(tmp_path):
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     path = write_tiny_model(tmp_path_factory.mktemp("tp"))
-    one = pyspec.LLM(path, draft="ngram", kv_cache_tokens=4096)
-    two = pyspec.LLM(path, draft="ngram", kv_cache_tokens=4096, tensor_parallel_size=2)
+    # Fixed draft lengths: with adaptive speculation a loaded machine's step times can turn
+    # drafting off before any draft is accepted, and the acceptance check below would then fail.
+    spec = pyspec.SpecConfig(adaptive=False)
+    one = pyspec.LLM(path, draft="ngram", spec=spec, kv_cache_tokens=4096)
+    two = pyspec.LLM(path, draft="ngram", spec=spec, kv_cache_tokens=4096,
+                     tensor_parallel_size=2)
     yield one, two, path
     two.close()
 
