@@ -325,11 +325,12 @@ def _tree_tensors(tokens, parents, tree_indptr):
 def _accept_trees(target, draft_probs, tokens, parents, tree_indptr, greedy, sampled, seeds,
                   offsets, row_sum_tolerance, **flags) -> AcceptResult:
     dev = target.device
+    b = tree_indptr.numel() - 1
+    # (from the host copies where the trees were given on the cpu: no device round trip)
+    width = _C.tree_batch_max_depth(parents.cpu(), tree_indptr.cpu()) + 1
     if dev.type == "cuda":
         # Tree metadata may be given on the cpu; the op wants one device.
         tokens, parents, tree_indptr = (x.to(dev) for x in (tokens, parents, tree_indptr))
-    b = tree_indptr.numel() - 1
-    width = _C.tree_batch_max_depth(parents.cpu(), tree_indptr.cpu()) + 1
     accepted_nodes = torch.empty((b, width), dtype=torch.int32, device=dev)
     emitted_tokens = torch.empty((b, width), dtype=torch.int32, device=dev)
     num_accepted = torch.empty((b,), dtype=torch.int32, device=dev)

@@ -5,9 +5,10 @@ reads the same plan (:func:`pyspec.attention.plan_attention`) and tensors and re
 result within float rounding. The layout follows ``shared/research/gpu-tree-attention.md``:
 
 * A request's new rows and the query heads of one KV head are packed as the rows of one tile,
-  ``row = node * group + g``, up to 128 rows per tile. A 16-node tree of a GQA-4 model is one
-  64-row tile, so each K/V page of its prefix is read once per KV head (the CUDA kernel's 64-vector
-  tiles read a 64-node tree's prefix four times).
+  ``row = node * group + g``, up to 128 rows per tile (16 for head dims over 128). A 16-node tree
+  of a GQA-4 model is one 64-row tile, so each K/V page of its prefix is read once per KV head
+  (the CUDA kernel's 64-vector tiles read a 64-node tree's prefix four times). Each request gets
+  the smallest tile that holds its rows (16 to 128), one launch per tile height in the step.
 * The prefix is streamed in 64-key tiles gathered through the page table (Triton pipelines the
   loads), with no mask but the bounds; the request's own new tokens come last, under the tree's
   ancestor bits (or the causal rule for a chunk), only up to the tile's last node.
@@ -21,6 +22,7 @@ in Triton's interpreter on cpu tensors instead, which is how they are tested whe
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from typing import Optional
@@ -43,19 +45,30 @@ def _pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
-def _partition(q_indptr, prefix_lens, group, num_kv_heads, num_sms, min_chunk=MIN_CHUNK):
-    """Work items ``[b, row_begin, kv_begin, kv_end, with_new, slot]`` and merges
-    ``[b, row_begin, slot, chunks]`` of one step, and the tile height and partial rows."""
+def _tile_rows(rows: int, max_block_m: int) -> int:
+    """The tile height for a request of ``rows`` packed rows: the power of two that holds them,
+    16 (the MMA's least) to ``max_block_m``."""
+    return min(max_block_m, max(16, _pow2(rows)))
+
+
+def _partition(q_indptr, prefix_lens, group, num_kv_heads, num_sms, min_chunk=MIN_CHUNK,
+               max_block_m=MAX_BLOCK_M):
+    """The work of one step, grouped by tile height (a decode request's 4 packed rows get a
+    16-row tile, not the 128 rows of a 64-node tree beside it in the batch):
+    ``({block_m: (items, merges)}, partial rows)``. An item is ``[b, row_begin, kv_begin,
+    kv_end, with_new, slot]``, a merge ``[b, row_begin, slot, chunks]``; chunk ``c`` of a split
+    tile writes partial rows ``slot + c * block_m``."""
     lens = [q_indptr[i + 1] - q_indptr[i] for i in range(len(prefix_lens))]
-    block_m = min(MAX_BLOCK_M, max(16, _pow2(max([n * group for n in lens] + [1]))))
-    tiles = [-(-n * group // block_m) for n in lens]
+    heights = [_tile_rows(n * group, max_block_m) for n in lens]
+    tiles = [-(-n * group // m) for n, m in zip(lens, heights)]
     base = sum(tiles) * num_kv_heads
     # FlashDecoding's rule of thumb: split the prefix only while the tiles leave SMs idle.
     splits = 1 if base == 0 or base >= 0.8 * num_sms else -(-2 * num_sms // base)
-    items, merges, part_rows = [], [], 0
-    for b, (n, pre) in enumerate(zip(lens, prefix_lens)):
+    groups, part_rows = {}, 0
+    for b, (n, pre, block_m) in enumerate(zip(lens, prefix_lens, heights)):
         if n == 0:
             continue
+        items, merges = groups.setdefault(block_m, ([], []))
         chunks = max(1, min(splits, pre // min_chunk))
         size = -(-pre // chunks) if chunks > 1 else pre
         size = -(-size // BLOCK_N) * BLOCK_N
@@ -68,17 +81,17 @@ def _partition(q_indptr, prefix_lens, group, num_kv_heads, num_sms, min_chunk=MI
             merges.append((b, row, part_rows, chunks))
             for c in range(chunks):
                 items.append((b, row, c * size, min(pre, (c + 1) * size), int(c == chunks - 1),
-                              part_rows))
-                part_rows += block_m
-    # Longest first, so the last wave is made of short items.
-    items.sort(key=lambda it: -(it[3] - it[2]))
-    return items, merges, block_m, part_rows
+                              part_rows + c * block_m))
+            part_rows += chunks * block_m
+    for items, _ in groups.values():
+        items.sort(key=lambda it: -(it[3] - it[2]))  # longest first: the last wave is short
+    return groups, part_rows
 
 
 class _Step:
     """A plan's metadata and partition on one device, for one head layout (cached on the plan)."""
 
-    def __init__(self, plan, device, num_q_heads, num_kv_heads, num_sms, min_chunk):
+    def __init__(self, plan, device, num_q_heads, num_kv_heads, num_sms, min_chunk, max_block_m):
         arrays = plan._step_arrays()
 
         def tensor(name, dtype):
@@ -90,11 +103,15 @@ class _Step:
         prefix = torch.frombuffer(bytearray(arrays["prefix_lens"]), dtype=torch.int64) \
             if arrays["prefix_lens"] else torch.zeros(0, dtype=torch.int64)
         self.group = num_q_heads // num_kv_heads
-        items, merges, self.block_m, self.part_rows = _partition(
-            q_indptr.tolist(), prefix.tolist(), self.group, num_kv_heads, num_sms, min_chunk)
-        self.num_items, self.num_merges = len(items), len(merges)
-        self.items = torch.tensor(items or [[0] * 6], dtype=torch.int64).to(device)
-        self.merges = torch.tensor(merges or [[0] * 4], dtype=torch.int64).to(device)
+        groups, self.part_rows = _partition(q_indptr.tolist(), prefix.tolist(), self.group,
+                                            num_kv_heads, num_sms, min_chunk, max_block_m)
+        # Per tile height: (block_m, items, merges, their device tensors).
+        self.groups = [(m, len(items), len(merges),
+                        torch.tensor(items, dtype=torch.int64).to(device),
+                        torch.tensor(merges or [[0] * 4], dtype=torch.int64).to(device))
+                       for m, (items, merges) in sorted(groups.items())]
+        self.num_items = sum(g[1] for g in self.groups)
+        self.num_merges = sum(g[2] for g in self.groups)
         self.q_indptr = q_indptr.to(device)
         self.page_indptr = tensor("page_indptr", torch.int64)
         self.pages = tensor("pages", torch.int32)
@@ -166,17 +183,19 @@ def tree_attention_triton(plan, q, k_pages, v_pages, k_new, v_new, scale: float,
     if t_rows == 0:
         return
     sms = num_sms or _num_sms(q.device)
-    key = ("_triton_step", str(q.device), hq, hkv, sms, min_chunk)
+    block_d = max(16, _pow2(d))
+    # Head dims over 128 keep every register (sm_90, no spill) only with 16-row tiles.
+    max_block_m = MAX_BLOCK_M if block_d <= 128 else 16
+    key = ("_triton_step", str(q.device), hq, hkv, sms, min_chunk, max_block_m)
     step = plan.__dict__.get(key)
     if step is None:
-        step = _Step(plan, q.device, hq, hkv, sms, min_chunk)
+        step = _Step(plan, q.device, hq, hkv, sms, min_chunk, max_block_m)
         plan.__dict__[key] = step
     interpret = q.device.type != "cuda"
     if interpret and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("backend='triton' runs on CUDA tensors (on cpu tensors only in Triton's "
                          f"interpreter, TRITON_INTERPRET=1, for tests); got {q.device}")
     from pyspec._triton_kernels import merge, tree_attn as attn
-    block_d = max(16, _pow2(d))
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     part_o = part_lse = out  # placeholders the kernel never touches without a split
     if step.part_rows:
@@ -184,19 +203,24 @@ def tree_attention_triton(plan, q, k_pages, v_pages, k_new, v_new, scale: float,
                              device=q.device)
         part_lse = torch.empty(hkv * step.part_rows, dtype=torch.float32, device=q.device)
     lse_arg = lse if lse is not None else out
-    extra = {} if interpret else {"num_warps": 4 if step.block_m <= 64 else 8, "num_stages": 3}
-    attn[(step.num_items, hkv)](
-        step.items, step.q_indptr, step.page_indptr, step.pages, step.tree_flags, step.masks,
-        q, k_pages, v_pages, k_new, v_new, out, lse_arg, part_o, part_lse,
-        float(scale) * 1.4426950408889634, step.part_rows, hq,
-        q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
-        k_new.stride(0), k_new.stride(1), out.stride(0), out.stride(1),
-        GROUP=step.group, D=d, BLOCK_D=block_d, BLOCK_M=step.block_m, BLOCK_N=BLOCK_N,
-        PAGE=page, MASK_WORDS=step.mask_words, HAS_LSE=lse is not None, PREC=prec,
-        WIDEN=interpret and q.dtype == torch.bfloat16, **extra)
-    if step.num_merges:
-        merge[(step.num_merges, hkv)](
-            step.merges, step.q_indptr, part_o, part_lse, out, lse_arg, step.part_rows, hq,
-            out.stride(0), out.stride(1),
-            GROUP=step.group, D=d, BLOCK_D=block_d, BLOCK_M=step.block_m,
-            HAS_LSE=lse is not None, **({} if interpret else {"num_warps": 4}))
+    # Triton launches on torch's current device: the tensors' own, for a model on cuda:N.
+    with torch.cuda.device(q.device) if not interpret else contextlib.nullcontext():
+        for block_m, num_items, num_merges, items, merges in step.groups:
+            extra = {} if interpret else {"num_warps": 4 if block_m <= 64 else 8,
+                                          "num_stages": 3 if block_d <= 128 else 2}
+            attn[(num_items, hkv)](
+                items, step.q_indptr, step.page_indptr, step.pages, step.tree_flags, step.masks,
+                q, k_pages, v_pages, k_new, v_new, out, lse_arg, part_o, part_lse,
+                float(scale) * 1.4426950408889634, step.part_rows, hq,
+                q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1),
+                k_pages.stride(2), k_new.stride(0), k_new.stride(1), out.stride(0),
+                out.stride(1), GROUP=step.group, D=d, BLOCK_D=block_d, BLOCK_M=block_m,
+                BLOCK_N=BLOCK_N, PAGE=page, MASK_WORDS=step.mask_words,
+                HAS_LSE=lse is not None, PREC=prec,
+                WIDEN=interpret and q.dtype == torch.bfloat16, **extra)
+            if num_merges:
+                merge[(num_merges, hkv)](
+                    merges, step.q_indptr, part_o, part_lse, out, lse_arg, step.part_rows, hq,
+                    out.stride(0), out.stride(1), GROUP=step.group, D=d, BLOCK_D=block_d,
+                    BLOCK_M=block_m, HAS_LSE=lse is not None,
+                    **({} if interpret else {"num_warps": 4}))

@@ -600,6 +600,7 @@ class Engine:
         chunks: Dict[str, List[PrefillChunk]] = {}
         verified: Dict[str, List[Verified]] = {}
         hidden = out.hidden
+        top = None  # every logits row's argmax, for drafters that learn from predictions
         dec_pos = 0
         for i, rid in enumerate(so.ids):
             r = self._reqs[rid]
@@ -645,7 +646,9 @@ class Engine:
                 if nd and r.drafter in drafting.wants_predictions:
                     lo = out.logits_indptr[i]
                     v.tree = dr
-                    v.predicted = out.logits[lo:lo + nd + 1].argmax(-1).tolist()
+                    if top is None:  # (one pass and one copy per step, also from a GPU)
+                        top = out.logits.argmax(-1).tolist()
+                    v.predicted = top[lo:lo + nd + 1]
                 verified.setdefault(r.drafter, []).append(v)
         if src_rows:
             # row_indptr[0] == 0, so request 0's "local" rows are the global scratch rows: one

@@ -43,26 +43,39 @@ def run_case(case, device):
     check(c, out, lse, dtype, scale)
 
 
-def run_split_case(device):
-    """A tree, a decode token and a causal chunk over long prefixes, split into 64-key chunks."""
-    reqs = [(700, 16, [-1] + [i // 2 for i in range(15)]), (300, 1, None), (129, 70, None),
-            (0, 40, [-1] + list(range(39)))]
-    c = make_step(reqs, 16, 8, 2, 64, F32, device, seed=3)
-    plan = plan_for(c, 8, 2)
-    out = torch.empty_like(c["q"])
-    lse = torch.empty(c["q"].shape[:2], dtype=torch.float32, device=device)
-    triton_attention.tree_attention_triton(plan, c["q"], c["k_pages"], c["v_pages"], c["k_new"],
-                                           c["v_new"], 0.125, out, lse, num_sms=64,
-                                           min_chunk=64)
-    step = next(v for k, v in plan.__dict__.items() if k[0] == "_triton_step")
-    assert step.num_merges > 0 and step.num_items > step.num_merges
-    check(c, out, lse, F32, 0.125)
+# Steps of one tile height per request kind: (requests, q heads, kv heads, dtype). A 16-node tree
+# of a GQA-4 model (one 64-row tile) beside a decode token (a 16-row tile) and a short tree (32
+# rows); a group of 3 (rows not a power of two) in bfloat16.
+SPLIT_CASES = [
+    ([(700, 16, [-1] + [i // 2 for i in range(15)]), (300, 1, None), (129, 70, None),
+      (0, 40, [-1] + list(range(39))), (200, 5, [-1, 0, 0, 1, 2])], 8, 2, F32),
+    ([(640, 16, [-1] + [i // 3 for i in range(15)]), (90, 1, None), (257, 30, None)], 9, 3, BF16),
+]
+
+
+def run_split_case(case, device):
+    """Long prefixes split into 64-key chunks (and not split: min_chunk at its default)."""
+    reqs, hq, hkv, dtype = case
+    c = make_step(reqs, 16, hq, hkv, 64, dtype, device, seed=3)
+    for min_chunk in (64, triton_attention.MIN_CHUNK):
+        plan = plan_for(c, hq, hkv)
+        out = torch.empty_like(c["q"])
+        lse = torch.empty(c["q"].shape[:2], dtype=torch.float32, device=device)
+        triton_attention.tree_attention_triton(plan, c["q"], c["k_pages"], c["v_pages"],
+                                               c["k_new"], c["v_new"], 0.125, out, lse,
+                                               num_sms=64, min_chunk=min_chunk)
+        step = next(v for k, v in plan.__dict__.items() if k[0] == "_triton_step")
+        assert len(step.groups) >= 2  # several tile heights, one launch each
+        if min_chunk == 64:
+            assert step.num_merges > 0 and step.num_items > step.num_merges
+        check(c, out, lse, dtype, 0.125)
 
 
 def run_all(device):
     for case in CASES:
         run_case(case, device)
-    run_split_case(device)
+    for case in SPLIT_CASES:
+        run_split_case(case, device)
 
 
 def test_interpreted_kernel_matches_reference():
@@ -84,32 +97,47 @@ def test_cuda_kernel_matches_reference(case):
 
 
 @pytest.mark.cuda
-def test_cuda_split_prefix():
-    run_split_case("cuda")
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_cuda_split_prefix(case):
+    run_split_case(case, "cuda")
 
 
 def test_partition_covers_every_row_and_key_once():
-    # requests: (rows, prefix); GQA 4, 2 KV heads, a GPU of 8 processors, 512-key chunks
-    lens, prefixes = [16, 1, 0, 64, 3], [4000, 100, 7, 2048, 0]
+    # requests: (rows, prefix); GQA 4, 2 KV heads, a GPU of 64 processors (the prefixes split),
+    # 512-key chunks
+    lens, prefixes = [16, 1, 0, 64, 3, 40], [4000, 100, 7, 2048, 0, 1500]
     q_indptr = [0]
     for n in lens:
         q_indptr.append(q_indptr[-1] + n)
-    items, merges, block_m, part_rows = triton_attention._partition(q_indptr, prefixes, 4, 2, 8)
-    assert block_m == 128
-    seen = {}
-    for b, row, k0, k1, with_new, slot in items:
-        seen.setdefault((b, row), []).append((k0, k1, with_new, slot))
-    for b, (n, pre) in enumerate(zip(lens, prefixes)):
-        tiles = sorted(r for (bb, r) in seen if bb == b)
-        assert tiles == list(range(0, n * 4, block_m))
-        for r in tiles:
-            parts = sorted(seen[(b, r)])
-            assert [p[0] for p in parts][0] == 0 and parts[-1][1] == pre
-            assert all(parts[i][1] == parts[i + 1][0] for i in range(len(parts) - 1))
+    groups, part_rows = triton_attention._partition(q_indptr, prefixes, 4, 2, 64)
+    assert sorted(groups) == [16, 64, 128]  # decode / 3 nodes; a 16-node tree; 40 and 64 nodes
+    merged, slots = 0, set()
+    for block_m, (items, merges) in groups.items():
+        seen = {}
+        for b, row, k0, k1, with_new, slot in items:
+            seen.setdefault((b, row), []).append((k0, k1, with_new, slot))
+        for b in {b for b, _ in seen}:
+            n, pre = lens[b], prefixes[b]
+            assert block_m == min(128, max(16, 1 << (n * 4 - 1).bit_length()))
+            assert sorted(r for (bb, r) in seen if bb == b) == list(range(0, n * 4, block_m))
+        for (b, r), parts in seen.items():
+            parts.sort()
+            pre = prefixes[b]
+            assert parts[0][0] == 0 and parts[-1][1] == pre  # the whole prefix ...
+            assert all(parts[i][1] == parts[i + 1][0] for i in range(len(parts) - 1))  # once
+            assert all(p[1] > p[0] for p in parts) or pre == 0
             assert sum(p[2] for p in parts) == 1 and parts[-1][2] == 1  # new tokens once, last
             assert all(p[1] - p[0] >= triton_attention.MIN_CHUNK for p in parts[:-1])
-    assert sum(m[3] for m in merges) * block_m == part_rows
-    assert {(m[0], m[1]) for m in merges} == {k for k, v in seen.items() if len(v) > 1}
+            if len(parts) == 1:
+                assert parts[0][3] == -1
+                continue
+            m = [mg for mg in merges if (mg[0], mg[1]) == (b, r)]
+            assert len(m) == 1 and m[0][3] == len(parts)
+            # chunk c writes the partial rows the merge reads: slot + c * block_m
+            assert [p[3] for p in parts] == [m[0][2] + c * block_m for c in range(len(parts))]
+            slots.update(range(m[0][2], m[0][2] + len(parts) * block_m))
+            merged += len(parts) * block_m
+    assert merged > 0 and merged == part_rows == len(slots)  # no partial row shared
 
 
 def test_bad_input():
@@ -146,18 +174,21 @@ def test_model_and_llm_settings():
 # (no local-memory stack) and fit in shared memory (227 KB per block) in the shapes the launcher
 # picks for 16-bit models. float32 compiles too, without tensor cores (it spills: for tests only).
 SM90_SMEM = 227 * 1024
-COMPILED = [  # (kernel, dtype, head_dim, tile rows, warps, must not spill)
-    ("tree_attn", "bf16", 128, 16, 4, True),
-    ("tree_attn", "bf16", 128, 64, 4, True),
-    ("tree_attn", "bf16", 128, 128, 8, True),
-    ("tree_attn", "fp16", 64, 64, 4, True),
-    ("tree_attn", "fp32", 64, 64, 4, False),
-    ("merge", "bf16", 128, 64, 4, True),
+COMPILED = [  # (kernel, dtype, head_dim, tile rows, warps, stages, must not spill): the
+    # launcher's choices (tree_attention_triton)
+    ("tree_attn", "bf16", 128, 16, 4, 3, True),
+    ("tree_attn", "bf16", 128, 64, 4, 3, True),
+    ("tree_attn", "bf16", 128, 128, 8, 3, True),
+    ("tree_attn", "bf16", 256, 16, 4, 2, True),
+    ("tree_attn", "fp16", 64, 64, 4, 3, True),
+    ("tree_attn", "fp32", 64, 64, 4, 3, False),
+    ("merge", "bf16", 128, 64, 4, 3, True),
 ]
 
 
-@pytest.mark.parametrize("kernel, dtype, d, block_m, warps, no_spill", COMPILED)
-def test_compiles_for_sm90_without_spills(kernel, dtype, d, block_m, warps, no_spill, tmp_path):
+@pytest.mark.parametrize("kernel, dtype, d, block_m, warps, stages, no_spill", COMPILED)
+def test_compiles_for_sm90_without_spills(kernel, dtype, d, block_m, warps, stages, no_spill,
+                                          tmp_path):
     import inspect
 
     import triton
@@ -175,7 +206,8 @@ def test_compiles_for_sm90_without_spills(kernel, dtype, d, block_m, warps, no_s
     const = {"GROUP": 4, "D": d, "BLOCK_D": d, "BLOCK_M": block_m, "BLOCK_N": 64, "PAGE": 16,
              "MASK_WORDS": 4, "HAS_LSE": True, "PREC": "ieee" if dtype == "fp32" else "tf32",
              "WIDEN": False}
-    signature = {n: "constexpr" if n in const else types.get(n, "i64") for n in names}
+    # Integer arguments as a launch types them: int32 where they fit (strides, counts).
+    signature = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
     # As Triton specializes at launch: 16-byte aligned tensors and strides divisible by 16.
     aligned = [n for n in names if signature[n].startswith("*") and n not in
                ("items", "merges", "q_indptr", "page_indptr", "pages", "tree_flags", "masks")]
@@ -184,7 +216,7 @@ def test_compiles_for_sm90_without_spills(kernel, dtype, d, block_m, warps, no_s
                     constexprs={(names.index(k),): v for k, v in const.items() if k in names},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps, "num_stages": 3})
+                              options={"num_warps": warps, "num_stages": stages})
     assert compiled.metadata.shared <= SM90_SMEM
     if not no_spill:
         return

@@ -165,5 +165,45 @@ def test_sampled_acceptance_on_the_device_matches_plain_sampling():
                      adaptive=False)
         outs.append(eng.generate(ps, params))
     plain, spec = outs
-    assert sum(r.stats.draft_tokens for r in spec) > 0
+    assert sum(r.stats.accepted_tokens for r in spec) > 0  # the device walk accepted drafts
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+
+
+@pytest.mark.cuda
+@needs_cuda_model
+def test_accept_step_on_the_device_equals_the_cpu():
+    """The engine's ACCEPT stage on GPU logits against the same logits on the CPU, request for
+    request: greedy, sampled with deterministic children, and sampled children with draft
+    distributions (recursive rejection sampling), in one batch."""
+    from types import SimpleNamespace
+
+    from pyspec.drafters.base import Draft
+    from pyspec.engine.accept import accept_step
+
+    g = torch.Generator().manual_seed(0)
+    vocab, reqs, drafts = 300, [], []
+    for k in range(24):
+        n = 1 + k % 7
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+        tokens = torch.randint(0, vocab, (n,), generator=g).tolist()
+        kind = k % 3  # 0 greedy, 1 sampled (deterministic children), 2 sampled children
+        temp = 0.0 if kind == 0 else 0.9
+        probs = None
+        if kind == 2:
+            probs = torch.softmax(torch.randn(n, vocab, generator=g) * 2, -1)
+            for i in range(1, n):  # a sampled child must have been possible under q
+                probs[parents[i], tokens[i]] += 0.05
+            probs = probs / probs.sum(-1, keepdim=True)
+        drafts.append(Draft(tokens, parents, probs))
+        reqs.append(SimpleNamespace(
+            params=SimpleNamespace(temperature=temp, top_k=50 * (k % 2), top_p=0.95, min_p=0.0),
+            seed=1000 + k, context=list(range(10 + k))))
+    rows = sum(len(d.tokens) for d in drafts)
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    # Draft tokens made likely, so that some are accepted.
+    flat = [t for d in drafts for t in d.tokens]
+    logits[torch.arange(rows - 1), torch.tensor(flat[1:])] += 4
+    cpu = accept_step(reqs, drafts, logits, vocab)
+    gpu = accept_step(reqs, drafts, logits.cuda(), vocab)
+    assert gpu == cpu
+    assert sum(cpu[2]) > 0
