@@ -79,13 +79,18 @@ def run_all(device):
 
 
 def test_interpreted_kernel_matches_reference():
+    import pyspec
+
     here = os.path.dirname(os.path.abspath(__file__))
+    # The child imports the pyspec this process imported (an installed wheel, or a built
+    # checkout), and runs where no source tree shadows it.
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(pyspec.__file__)))
     env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([here, os.path.dirname(here),
+               PYTHONPATH=os.pathsep.join([package_root, here, os.path.dirname(here),
                                            os.environ.get("PYTHONPATH", "")]))
     code = "import test_triton_attention as t; t.run_all('cpu'); print('all cases passed')"
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=900)
+                       timeout=900, cwd=here)
     assert r.returncode == 0 and "all cases passed" in r.stdout, r.stdout[-3000:] + \
         r.stderr[-6000:]
 
