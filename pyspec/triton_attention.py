@@ -93,30 +93,34 @@ class _Step:
 
     def __init__(self, plan, device, num_q_heads, num_kv_heads, num_sms, min_chunk, max_block_m):
         arrays = plan._step_arrays()
-
-        def tensor(name, dtype):
-            raw = bytearray(arrays[name])
-            t = torch.frombuffer(raw, dtype=dtype) if raw else torch.zeros(1, dtype=dtype)
-            return t.to(device)
-
-        q_indptr = torch.frombuffer(bytearray(arrays["q_indptr"]), dtype=torch.int64)
-        prefix = torch.frombuffer(bytearray(arrays["prefix_lens"]), dtype=torch.int64) \
-            if arrays["prefix_lens"] else torch.zeros(0, dtype=torch.int64)
+        host = {n: torch.frombuffer(bytearray(arrays[n]), dtype=dt) if arrays[n]
+                else torch.zeros(0, dtype=dt)
+                for n, dt in (("q_indptr", torch.int64), ("prefix_lens", torch.int64),
+                              ("page_indptr", torch.int64), ("pages", torch.int32),
+                              ("tree_flags", torch.uint8), ("masks", torch.int64))}
         self.group = num_q_heads // num_kv_heads
-        groups, self.part_rows = _partition(q_indptr.tolist(), prefix.tolist(), self.group,
+        groups, self.part_rows = _partition(host["q_indptr"].tolist(),
+                                            host["prefix_lens"].tolist(), self.group,
                                             num_kv_heads, num_sms, min_chunk, max_block_m)
+        groups = sorted(groups.items())
+        # One upload per step: every array the kernels read, as int64, in one buffer (each part
+        # padded to 16 bytes and to at least one element, so that every pointer is valid).
+        parts = [host[n].to(torch.int64) for n in ("q_indptr", "page_indptr", "pages",
+                                                    "tree_flags", "masks")]
+        for _, (items, merges) in groups:
+            parts += [torch.tensor(items, dtype=torch.int64).view(-1),
+                      torch.tensor(merges or [[0] * 4], dtype=torch.int64).view(-1)]
+        sizes = [max(2, p.numel() + p.numel() % 2) for p in parts]
+        flat = torch.zeros(sum(sizes), dtype=torch.int64)
+        for p, v in zip(parts, torch.split(flat, sizes)):
+            v[:p.numel()] = p
+        views = torch.split(flat.to(device), sizes)
+        self.q_indptr, self.page_indptr, self.pages, self.tree_flags, self.masks = views[:5]
         # Per tile height: (block_m, items, merges, their device tensors).
-        self.groups = [(m, len(items), len(merges),
-                        torch.tensor(items, dtype=torch.int64).to(device),
-                        torch.tensor(merges or [[0] * 4], dtype=torch.int64).to(device))
-                       for m, (items, merges) in sorted(groups.items())]
+        self.groups = [(m, len(items), len(merges), views[5 + 2 * k], views[6 + 2 * k])
+                       for k, (m, (items, merges)) in enumerate(groups)]
         self.num_items = sum(g[1] for g in self.groups)
         self.num_merges = sum(g[2] for g in self.groups)
-        self.q_indptr = q_indptr.to(device)
-        self.page_indptr = tensor("page_indptr", torch.int64)
-        self.pages = tensor("pages", torch.int32)
-        self.tree_flags = tensor("tree_flags", torch.uint8)
-        self.masks = tensor("masks", torch.int64)
         self.mask_words = int(arrays["mask_words"])
 
 

@@ -205,7 +205,7 @@ def test_compiles_for_sm90_without_spills(kernel, dtype, d, block_m, warps, stag
     fn = getattr(_triton_kernels, kernel)
     names = list(inspect.signature(fn.fn).parameters)
     types = {"items": "*i64", "merges": "*i64", "q_indptr": "*i64", "page_indptr": "*i64",
-             "pages": "*i32", "tree_flags": "*u8", "masks": "*i64", "lse": "*fp32",
+             "pages": "*i64", "tree_flags": "*i64", "masks": "*i64", "lse": "*fp32",
              "part_o": "*fp32", "part_lse": "*fp32", "scale_log2": "fp32"}
     types.update({n: f"*{dtype}" for n in ("q", "kp", "vp", "kn", "vn", "out")})
     const = {"GROUP": 4, "D": d, "BLOCK_D": d, "BLOCK_M": block_m, "BLOCK_N": 64, "PAGE": 16,
