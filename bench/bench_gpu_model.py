@@ -78,7 +78,7 @@ def verify_cost(model, args, backend, bs=16):
         out = runner.step([SeqStep(prompt, 0, table, None, "none" if ctx > 1 else "last")])
         runner.commit_kv(out, 0, range(ctx), list(range(ctx)))
         base = None
-        for n in (int(x) for x in args.nodes.split(",")):
+        for n in (int(x) for x in args.nodes.split(",") if x):
             tree = TokenTree([-1] + list(range(n - 1))) if n > 1 else None
             step = SeqStep(prompt[:n], ctx, table, tree, "all" if n > 1 else "last")
             for _ in range(3):
@@ -99,6 +99,61 @@ def verify_cost(model, args, backend, bs=16):
     return verify
 
 
+def kernel_seconds(fn, steps: int = 5) -> float:
+    """Seconds of device kernels per call of ``fn`` (torch.profiler's CUDA activity: the sum of
+    every kernel's duration, gaps between them not counted)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+    us = sum(e.device_time_total for e in prof.key_averages()
+             if e.device_type.name == "CUDA" and e.device_time_total > 0
+             and not e.key.startswith("Memcpy") and not e.key.startswith("Memset"))
+    return us / 1e6 / steps
+
+
+def graph_cost(model, args, bs=16):
+    """Steps of ``batch`` requests (a decode token or a 16-node tree each) after 512 tokens:
+    eager with the Triton kernel against CUDA-graphed, and the graphed step against the sum of
+    its kernels' times (the host's share of a step is what graphs remove)."""
+    import torch
+
+    from pyspec import TokenTree
+    from pyspec.runner import ModelRunner, SeqStep
+
+    model.set_attention_backend("triton")
+    cfg, ctx, rows = model.cfg, 512, []
+    for batch in (int(x) for x in args.graph_batch.split(",") if x):
+        for n in (1, 16):
+            per = (ctx + n) // bs + 2
+            runner = ModelRunner(model, num_blocks=batch * per, block_size=bs)
+            g = torch.Generator().manual_seed(batch)
+            tables = [list(range(i * per, (i + 1) * per)) for i in range(batch)]
+            tree = TokenTree([-1] + list(range(n - 1))) if n > 1 else None
+            steps = [SeqStep(torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist(), ctx,
+                             t, tree, "all" if n > 1 else "last") for t in tables]
+            row = {"batch": batch, "nodes": n, "context": ctx}
+            for mode in ("eager", "graphs"):
+                if mode == "graphs":
+                    runner.enable_cuda_graphs(max_batch=max(batch, 1), max_rows=16)
+                for _ in range(3):
+                    runner.step(steps)
+                _sync(model.device)
+                t0 = time.perf_counter()
+                for _ in range(args.repeats):
+                    runner.step(steps)  # logits come back: each step ends synchronized
+                row[f"{mode}_ms"] = round((time.perf_counter() - t0) / args.repeats * 1e3, 3)
+                row[f"{mode}_kernels_ms"] = round(
+                    kernel_seconds(lambda r=runner: r.step(steps)) * 1e3, 3)
+            row["graphs_speedup"] = round(row["eager_ms"] / row["graphs_ms"], 3)
+            row["graphs_vs_kernels"] = round(row["graphs_ms"] / row["graphs_kernels_ms"], 3)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    model.set_attention_backend("native")
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
@@ -115,6 +170,9 @@ def main(argv=None):
     ap.add_argument("--attention-backends", default="native,triton",
                     help="tree attention kernels the verify cost is measured with (triton: where "
                          "the package is present)")
+    ap.add_argument("--graph-batch", default="1,8",
+                    help="batch sizes of the eager-vs-CUDA-graph step timings ('' to skip; "
+                         "needs triton)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -152,9 +210,18 @@ def main(argv=None):
         verify += verify_cost(model, args, backend, bs)
     model.set_attention_backend("native")
 
+    # ---- CUDA graphs: eager vs graphed steps, and graphed steps vs their kernels' time --------
+    graphs = []
+    if args.graph_batch and device.type == "cuda":
+        try:
+            graphs = graph_cost(model, args, bs)
+        except ValueError as e:  # no triton
+            graphs = [{"error": str(e)}]
+            print(json.dumps(graphs[-1]), flush=True)
+
     # ---- engine: plain vs prompt-lookup speculation, same prompts, one run -----------------------
     engine = []
-    for b in (int(x) for x in args.batch.split(",")):
+    for b in (int(x) for x in args.batch.split(",") if x):
         prompts = [repetitive_prompt(cfg.vocab_size, length=96, seed=s) for s in range(b)]
         sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
         row = {"batch": b, "max_tokens": args.max_tokens}
@@ -184,7 +251,7 @@ def main(argv=None):
         engine.append(row)
         print(json.dumps(row), flush=True)
 
-    result = {"info": info, "verify": verify, "engine": engine}
+    result = {"info": info, "verify": verify, "graphs": graphs, "engine": engine}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

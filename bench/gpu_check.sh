@@ -7,6 +7,8 @@
 #   4. runs the kernel benchmarks (bench/bench_gpu_kernels.py),
 #   5. runs the model on the GPU (bench/bench_gpu_model.py: verify cost, engine tokens/s, and a
 #      4-step kernel-level profile: its Chrome trace in $OUT/profile, kernel events counted),
+#      then CUDA graphs on the default model's shapes (eager vs graphed steps, graphed steps vs
+#      their kernels' summed time),
 #   6. measures speedup against draft acceptance (bench/bench_oracle_scaling.py: the oracle
 #      drafter on random 1B and 8B layouts, batch 1 and 32).
 # Writes $OUT/gpu_check.json (what ran, pass/fail, timings) and $OUT/gpu_check.log, plus the
@@ -126,9 +128,16 @@ PYEOF
   # The whole model on the GPU (random ~1B Llama, bf16): tree verify cost vs a decode step, and
   # the engine's plain vs prompt-lookup tokens/s in one run.
   (cd /tmp && run_step model_bench 150 "$PY" "$ROOT/bench/bench_gpu_model.py" --device cuda \
-      --profile-dir "$OUT/profile" --out "$OUT/gpu_model.json"; \
+      --graph-batch "" --profile-dir "$OUT/profile" --out "$OUT/gpu_model.json"; \
       echo "${status[model_bench]}" > "$OUT/.model_bench_rc")
   status[model_bench]=$(cat "$OUT/.model_bench_rc" 2>/dev/null || echo 1)
+
+  # CUDA graphs on the default model's shapes (random weights, bf16): eager vs graphed steps of
+  # batch 1 and 8 (decode token, 16-node tree), graphed steps vs their kernels' summed time.
+  (cd /tmp && run_step graphs 75 "$PY" "$ROOT/bench/bench_gpu_model.py" --device cuda \
+      --config 135m --contexts 512 --nodes 1,16 --attention-backends triton --batch 1 \
+      --graph-batch 1,8 --out "$OUT/gpu_graphs.json"; echo "${status[graphs]}" > "$OUT/.graphs_rc")
+  status[graphs]=$(cat "$OUT/.graphs_rc" 2>/dev/null || echo 1)
 
   # Speedup against draft acceptance: the oracle drafter (true continuations, each token replaced
   # with probability 1 - alpha) on random 1B and 8B layouts, bf16, batch 1 and 32.
@@ -141,12 +150,14 @@ fi
 total=$(( $(date +%s) - start ))
 "$PY" - "$OUT" "$total" "${status[build]:-x}" "${status[cuda_tests]:-x}" "${status[memcheck]:-x}" \
   "${status[bench]:-x}" "${status[model_bench]:-x}" "${status[racecheck]:-x}" \
-  "${status[synccheck]:-x}" "${status[oracle]:-x}" <<'PYEOF'
+  "${status[synccheck]:-x}" "${status[oracle]:-x}" "${status[graphs]:-x}" <<'PYEOF'
 import json, os, sys
-out, total, build, tests, memcheck, bench, model_bench, racecheck, synccheck, oracle = sys.argv[1:]
+(out, total, build, tests, memcheck, bench, model_bench, racecheck, synccheck, oracle,
+ graphs) = sys.argv[1:]
 summary = {"seconds": int(total), "build_rc": build, "cuda_tests_rc": tests,
            "memcheck_rc": memcheck, "racecheck_rc": racecheck, "synccheck_rc": synccheck,
-           "bench_rc": bench, "model_bench_rc": model_bench, "oracle_rc": oracle}
+           "bench_rc": bench, "model_bench_rc": model_bench, "oracle_rc": oracle,
+           "graphs_rc": graphs}
 xml = os.path.join(out, "cuda_tests.xml")
 if os.path.exists(xml):
     import xml.etree.ElementTree as ET
@@ -161,7 +172,8 @@ print(json.dumps(summary, indent=1))
 PYEOF
 ok=0
 [ "${status[build]:-1}" = 0 ] && [ "${status[cuda_tests]:-1}" = 0 ] && [ "${status[bench]:-1}" = 0 ] \
-  && [ "${status[model_bench]:-1}" = 0 ] && [ "${status[oracle]:-1}" = 0 ] || ok=1
+  && [ "${status[model_bench]:-1}" = 0 ] && [ "${status[oracle]:-1}" = 0 ] \
+  && [ "${status[graphs]:-1}" = 0 ] || ok=1
 for tool in memcheck racecheck synccheck; do
   case "${status[$tool]:-skipped}" in 0|skipped) ;; *) ok=1 ;; esac
 done

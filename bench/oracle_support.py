@@ -26,6 +26,9 @@ LAYOUTS = {
     # Llama-3-8B's shapes (GPU runs).
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
+    # The default model's shapes (SmolLM2-135M): its decode step's cost with random weights.
+    "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                 num_attention_heads=9, num_key_value_heads=3, vocab_size=49152),
     "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=111),
 }

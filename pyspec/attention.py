@@ -35,6 +35,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from pyspec import _C
+from pyspec.triton_attention import StaticAttention
 
 __all__ = ["AttentionPlan", "plan_attention", "tree_attention"]
 
@@ -149,7 +150,9 @@ def tree_attention(
     """Attention of every new token over its prefix (from pages) and visible new tokens.
 
     Args:
-        plan: from :func:`plan_attention` for this step.
+        plan: from :func:`plan_attention` for this step, or a
+            :class:`pyspec.triton_attention.StaticAttention` holding it (fixed launches for CUDA
+            graphs; no ``lse``).
         q: ``[T, Hq, D]`` float32/bfloat16/float16, ``T = q_indptr[-1]``.
         k_pages, v_pages: ``[num_blocks, block_size, Hkv, D]`` (float32/bfloat16/float16).
         k_new, v_new: ``[T, Hkv, D]``: the new tokens' K/V in ``q``'s row order, same dtype as
@@ -178,6 +181,10 @@ def tree_attention(
         raise ValueError(f"the head size (last dim of 'q') must be > 0; got {tuple(q.shape)}")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    if isinstance(plan, StaticAttention):
+        if return_lse or lse is not None:
+            raise ValueError("tree_attention with a StaticAttention plan returns no lse")
+        return plan.run(q, k_pages, v_pages, k_new, v_new, float(scale), out)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     want_lse = return_lse or lse is not None

@@ -91,7 +91,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                      packed_weights=args.packed_weights,
                      kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                      tensor_parallel_size=args.tensor_parallel_size,
-                     attention_backend=args.attention_backend)
+                     attention_backend=args.attention_backend,
+                     cuda_graphs=getattr(args, "cuda_graphs", False))
     prompt = ([{"role": "user", "content": args.prompt}]
               if not args.no_chat and llm.tokenizer.chat_template else args.prompt)
     ids = llm.chat_prompt(prompt) if isinstance(prompt, list) else llm.encode(prompt)

@@ -35,6 +35,9 @@ def add_model_flags(p: argparse.ArgumentParser, *, dtypes: Sequence[str] = DTYPE
         p.add_argument("--attention-backend", default="native", choices=list(ATTENTION_BACKENDS),
                        help="tree attention's kernels: native (pyspec's) or triton (on cuda, with "
                             "the triton package: one pass over a prefix per draft tree)")
+        p.add_argument("--cuda-graphs", action="store_true",
+                       help="run decode and verify steps as CUDA graphs (needs --device cuda and "
+                            "--attention-backend triton)")
     p.add_argument("--packed-weights", default="codes", choices=list(PACKED_WEIGHTS_CHOICES),
                    help=_PACKED_HELP)
     p.add_argument("--kv-cache-dtype", default="auto",

@@ -184,6 +184,12 @@ class LLM:
         attention_backend: "native" (default: pyspec's CPU and CUDA kernels) or "triton" (with
             ``device="cuda"`` and the ``triton`` package: :mod:`pyspec.triton_attention`, one
             pass over a request's prefix for its whole draft tree).
+        cuda_graphs: True (with ``device="cuda"`` and ``attention_backend="triton"``): decode
+            and verify steps of up to ``min(max_num_seqs, 256)`` requests and 64 new tokens each
+            run as CUDA graphs, one per (batch, rows) bucket, captured the first time a step
+            needs it (:mod:`pyspec.cuda_graphs`); other steps (prefill chunks) run eagerly.
+            Models whose steps cannot be captured (quantized weights, dynamic RoPE) are refused
+            with the reason.
     """
 
     def __init__(self, model: Optional[str] = None, draft="default",
@@ -194,11 +200,19 @@ class LLM:
                  max_prefill_chunk: int = 0, enable_prefix_cache: bool = True,
                  progress: bool = True,
                  packed_weights: str = "codes", kernels=None,
-                 tensor_parallel_size: int = 1, attention_backend: str = "native"):
+                 tensor_parallel_size: int = 1, attention_backend: str = "native",
+                 cuda_graphs: bool = False):
         from pyspec.models.llama import LlamaForCausalLM
         from pyspec.tokenizer import Tokenizer
 
         check_attention_backend(attention_backend)  # before the model loads
+        if not isinstance(cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be a bool; got {cuda_graphs!r}")
+        if cuda_graphs and (not str(device).startswith("cuda") or attention_backend != "triton"):
+            raise ValueError("cuda_graphs=True needs device='cuda' (or 'cuda:N') and "
+                             "attention_backend='triton' (the graphs replay the Triton kernel's "
+                             f"fixed launches); got device={device!r}, attention_backend="
+                             f"{attention_backend!r}")
         spec = spec or SpecConfig()
         if not isinstance(spec, SpecConfig):
             raise ValueError(f"spec must be a pyspec.SpecConfig; got {type(spec).__name__}")
@@ -268,6 +282,15 @@ class LLM:
                 raise ValueError(f"kv_cache_tokens={kv_cache_tokens}: the KV cache would take "
                                  f"{need / 2**30:.1f} GiB, which could not be allocated "
                                  f"({type(e).__name__}); give fewer tokens") from None
+            if cuda_graphs:
+                from pyspec.cuda_graphs import why_not_graphed
+
+                why = why_not_graphed(self.model)
+                if why is not None:
+                    raise ValueError(f"cuda_graphs=True: this model's steps cannot run in CUDA "
+                                     f"graphs: {why}")
+                self.runner.enable_cuda_graphs(max_batch=min(max_num_seqs, 256),
+                                               max_tokens=min(max_num_batched_tokens, 2048))
         alpha = 2.0 / (spec.ewma_window + 1)
         self.spec = spec
         drafters = dict(spec.drafters or {})
@@ -311,7 +334,9 @@ class LLM:
         """What this LLM runs: the model (:meth:`LlamaForCausalLM.describe`: device, dtype,
         kernels and their routes, packed matrices, the one-call decoder stack), the drafter and
         the speculation settings."""
+        graphs = getattr(self.runner, "graphs", None)
         return {"model_path": self.model_path, **self.model.describe(),
+                "cuda_graphs": graphs.describe() if graphs is not None else None,
                 "drafter": self.drafter_name,
                 "speculation": {"num_speculative_tokens": self.engine.gamma,
                                 "adaptive": self.engine.adaptive,

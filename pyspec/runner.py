@@ -131,6 +131,18 @@ class ModelRunner:
         self.kv = KVPool(huge_page_empty(shape, self.kv_dtype, model.device),
                          huge_page_empty(shape, self.kv_dtype, model.device))
 
+    graphs = None  # a GraphedSteps once enable_cuda_graphs ran
+
+    def enable_cuda_graphs(self, max_batch: int = 32, max_rows: int = 64,
+                           max_tokens: int = 1024, emulate: bool = False):
+        """Run the steps that fit a bucket as CUDA graphs from now on (see
+        :mod:`pyspec.cuda_graphs`; ``emulate``: the same padded steps without graphs, for
+        tests). Returns the :class:`pyspec.cuda_graphs.GraphedSteps`."""
+        from pyspec.cuda_graphs import GraphedSteps
+
+        self.graphs = GraphedSteps(self, max_batch, max_rows, max_tokens, emulate)
+        return self.graphs
+
     @property
     def block_size(self) -> int:
         return self.kv.block_size
@@ -210,20 +222,27 @@ class ModelRunner:
             # ends the CUDA context (every later request would fail too).
             bad = next(i for i in ids if not 0 <= i < cfg.vocab_size)
             raise ValueError(f"token id {bad} is out of range [0, {cfg.vocab_size})")
-        shape = (cfg.num_hidden_layers, t, cfg.num_key_value_heads, cfg.head_dim)
-        k_new = torch.empty(shape, dtype=self.kv_dtype, device=self.model.device)
-        v_new = torch.empty_like(k_new)
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.model.device)
-        positions = torch.cat(pos).to(self.model.device)
         rows = torch.tensor(logit_rows, dtype=torch.int64, device=self.model.device)
-        dynamic = cfg.rope_scaling.rope_type == "dynamic"
-        out = self.model.forward(input_ids, positions, plan, self.kv.k, self.kv.v, k_new, v_new,
-                                 logits_rows=rows, return_hidden=return_hidden,
-                                 rope_lens=torch.cat(rope_lens).to(self.model.device)
-                                 if dynamic else None,
-                                 inputs_embeds=None if inputs_embeds is None
-                                 else inputs_embeds.to(self.model.device))
-        logits, hidden = out if isinstance(out, tuple) else (out, None)
+        bucket = None
+        if self.graphs is not None and not return_hidden and inputs_embeds is None:
+            bucket = self.graphs.bucket([len(s.token_ids) for s in seqs], prefix)
+        if bucket is not None:
+            logits, k_new, v_new = self.graphs.run(bucket, ids, torch.cat(pos), plan, rows)
+            hidden = None
+        else:
+            shape = (cfg.num_hidden_layers, t, cfg.num_key_value_heads, cfg.head_dim)
+            k_new = torch.empty(shape, dtype=self.kv_dtype, device=self.model.device)
+            v_new = torch.empty_like(k_new)
+            input_ids = torch.tensor(ids, dtype=torch.int64, device=self.model.device)
+            positions = torch.cat(pos).to(self.model.device)
+            dynamic = cfg.rope_scaling.rope_type == "dynamic"
+            out = self.model.forward(input_ids, positions, plan, self.kv.k, self.kv.v, k_new,
+                                     v_new, logits_rows=rows, return_hidden=return_hidden,
+                                     rope_lens=torch.cat(rope_lens).to(self.model.device)
+                                     if dynamic else None,
+                                     inputs_embeds=None if inputs_embeds is None
+                                     else inputs_embeds.to(self.model.device))
+            logits, hidden = out if isinstance(out, tuple) else (out, None)
         if logits.device.type != "cpu":
             # A model on a GPU: the drafters run on the host; the step's K/V scratch stays on the
             # device for commit_kv, and the logits too where the caller accepts there.

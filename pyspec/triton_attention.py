@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["available", "tree_attention_triton"]
+__all__ = ["StaticAttention", "available", "tree_attention_triton"]
 
 BLOCK_N = 64  # keys per tile
 MAX_BLOCK_M = 128  # packed rows per tile
@@ -51,19 +51,27 @@ def _tile_rows(rows: int, max_block_m: int) -> int:
     return min(max_block_m, max(16, _pow2(rows)))
 
 
+def _splits(tiles: int, num_kv_heads: int, num_sms: int) -> int:
+    """Most chunks per tile's prefix (FlashDecoding's rule of thumb): split only while the
+    tiles leave SMs idle, then into about two waves."""
+    base = tiles * num_kv_heads
+    return 1 if base == 0 or base >= 0.8 * num_sms else -(-2 * num_sms // base)
+
+
 def _partition(q_indptr, prefix_lens, group, num_kv_heads, num_sms, min_chunk=MIN_CHUNK,
-               max_block_m=MAX_BLOCK_M):
+               max_block_m=MAX_BLOCK_M, block_m=None, splits=None):
     """The work of one step, grouped by tile height (a decode request's 4 packed rows get a
     16-row tile, not the 128 rows of a 64-node tree beside it in the batch):
     ``({block_m: (items, merges)}, partial rows)``. An item is ``[b, row_begin, kv_begin,
     kv_end, with_new, slot]``, a merge ``[b, row_begin, slot, chunks]``; chunk ``c`` of a split
-    tile writes partial rows ``slot + c * block_m``."""
+    tile writes partial rows ``slot + c * block_m``. ``block_m`` / ``splits``: one tile height
+    for every request and a fixed most chunks per tile, instead of the step's own (the fixed
+    launches of :class:`StaticAttention`)."""
     lens = [q_indptr[i + 1] - q_indptr[i] for i in range(len(prefix_lens))]
-    heights = [_tile_rows(n * group, max_block_m) for n in lens]
+    heights = [block_m or _tile_rows(n * group, max_block_m) for n in lens]
     tiles = [-(-n * group // m) for n, m in zip(lens, heights)]
-    base = sum(tiles) * num_kv_heads
-    # FlashDecoding's rule of thumb: split the prefix only while the tiles leave SMs idle.
-    splits = 1 if base == 0 or base >= 0.8 * num_sms else -(-2 * num_sms // base)
+    if splits is None:
+        splits = _splits(sum(tiles), num_kv_heads, num_sms)
     groups, part_rows = {}, 0
     for b, (n, pre, block_m) in enumerate(zip(lens, prefix_lens, heights)):
         if n == 0:
@@ -187,25 +195,46 @@ def tree_attention_triton(plan, q, k_pages, v_pages, k_new, v_new, scale: float,
     if t_rows == 0:
         return
     sms = num_sms or _num_sms(q.device)
-    block_d = max(16, _pow2(d))
-    # Head dims over 128 keep every register (sm_90, no spill) only with 16-row tiles.
-    max_block_m = MAX_BLOCK_M if block_d <= 128 else 16
+    max_block_m = _max_block_m(d)
     key = ("_triton_step", str(q.device), hq, hkv, sms, min_chunk, max_block_m)
     step = plan.__dict__.get(key)
     if step is None:
         step = _Step(plan, q.device, hq, hkv, sms, min_chunk, max_block_m)
         plan.__dict__[key] = step
-    interpret = q.device.type != "cuda"
-    if interpret and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("backend='triton' runs on CUDA tensors (on cpu tensors only in Triton's "
-                         f"interpreter, TRITON_INTERPRET=1, for tests); got {q.device}")
-    from pyspec._triton_kernels import merge, tree_attn as attn
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    _check_interpreter(q.device)
     part_o = part_lse = out  # placeholders the kernel never touches without a split
     if step.part_rows:
-        part_o = torch.empty(hkv * step.part_rows * block_d, dtype=torch.float32,
+        part_o = torch.empty(hkv * step.part_rows * _block_d(d), dtype=torch.float32,
                              device=q.device)
         part_lse = torch.empty(hkv * step.part_rows, dtype=torch.float32, device=q.device)
+    _launch(step, q, k_pages, v_pages, k_new, v_new, scale, out, lse, part_o, part_lse)
+
+
+def _block_d(d: int) -> int:
+    return max(16, _pow2(d))
+
+
+def _max_block_m(d: int) -> int:
+    # Head dims over 128 keep every register (sm_90, no spill) only with 16-row tiles.
+    return MAX_BLOCK_M if _block_d(d) <= 128 else 16
+
+
+def _check_interpreter(device: torch.device) -> None:
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("backend='triton' runs on CUDA tensors (on cpu tensors only in Triton's "
+                         f"interpreter, TRITON_INTERPRET=1, for tests); got {device}")
+
+
+def _launch(step, q, k_pages, v_pages, k_new, v_new, scale, out, lse, part_o, part_lse) -> None:
+    """The kernels of one layer: per tile height of ``step`` (a :class:`_Step` or a
+    :class:`StaticAttention`), the attention items and, where prefixes are split, the merges."""
+    from pyspec._triton_kernels import merge, tree_attn as attn
+
+    hq, d = q.shape[1], q.shape[2]
+    hkv, page = k_pages.shape[2], k_pages.shape[1]
+    block_d = _block_d(d)
+    interpret = q.device.type != "cuda"
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
     lse_arg = lse if lse is not None else out
     # Triton launches on torch's current device: the tensors' own, for a model on cuda:N.
     with torch.cuda.device(q.device) if not interpret else contextlib.nullcontext():
@@ -228,3 +257,174 @@ def tree_attention_triton(plan, q, k_pages, v_pages, k_new, v_new, scale: float,
                     out.stride(0), out.stride(1), GROUP=step.group, D=d, BLOCK_D=block_d,
                     BLOCK_M=block_m, HAS_LSE=lse is not None,
                     **({} if interpret else {"num_warps": 4}))
+
+
+class StaticAttention:
+    """Tree attention with fixed launches over fixed buffers, for steps captured in a CUDA graph.
+
+    A graph replays the kernel launches it recorded: the same grids, the same pointers. This
+    object sizes everything for a bucket of steps (at most ``max_requests`` requests of at most
+    ``max_rows`` new tokens each, pages of ``block_size`` tokens, at most ``max_pages`` pages
+    over all requests) once, and :meth:`write` puts each step's metadata into its buffer (one
+    copy to the device) before the replay:
+
+    * every request gets tiles of one height (that of ``max_rows`` rows times the GQA group),
+      and every tile's prefix at most a fixed number of chunks (the split rule applied to the
+      full bucket), so the launches are one attention launch of ``capacity`` items and, where
+      prefixes may split, one merge launch;
+    * items and merges a step does not need point at a request past the step's last one, which
+      has no rows: they load nothing and store nothing.
+
+    ``run(q, k_pages, v_pages, k_new, v_new, scale)`` launches the kernels on this buffer (what
+    ``tree_attention`` does when given this object as its plan); the metadata of the last
+    :meth:`write` is what they read.
+    """
+
+    def __init__(self, device, max_requests: int, max_rows: int, num_q_heads: int,
+                 num_kv_heads: int, head_dim: int, block_size: int, max_pages: int,
+                 num_sms: Optional[int] = None, min_chunk: int = MIN_CHUNK):
+        if not available():
+            raise ValueError("StaticAttention needs the 'triton' package (pip install triton)")
+        for name, v in (("max_requests", max_requests), ("max_rows", max_rows),
+                        ("block_size", block_size), ("max_pages", max_pages)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1; got {v!r}")
+        if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+            raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads "
+                             f"({num_kv_heads})")
+        self.device = torch.device(device)
+        self.max_requests, self.max_rows, self.max_pages = max_requests, max_rows, max_pages
+        self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
+        self.block_size = block_size
+        self.group = num_q_heads // num_kv_heads
+        self.num_sms = num_sms or _num_sms(self.device)
+        self.min_chunk = min_chunk
+        self.block_m = _tile_rows(max_rows * self.group, _max_block_m(head_dim))
+        tiles = -(-max_rows * self.group // self.block_m)
+        self.splits = _splits(max_requests * tiles, num_kv_heads, self.num_sms)
+        self.num_items = max_requests * tiles * self.splits
+        self.num_merges = max_requests * tiles if self.splits > 1 else 0
+        self.part_rows = self.num_merges * self.splits * self.block_m
+        self.mask_words = None  # from the first plan (the core's words per tree row)
+        self.max_tokens = max_requests * max_rows
+        pad = max_requests  # the request every unused item and merge points at: no rows
+        self._pad = pad
+        sizes = {"q_indptr": pad + 2, "page_indptr": pad + 2, "pages": max_pages,
+                 "tree_flags": pad + 1, "masks": None, "items": self.num_items * 6,
+                 "merges": max(1, self.num_merges) * 4}
+        self._sizes = sizes
+        self._buffer = None
+        pin = self.device.type == "cuda"
+        self._copied = None  # the event after the last upload (the host buffer is reused)
+        self._pin = pin
+        f32 = dict(dtype=torch.float32, device=self.device)
+        self._part_o = torch.empty(max(1, num_kv_heads * self.part_rows * _block_d(head_dim)),
+                                   **f32)
+        self._part_lse = torch.empty(max(1, num_kv_heads * self.part_rows), **f32)
+
+    def _allocate(self, mask_words: int) -> None:
+        self.mask_words = mask_words
+        sizes = dict(self._sizes, masks=self.max_tokens * mask_words)
+        order = ("q_indptr", "page_indptr", "pages", "tree_flags", "masks", "items", "merges")
+        # Each section padded to 16 bytes, as the one-shot upload of _Step.
+        lens = [sizes[n] + sizes[n] % 2 for n in order]
+        self._host = torch.zeros(sum(lens), dtype=torch.int64, pin_memory=self._pin)
+        self._buffer = torch.zeros(sum(lens), dtype=torch.int64, device=self.device)
+        self._host_views = dict(zip(order, torch.split(self._host, lens)))
+        views = dict(zip(order, torch.split(self._buffer, lens)))
+        self.q_indptr, self.page_indptr, self.pages = (views["q_indptr"], views["page_indptr"],
+                                                       views["pages"])
+        self.tree_flags, self.masks = views["tree_flags"], views["masks"]
+        self.groups = [(self.block_m, self.num_items, self.num_merges, views["items"],
+                        views["merges"])]
+
+    def fits(self, rows_per_request, pages: int) -> bool:
+        """Whether a step of requests with these new-token counts, reading ``pages`` pages in
+        all, fits this object's buffers."""
+        return (0 < len(rows_per_request) <= self.max_requests and pages <= self.max_pages
+                and max(rows_per_request) <= self.max_rows)
+
+    def write(self, plan) -> None:
+        """The metadata of ``plan`` (from :func:`pyspec.attention.plan_attention`, for these head
+        counts and pages) into the buffer the launches read; ValueError where it does not fit."""
+        arrays = plan._step_arrays()
+
+        def host(name, dt):
+            return torch.frombuffer(bytearray(arrays[name]), dtype=dt) if arrays[name] \
+                else torch.zeros(0, dtype=dt)
+
+        q_indptr = host("q_indptr", torch.int64)
+        prefix = host("prefix_lens", torch.int64)
+        page_indptr = host("page_indptr", torch.int64)
+        batch = prefix.numel()
+        lens = (q_indptr[1:] - q_indptr[:-1]).tolist()
+        pages = int(page_indptr[-1]) if batch else 0
+        if plan.block_size != self.block_size:
+            raise ValueError(f"the plan's pages hold {plan.block_size} tokens; this "
+                             f"StaticAttention's {self.block_size}")
+        if plan.num_kv_heads and (plan.num_q_heads, plan.num_kv_heads) != (
+                self.num_q_heads, self.num_kv_heads):
+            raise ValueError(f"the plan was built for {plan.num_q_heads}/{plan.num_kv_heads} "
+                             f"q/kv heads; this StaticAttention is for {self.num_q_heads}/"
+                             f"{self.num_kv_heads}")
+        if not self.fits(lens, pages):
+            raise ValueError(f"a step of {batch} requests with up to {max(lens, default=0)} new "
+                             f"tokens each and {pages} pages does not fit a StaticAttention of "
+                             f"{self.max_requests} requests, {self.max_rows} tokens each and "
+                             f"{self.max_pages} pages")
+        if self._buffer is None:
+            self._allocate(int(arrays["mask_words"]))
+        if self._copied is not None:
+            self._copied.synchronize()  # the last upload has left the host buffer
+        groups, _ = _partition(q_indptr.tolist(), prefix.tolist(), self.group,
+                               self.num_kv_heads, self.num_sms, self.min_chunk,
+                               block_m=self.block_m, splits=self.splits)
+        items, merges = groups.get(self.block_m, ([], []))
+        v = self._host_views
+        t = int(q_indptr[-1])
+        v["q_indptr"][:batch + 1] = q_indptr
+        v["q_indptr"][batch + 1:] = t
+        v["page_indptr"][:batch + 1] = page_indptr
+        v["page_indptr"][batch + 1:] = pages
+        v["pages"][:pages] = host("pages", torch.int32).to(torch.int64)
+        v["tree_flags"].zero_()
+        v["tree_flags"][:batch] = host("tree_flags", torch.uint8).to(torch.int64)
+        masks = host("masks", torch.int64)
+        v["masks"][:masks.numel()] = masks
+        pad_item = [self._pad, 0, 0, 0, 0, -1]
+        rows = torch.tensor(items + [pad_item] * (self.num_items - len(items)),
+                            dtype=torch.int64).view(-1)
+        v["items"][:rows.numel()] = rows
+        if self.num_merges:
+            rows = torch.tensor(merges + [[self._pad, 0, 0, 0]] * (self.num_merges - len(merges)),
+                                dtype=torch.int64).view(-1)
+            v["merges"][:rows.numel()] = rows
+        self._buffer.copy_(self._host, non_blocking=self._pin)
+        if self._pin:
+            self._copied = torch.cuda.Event()
+            self._copied.record(torch.cuda.current_stream(self.device))
+
+    def run(self, q, k_pages, v_pages, k_new, v_new, scale: float, out=None):
+        """One layer's attention with the last written metadata, into ``out`` (allocated when
+        None; returned). Shapes as for ``tree_attention``; ``q`` has ``max_requests * max_rows``
+        rows (a step's rows first, the rest unused: their output is left as it was)."""
+        if self._buffer is None:
+            raise ValueError("StaticAttention.run before any write(plan)")
+        if q.dim() != 3 or tuple(q.shape[1:]) != (self.num_q_heads, self.head_dim) or \
+                q.shape[0] > self.max_tokens or tuple(k_new.shape) != (
+                    q.shape[0], self.num_kv_heads, self.head_dim) or \
+                k_pages.shape[1] != self.block_size:
+            raise ValueError(f"StaticAttention for [<= {self.max_tokens}, {self.num_q_heads}, "
+                             f"{self.head_dim}] queries, {self.num_kv_heads} KV heads and pages "
+                             f"of {self.block_size}; got q {tuple(q.shape)}, k_new "
+                             f"{tuple(k_new.shape)}, k_pages {tuple(k_pages.shape)}")
+        for name, t in (("k_pages", k_pages), ("v_pages", v_pages), ("k_new", k_new),
+                        ("v_new", v_new)):
+            if t.dtype != q.dtype or t.device != q.device or not t.is_contiguous():
+                raise ValueError(f"'{name}' must be contiguous, in q's dtype and on q's device")
+        _check_interpreter(q.device)
+        if out is None:
+            out = torch.empty_like(q)
+        _launch(self, q, k_pages, v_pages, k_new, v_new, scale, out, None, self._part_o,
+                self._part_lse)
+        return out

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pyspec import _C, ops
-from pyspec.attention import check_attention_backend, tree_attention
+from pyspec.attention import AttentionPlan, check_attention_backend, tree_attention
 from pyspec.linear import Linear
 from pyspec.models.config import ModelConfig
 from pyspec.models.loader import load_weights, resolve_dtype, return_freed_memory
@@ -312,7 +312,7 @@ class LlamaForCausalLM(LlamaWeights):
                 v_pages: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                 logits_rows: Optional[torch.Tensor] = None, return_hidden: bool = False,
                 rope_lens: Optional[torch.Tensor] = None,
-                inputs_embeds: Optional[torch.Tensor] = None):
+                inputs_embeds: Optional[torch.Tensor] = None, lm_head: bool = True):
         """One step over ``T`` flattened new tokens.
 
         Args:
@@ -330,13 +330,22 @@ class LlamaForCausalLM(LlamaWeights):
             rope_lens: int64 ``[T]``, dynamic-RoPE scaling length per row (see ``rope_tables``).
             inputs_embeds: ``[T, hidden]`` layer-0 inputs used instead of the token embeddings
                 (EAGLE-style heads feed fused token + feature vectors).
+            lm_head: False: return only the final hidden states ``[T, hidden]`` (before the
+                norm; :meth:`project` makes logits of them): a CUDA-graphed step stops there.
 
         Returns:
             float32 logits ``[R, vocab]`` (and the hidden states when asked).
         """
         with self.step_threads(input_ids.shape[0]):
             return self._forward(input_ids, positions, plan, k_pages, v_pages, k_new, v_new,
-                                 logits_rows, return_hidden, rope_lens, inputs_embeds)
+                                 logits_rows, return_hidden, rope_lens, inputs_embeds, lm_head)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 logits of final hidden states ``x`` ``[R, hidden]``: the final norm and the
+        lm_head."""
+        lm = self.lm_head if self._packed_lm_head is None else self._packed_lm_head
+        with profile_range("pyspec.lm_head"):
+            return self.linear(self._rms(x, self.norm), lm).float()
 
     def step_threads(self, rows: int):
         """A context for the host work of a CPU step of ``rows`` rows: torch runs on one thread
@@ -354,7 +363,7 @@ class LlamaForCausalLM(LlamaWeights):
         return ops.torch_threads(ops.outer_torch_threads())
 
     def _forward(self, input_ids, positions, plan, k_pages, v_pages, k_new, v_new, logits_rows,
-                 return_hidden, rope_lens, inputs_embeds):
+                 return_hidden, rope_lens, inputs_embeds, lm_head=True):
         cfg = self.cfg
         taps = hidden_layers(return_hidden, cfg.num_hidden_layers)
         kept = {}
@@ -362,7 +371,8 @@ class LlamaForCausalLM(LlamaWeights):
         cos, sin = self.rope_tables(positions, rope_lens)
         x = self.embed_rows(input_ids) if inputs_embeds is None else inputs_embeds
         with profile_range("pyspec.layers"):
-            stack = self._fused_stack(t, x, k_pages)
+            # (The core's stack reads a core plan; a graphed step's fixed launches run op by op.)
+            stack = self._fused_stack(t, x, k_pages) if isinstance(plan, AttentionPlan) else None
             if stack is not None:
                 # Every layer in one core call (in place: x is this step's own tensor),
                 # stopping at each tapped layer to keep its output.
@@ -377,12 +387,11 @@ class LlamaForCausalLM(LlamaWeights):
             else:
                 x = self._layers_one_by_one(x, cos, sin, plan, k_pages, v_pages, k_new, v_new,
                                             taps, kept)
+        if not lm_head:
+            return x
         hidden = x if taps is None else kept[taps[0]] if len(taps) == 1 else torch.cat(
             [kept[n] for n in taps], -1)
-        xs = x if logits_rows is None else x.index_select(0, logits_rows)
-        lm = self.lm_head if self._packed_lm_head is None else self._packed_lm_head
-        with profile_range("pyspec.lm_head"):
-            logits = self.linear(self._rms(xs, self.norm), lm).float()
+        logits = self.project(x if logits_rows is None else x.index_select(0, logits_rows))
         return (logits, hidden) if taps is not None else logits
 
     def _fused_stack(self, t: int, x: torch.Tensor, k_pages: torch.Tensor):

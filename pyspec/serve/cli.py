@@ -45,6 +45,7 @@ def build(args):
                      packed_weights=getattr(args, "packed_weights", "codes"),
                      tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                      attention_backend=getattr(args, "attention_backend", "native"),
+                     cuda_graphs=getattr(args, "cuda_graphs", False),
                      kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                      max_num_seqs=args.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens,

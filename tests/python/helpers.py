@@ -9,6 +9,31 @@ def devices():
     return ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
+def run_interpreted(test_file: str, call: str) -> None:
+    """Runs ``call`` (e.g. ``"run_all('cpu')"``) of the test module ``test_file`` in a child
+    process with Triton's interpreter on (``TRITON_INTERPRET=1``, read once when Triton is
+    imported: a whole-process switch); its failure fails the calling test."""
+    import os
+    import subprocess
+    import sys
+
+    import pyspec
+
+    here = os.path.dirname(os.path.abspath(test_file))
+    # The child imports the pyspec this process imported (an installed wheel, or a built
+    # checkout), and runs where no source tree shadows it.
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(pyspec.__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([package_root, here, os.path.dirname(here),
+                                           os.environ.get("PYTHONPATH", "")]))
+    module = os.path.splitext(os.path.basename(test_file))[0]
+    code = f"import {module} as t; t.{call}; print('all cases passed')"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=900, cwd=here)
+    assert r.returncode == 0 and "all cases passed" in r.stdout, r.stdout[-3000:] + \
+        r.stderr[-6000:]
+
+
 def missing_isa(isa: str, why: str) -> None:
     """A kernel build (ISA) this CPU lacks: a visible skip, or a failure where the environment
     says the ISA must be there (``PYSPEC_EXPECT_ISAS=generic,avx2,avx512``, set by .ci/run for

@@ -9,13 +9,13 @@ child process, whose failures fail the test here.
 import math
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from pyspec import triton_attention
 from pyspec.attention import tree_attention
+from helpers import run_interpreted
 from test_attention import BF16, F16, F32, check, make_batch, make_step, plan_for
 
 pytest.importorskip("triton", reason="the Triton kernel needs the 'triton' package")
@@ -79,20 +79,7 @@ def run_all(device):
 
 
 def test_interpreted_kernel_matches_reference():
-    import pyspec
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    # The child imports the pyspec this process imported (an installed wheel, or a built
-    # checkout), and runs where no source tree shadows it.
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(pyspec.__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([package_root, here, os.path.dirname(here),
-                                           os.environ.get("PYTHONPATH", "")]))
-    code = "import test_triton_attention as t; t.run_all('cpu'); print('all cases passed')"
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=900, cwd=here)
-    assert r.returncode == 0 and "all cases passed" in r.stdout, r.stdout[-3000:] + \
-        r.stderr[-6000:]
+    run_interpreted(__file__, "run_all('cpu')")
 
 
 @pytest.mark.cuda
@@ -107,24 +94,21 @@ def test_cuda_split_prefix(case):
     run_split_case(case, "cuda")
 
 
-def test_partition_covers_every_row_and_key_once():
-    # requests: (rows, prefix); GQA 4, 2 KV heads, a GPU of 64 processors (the prefixes split),
-    # 512-key chunks
-    lens, prefixes = [16, 1, 0, 64, 3, 40], [4000, 100, 7, 2048, 0, 1500]
-    q_indptr = [0]
-    for n in lens:
-        q_indptr.append(q_indptr[-1] + n)
-    groups, part_rows = triton_attention._partition(q_indptr, prefixes, 4, 2, 64)
-    assert sorted(groups) == [16, 64, 128]  # decode / 3 nodes; a 16-node tree; 40 and 64 nodes
+def check_partition(groups, part_rows, lens, prefixes, height, min_chunk=None):
+    """Every request's packed rows in tiles of ``height(rows)`` rows, each tile's prefix read
+    once (in chunks of at least ``min_chunk`` keys but the last) and its new tokens once, and
+    each split tile merged from partial rows no other tile writes."""
+    min_chunk = min_chunk or triton_attention.MIN_CHUNK
     merged, slots = 0, set()
     for block_m, (items, merges) in groups.items():
         seen = {}
         for b, row, k0, k1, with_new, slot in items:
             seen.setdefault((b, row), []).append((k0, k1, with_new, slot))
         for b in {b for b, _ in seen}:
-            n, pre = lens[b], prefixes[b]
-            assert block_m == min(128, max(16, 1 << (n * 4 - 1).bit_length()))
-            assert sorted(r for (bb, r) in seen if bb == b) == list(range(0, n * 4, block_m))
+            assert block_m == height(lens[b] * 4)
+            assert sorted(r for (bb, r) in seen if bb == b) == list(range(0, lens[b] * 4, block_m))
+        assert {b for b, _ in seen} == {b for b in range(len(lens)) if lens[b]} or \
+            len(groups) > 1
         for (b, r), parts in seen.items():
             parts.sort()
             pre = prefixes[b]
@@ -132,7 +116,7 @@ def test_partition_covers_every_row_and_key_once():
             assert all(parts[i][1] == parts[i + 1][0] for i in range(len(parts) - 1))  # once
             assert all(p[1] > p[0] for p in parts) or pre == 0
             assert sum(p[2] for p in parts) == 1 and parts[-1][2] == 1  # new tokens once, last
-            assert all(p[1] - p[0] >= triton_attention.MIN_CHUNK for p in parts[:-1])
+            assert all(p[1] - p[0] >= min_chunk for p in parts[:-1])
             if len(parts) == 1:
                 assert parts[0][3] == -1
                 continue
@@ -142,7 +126,22 @@ def test_partition_covers_every_row_and_key_once():
             assert [p[3] for p in parts] == [m[0][2] + c * block_m for c in range(len(parts))]
             slots.update(range(m[0][2], m[0][2] + len(parts) * block_m))
             merged += len(parts) * block_m
-    assert merged > 0 and merged == part_rows == len(slots)  # no partial row shared
+    assert merged == part_rows == len(slots)  # no partial row shared
+    return merged
+
+
+def test_partition_covers_every_row_and_key_once():
+    # requests: (rows, prefix); GQA 4, 2 KV heads, a GPU of 64 processors (the prefixes split),
+    # 512-key chunks
+    lens, prefixes = [16, 1, 0, 64, 3, 40], [4000, 100, 7, 2048, 0, 1500]
+    q_indptr = [0]
+    for n in lens:
+        q_indptr.append(q_indptr[-1] + n)
+    groups, part_rows = triton_attention._partition(q_indptr, prefixes, 4, 2, 64)
+    assert sorted(groups) == [16, 64, 128]  # decode / 3 nodes; a 16-node tree; 40 and 64 nodes
+    merged = check_partition(groups, part_rows, lens, prefixes,
+                             lambda rows: min(128, max(16, 1 << (rows - 1).bit_length())))
+    assert merged > 0
 
 
 def test_bad_input():

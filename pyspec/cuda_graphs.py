@@ -1,0 +1,238 @@
+"""CUDA graphs for a GPU model's decode and verify steps.
+
+A decode step of a small model on a GPU is mostly launch overhead: a few hundred kernels of a
+few microseconds each, every one launched from Python. A CUDA graph records a step's launches
+once and replays them in one call. The launches must then be the same at every replay (grids,
+pointers, shapes), so a step is padded to a *bucket*:
+
+* ``(batch bucket, rows bucket)``: at most that many requests of at most that many new tokens
+  each (a decode token is 1 row, a 16-node draft tree 16). Batch buckets are 1, 2, 4, then
+  multiples of 8 up to ``max_batch``; rows buckets 1, 2, 4, ... up to ``max_rows``. A step takes
+  the smallest bucket that holds it; one whose padded size passes ``max_tokens`` runs eagerly.
+* Every graph reads its inputs from fixed buffers: token ids and positions (one copy to the
+  device per step), and the attention metadata in a
+  :class:`pyspec.triton_attention.StaticAttention` (one more copy): fixed-capacity work lists
+  whose unused entries are no-ops. The step's K/V scratch is shared by all graphs.
+* The graph ends at the final hidden states. The lm_head runs after the replay, only on the rows
+  whose logits the step needs (a graph's output stays allocated as long as the graph: full-vocab
+  logits for every padded row of every bucket would cost gigabytes).
+
+A bucket's graph is captured the first time a step needs it (after two warm-up runs, which also
+compile the Triton kernels for its tile sizes) and replayed after that. Steps a graph cannot run
+go through the eager forward: prefill chunks larger than the rows buckets, steps that ask for
+hidden states (EAGLE-style drafters) or give input embeddings.
+
+``emulate=True`` runs the same padded steps without CUDA graphs, on any device: a "capture"
+records the forward and a "replay" calls it. On the CPU with the Triton interpreter
+(``TRITON_INTERPRET=1``) this is how the padding, the buckets and the fixed launches are tested
+where no GPU is present.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["GraphedSteps", "batch_buckets", "rows_buckets"]
+
+
+def batch_buckets(max_batch: int) -> List[int]:
+    """1, 2, 4, then multiples of 8, up to ``max_batch`` (which is always a bucket)."""
+    out = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch, 8))
+    return out + [max_batch]
+
+
+def rows_buckets(max_rows: int) -> List[int]:
+    """Powers of two up to ``max_rows`` (which is always a bucket)."""
+    out, n = [], 1
+    while n < max_rows:
+        out.append(n)
+        n *= 2
+    return out + [max_rows]
+
+
+def _smallest(buckets: Sequence[int], n: int) -> Optional[int]:
+    return next((b for b in buckets if b >= n), None)
+
+
+def why_not_graphed(model) -> Optional[str]:
+    """Why ``model``'s steps cannot be captured (None when they can, on a CUDA device)."""
+    from pyspec.linear import PackedWeight
+    from pyspec.triton_attention import available
+
+    if not available():
+        return "CUDA graphs need the 'triton' package (pip install triton)"
+    if model.cfg.rope_scaling.rope_type == "dynamic":
+        return "dynamic RoPE scaling computes its tables on the host per step"
+    if getattr(model, "tp_group", None) is not None:
+        return "a tensor-parallel model's all-reduces run between its ops"
+    mats = [w for layer in model.layers for w in layer.values()]
+    if model._packed is not None:
+        mats += [w for lp in model._packed for w in lp.values()]
+    if any(type(w) is PackedWeight for w in mats):
+        return "packed (quantized) weights are unpacked per call on a GPU"
+    return None
+
+
+class _Graph:
+    """One bucket's fixed buffers and its captured step."""
+
+    def __init__(self, attn, hidden, graph):
+        self.attn = attn
+        self.hidden = hidden  # the replay's output: final hidden states [T_bucket, hidden]
+        self.graph = graph  # torch.cuda.CUDAGraph, or the forward itself when emulated
+
+
+class GraphedSteps:
+    """Captured steps of one :class:`pyspec.runner.ModelRunner` (see the module doc).
+
+    Args:
+        runner: the runner whose model and KV pool the graphs read.
+        max_batch: most requests of a graphed step.
+        max_rows: most new tokens of one request in a graphed step.
+        max_tokens: most padded rows (batch bucket x rows bucket) of a graphed step.
+        emulate: run the padded steps without CUDA graphs (any device; see the module doc).
+    """
+
+    def __init__(self, runner, max_batch: int = 32, max_rows: int = 64, max_tokens: int = 1024,
+                 emulate: bool = False):
+        for name, v, top in (("max_batch", max_batch, 1024), ("max_rows", max_rows, 256),
+                             ("max_tokens", max_tokens, 1 << 16)):
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= top:
+                raise ValueError(f"{name} must be an int in [1, {top}]; got {v!r}")
+        if not isinstance(emulate, bool):
+            raise ValueError(f"emulate must be a bool; got {emulate!r}")
+        model = runner.model
+        if model.device.type != "cuda" and not emulate:
+            raise ValueError(f"CUDA graphs need a model on a CUDA device; this one is on "
+                             f"{model.device}")
+        why = why_not_graphed(model)
+        if why is not None:
+            raise ValueError(f"this model's steps cannot run in CUDA graphs: {why}")
+        if runner.kv.k.dtype != model.dtype:
+            raise ValueError(f"CUDA graphs run the Triton attention kernel, which reads K/V in "
+                             f"the model's dtype ({model.dtype}); this runner's KV cache is "
+                             f"{runner.kv.k.dtype}")
+        self.runner, self.model = runner, model
+        self.emulate = emulate
+        self.batch_buckets = batch_buckets(max_batch)
+        self.rows_buckets = rows_buckets(max_rows)
+        self.max_tokens = max_tokens
+        cfg = model.cfg
+        self._max_pages_per_request = min(runner.kv.num_blocks,
+                                          -(-cfg.max_position_embeddings // runner.block_size))
+        self._graphs: Dict[Tuple[int, int], _Graph] = {}
+        self._pool = None if emulate else torch.cuda.graph_pool_handle()
+        self._io: Optional[torch.Tensor] = None  # [2, T] token ids and positions (device)
+        self._io_host: Optional[torch.Tensor] = None
+        self._copied = None
+        self._kv_new: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        self.captures = 0
+        self.replays = 0
+
+    def bucket(self, rows_per_request: Sequence[int],
+               prefix_lens: Sequence[int]) -> Optional[Tuple[int, int]]:
+        """The ``(batch, rows)`` bucket of a step whose requests have these new-token counts and
+        committed tokens, or None where no graph holds it."""
+        if not rows_per_request or len(prefix_lens) != len(rows_per_request):
+            return None
+        b = _smallest(self.batch_buckets, len(rows_per_request))
+        n = _smallest(self.rows_buckets, max(rows_per_request))
+        if b is None or n is None or b * n > self.max_tokens:
+            return None
+        bs = self.runner.block_size
+        if sum(-(-p // bs) for p in prefix_lens) > b * self._max_pages_per_request:
+            return None  # (past the model's positions: its own error comes from the eager path)
+        return b, n
+
+    def _buffers(self, tokens: int) -> None:
+        """The step inputs every graph reads, sized for the largest bucket (graphs replay one at
+        a time, so they share them)."""
+        if self._io is not None:
+            return
+        cfg, dev = self.model.cfg, self.model.device
+        pin = dev.type == "cuda"
+        self._io_host = torch.zeros(2, tokens, dtype=torch.int64, pin_memory=pin)
+        self._io = torch.zeros(2, tokens, dtype=torch.int64, device=dev)
+        shape = (cfg.num_hidden_layers, tokens, cfg.num_key_value_heads, cfg.head_dim)
+        kv_dtype = self.runner.kv.k.dtype
+        self._kv_new = (torch.zeros(shape, dtype=kv_dtype, device=dev),
+                        torch.zeros(shape, dtype=kv_dtype, device=dev))
+
+    def run(self, key: Tuple[int, int], ids: List[int], positions: torch.Tensor, plan,
+            logit_rows: torch.Tensor):
+        """The step in bucket ``key`` (from :meth:`bucket`): its ``ids`` and ``positions``
+        (host), the attention ``plan`` and the device ``logit_rows``. Returns ``(logits, k_new,
+        v_new)``: logits of those rows, and the step's own K/V scratch ``[L, T, Hkv, D]``."""
+        batch, rows = key
+        t = len(ids)
+        self._buffers(max(b * n for b in self.batch_buckets for n in self.rows_buckets
+                          if b * n <= self.max_tokens))
+        g = self._graphs.get(key)
+        cfg = self.model.cfg
+        if g is None:
+            from pyspec.triton_attention import StaticAttention
+
+            attn = StaticAttention(self.model.device, batch, rows, cfg.num_attention_heads,
+                                   cfg.num_key_value_heads, cfg.head_dim,
+                                   self.runner.block_size, batch * self._max_pages_per_request)
+        else:
+            attn = g.attn
+        attn.write(plan)  # checks that the step fits the bucket
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's upload has left the host buffer
+        host = self._io_host
+        host[:, t:batch * rows].zero_()
+        host[0, :t] = torch.tensor(ids, dtype=torch.int64)
+        host[1, :t] = positions
+        pinned = self.model.device.type == "cuda"
+        self._io.copy_(host, non_blocking=pinned)
+        if pinned:
+            self._copied = torch.cuda.Event()
+            self._copied.record(torch.cuda.current_stream(self.model.device))
+        if g is None:
+            g = self._capture(key, attn)
+            self._graphs[key] = g
+        if self.emulate:
+            g.hidden = g.graph()
+        else:
+            g.graph.replay()
+        self.replays += 1
+        logits = self.model.project(g.hidden.index_select(0, logit_rows))
+        k_new, v_new = self._kv_new
+        return logits, k_new[:, :t].clone(), v_new[:, :t].clone()
+
+    def _capture(self, key: Tuple[int, int], attn) -> _Graph:
+        batch, rows = key
+        t = batch * rows
+        io, (k_new, v_new) = self._io[:, :t], self._kv_new
+        k_new, v_new = k_new[:, :t], v_new[:, :t]
+        kv = self.runner.kv
+        model = self.model
+
+        def forward():
+            return model.forward(io[0], io[1], attn, kv.k, kv.v, k_new, v_new, lm_head=False)
+
+        self.captures += 1
+        if self.emulate:
+            return _Graph(attn, None, forward)
+        dev = model.device
+        # Two runs off the capture (they compile the Triton kernels for this bucket's tiles and
+        # let the libraries pick their workspaces), then the capture itself.
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            hidden = forward()
+        return _Graph(attn, hidden, graph)
+
+    def describe(self) -> dict:
+        """Buckets captured so far, captures and replays."""
+        return {"buckets": sorted(self._graphs), "captures": self.captures,
+                "replays": self.replays, "max_tokens": self.max_tokens,
+                "batch_buckets": self.batch_buckets, "rows_buckets": self.rows_buckets}
