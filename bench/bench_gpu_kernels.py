@@ -258,6 +258,45 @@ def bench_acceptance(batch=256, vocab=128256, tree=16):
     return out
 
 
+def bench_packed_linear(rows_list=(1, 16, 64)):
+    """Dense layers of the Llama-3-8B layout from 4-bit / 8-bit codes (pyspec.triton_linear)
+    against a bfloat16 matrix through F.linear (cuBLAS), graph-timed: seconds and weight bytes
+    per second. Skipped (said so) without triton."""
+    from pyspec.linear import PackedWeight
+    from pyspec.triton_linear import available, packed_linear
+
+    if not available():
+        return [{"error": "no triton package"}]
+    out = []
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+        dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        codes = {
+            4: PackedWeight(None, torch.randint(0, 256, (n, k // 2), device="cuda",
+                                                dtype=torch.uint8, generator=g),
+                            torch.rand(n, k // 32, device="cuda", generator=g) * 0.01,
+                            -torch.rand(n, k // 32, device="cuda", generator=g) * 0.1, 4),
+            8: PackedWeight(None, torch.randint(-127, 128, (n, k), device="cuda",
+                                                dtype=torch.int8, generator=g),
+                            torch.rand(n, k // 32, device="cuda", generator=g) * 0.01, None, 8)}
+        for rows in rows_list:
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=g)
+            t = graph_time(lambda x=x, w=dense: torch.nn.functional.linear(x, w))
+            row = {"n": n, "k": k, "rows": rows, "bf16_s": t, "bf16_gbps": n * k * 2 / t / 1e9}
+            for bits, w in codes.items():
+                nbytes = w.q.numel() * w.q.element_size() + sum(
+                    a.numel() * 4 for a in (w.d, w.m) if a is not None)
+                t = graph_time(lambda x=x, w=w: packed_linear(x, w))
+                row[f"int{bits}_s"] = t
+                row[f"int{bits}_gbps"] = nbytes / t / 1e9
+                row[f"int{bits}_speedup_vs_bf16"] = row["bf16_s"] / t
+            out.append(row)
+            print(json.dumps(row), flush=True)
+        del dense, codes
+        torch.cuda.empty_cache()
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -310,6 +349,11 @@ def main(argv=None):
                 res["attention"].append(row)
                 print(json.dumps(row), flush=True)
                 torch.cuda.empty_cache()
+    res["packed_linear"] = bench_packed_linear()
+    for r in res["packed_linear"]:
+        for bits in (4, 8):
+            if f"int{bits}_gbps" in r:
+                r[f"int{bits}_copy_fraction"] = r[f"int{bits}_gbps"] / res["copy"]["gbps"]
     res["filters"] = bench_filters()
     print(json.dumps(res["filters"]), flush=True)
     res["acceptance"] = bench_acceptance()

@@ -150,3 +150,63 @@ def merge(merges, q_indptr, part_o, part_lse, out, lse, num_part_rows, num_q_hea
              mask=row_ok[:, None] & (offs_d < D)[None, :])
     if HAS_LSE:
         tl.store(lse + (q0 + node) * num_q_heads + head, top + tl.log(den), mask=row_ok)
+
+
+@triton.jit
+def packed_matmul(x, q, d, m, bias, out, M, N, K, s_xm, s_om,
+                  BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
+                  WIDEN: tl.constexpr):
+    """out[M, N] = x[M, K] @ W.T (+ bias) with W held as block codes (pyspec.linear.PackedWeight):
+    groups of 32 inputs per row, W = q * d (8-bit, int8 q) or q * d + m (4-bit: group byte j
+    holds input j in its low nibble and input j + 16 in its high one). Each weight is rebuilt in
+    float32 and rounded once to x's dtype, as the float matrix the codes stand for would be."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    rows = offs_n.to(tl.int64)
+    groups = K // 32
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    xdt = tl.float32 if WIDEN else x.dtype.element_ty
+    GK: tl.constexpr = BLOCK_K // 32  # groups of 32 inputs per block
+    g = tl.arange(0, GK)
+    for k0 in range(0, K, BLOCK_K):
+        gw_ok = n_ok[:, None] & ((k0 // 32 + g) < groups)[None, :]
+        gidx = rows[:, None] * groups + (k0 // 32 + g)[None, :]
+        dd = tl.load(d + gidx, mask=gw_ok, other=0.0)[:, :, None]  # one scale per group
+        if BITS == 4:
+            # Byte j of group g holds inputs k0 + 32 g + j (low nibble) and + 16 (high nibble).
+            j = tl.arange(0, 16)
+            mm = tl.load(m + gidx, mask=gw_ok, other=0.0)[:, :, None]
+            byte = tl.load(q + rows[:, None, None] * (K // 2) + k0 // 2
+                           + (g[:, None] * 16 + j[None, :])[None, :, :],
+                           mask=gw_ok[:, :, None], other=0)
+            w_lo = tl.reshape(((byte & 0xF).to(tl.float32) * dd + mm).to(xdt),
+                              [BLOCK_N, BLOCK_K // 2])
+            w_hi = tl.reshape(((byte >> 4).to(tl.float32) * dd + mm).to(xdt),
+                              [BLOCK_N, BLOCK_K // 2])
+            c = tl.arange(0, BLOCK_K // 2)
+            k_lo = k0 + (c // 16) * 32 + c % 16
+            x_ok = m_ok[:, None] & (k_lo < K)[None, :]
+            xp = x + offs_m[:, None].to(tl.int64) * s_xm + k_lo[None, :]
+            x_lo = tl.load(xp, mask=x_ok, other=0.0).to(xdt)
+            x_hi = tl.load(xp + 16, mask=x_ok, other=0.0).to(xdt)
+            acc += tl.dot(x_lo, tl.trans(w_lo), input_precision=PREC)
+            acc += tl.dot(x_hi, tl.trans(w_hi), input_precision=PREC)
+        else:
+            j = tl.arange(0, 32)
+            qq = tl.load(q + rows[:, None, None] * K + k0
+                         + (g[:, None] * 32 + j[None, :])[None, :, :],
+                         mask=gw_ok[:, :, None], other=0)
+            w = tl.reshape((qq.to(tl.float32) * dd).to(xdt), [BLOCK_N, BLOCK_K])
+            k = k0 + tl.arange(0, BLOCK_K)
+            xv = tl.load(x + offs_m[:, None].to(tl.int64) * s_xm + k[None, :],
+                         mask=m_ok[:, None] & (k < K)[None, :], other=0.0).to(xdt)
+            acc += tl.dot(xv, tl.trans(w), input_precision=PREC)
+    if HAS_BIAS:
+        acc += tl.load(bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    dst = out + offs_m[:, None].to(tl.int64) * s_om + offs_n[None, :]
+    tl.store(dst, acc.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])

@@ -13,6 +13,8 @@ pointers, shapes), so a step is padded to a *bucket*:
   device per step), and the attention metadata in a
   :class:`pyspec.triton_attention.StaticAttention` (one more copy): fixed-capacity work lists
   whose unused entries are no-ops. The step's K/V scratch is shared by all graphs.
+* Layers held as 4-bit / 8-bit codes (AWQ / GPTQ checkpoints) read them with the Triton kernel
+  of :mod:`pyspec.triton_linear`, whose launches replay like the others.
 * The graph ends at the final hidden states. The lm_head runs after the replay, only on the rows
   whose logits the step needs (a graph's output stays allocated as long as the graph: full-vocab
   logits for every padded row of every bucket would cost gigabytes).
@@ -58,7 +60,6 @@ def _smallest(buckets: Sequence[int], n: int) -> Optional[int]:
 
 def why_not_graphed(model) -> Optional[str]:
     """Why ``model``'s steps cannot be captured (None when they can, on a CUDA device)."""
-    from pyspec.linear import PackedWeight
     from pyspec.triton_attention import available
 
     if not available():
@@ -67,11 +68,6 @@ def why_not_graphed(model) -> Optional[str]:
         return "dynamic RoPE scaling computes its tables on the host per step"
     if getattr(model, "tp_group", None) is not None:
         return "a tensor-parallel model's all-reduces run between its ops"
-    mats = [w for layer in model.layers for w in layer.values()]
-    if model._packed is not None:
-        mats += [w for lp in model._packed for w in lp.values()]
-    if any(type(w) is PackedWeight for w in mats):
-        return "packed (quantized) weights are unpacked per call on a GPU"
     return None
 
 

@@ -100,10 +100,30 @@ class PackedWeight:
         (``dense`` itself when it is held and no ``out`` is given)."""
         if self.dense is not None and out is None:
             return self.dense
+        if self.q.device.type != "cpu":  # codes on a GPU: the same formula in torch ops
+            w = self._unpack_torch()
+            return w if out is None else out.copy_(w)
         if out is None:
             out = _empty(tuple(self.shape), dtype=torch.float32)
         _C.unpack_packed(self.q, self.d, self.m, out)
         return out
+
+    def _unpack_torch(self) -> torch.Tensor:
+        """:meth:`unpack` in torch ops, on the codes' device."""
+        n, k = self.shape
+        if self.bits == 16:
+            return self.q.float()
+        q = self.q.view(n, k // 32, -1)
+        if self.bits == 4:
+            q = torch.cat([q & 0xF, q >> 4], -1)
+        w = q.float() * self.d[..., None]
+        return (w if self.m is None else w + self.m[..., None]).view(n, k)
+
+    def to(self, device) -> "PackedWeight":
+        """The codes (without ``dense``) on ``device``: a GPU's Linear reads them with
+        :func:`pyspec.triton_linear.packed_linear`."""
+        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return PackedWeight(None, mv(self.q), mv(self.d), mv(self.m), self.bits, mv(self.perm))
 
     def drop_dense(self) -> "PackedWeight":
         """Hold only the codes (about 5x fewer bytes for 4-bit, 3.6x for 8-bit); returns self."""
@@ -304,6 +324,11 @@ class Linear:
     def _packed(self, x, w: PackedWeight, bias, out):
         if w.perm is not None:  # the stored column order (GPTQ act-order)
             x = x.index_select(-1, w.perm)
+        if w.q.is_cuda and x.is_cuda and w.bits in (4, 8) and not (
+                _is_grad_enabled() and x.requires_grad):
+            from pyspec.triton_linear import packed_linear
+
+            return packed_linear(x, w, bias, out)
         dense = w.dense
         if (x.dtype is not torch.float32 or not x.is_cpu
                 or (_is_grad_enabled() and (x.requires_grad

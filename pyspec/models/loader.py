@@ -275,8 +275,9 @@ def load_weights(path: str, cfg: ModelConfig, dtype: torch.dtype,
                  pack_layers: bool = False) -> Dict[str, torch.Tensor]:
     """Reads, validates and converts all tensors. Errors name missing, unexpected or misshapen
     tensors. A 4-bit AWQ / GPTQ checkpoint's layer matrices come as codes-only
-    :class:`~pyspec.linear.PackedWeight` (:mod:`pyspec.models.quantized`) for a float32 CPU model,
-    else (another dtype or device, or ``dequantize``) as the float matrices they stand for.
+    :class:`~pyspec.linear.PackedWeight` (:mod:`pyspec.models.quantized`) for a float32 CPU model
+    and, with Triton, a model of any dtype on a CUDA device (:mod:`pyspec.triton_linear`), else
+    (another dtype on the CPU, or ``dequantize``) as the float matrices they stand for.
 
     ``pack_layers`` (a float32 CPU model loaded with ``packed_weights="codes"``): each decoder
     layer matrix whose values are exactly a 4-bit or 8-bit block format or 16-bit values
@@ -294,7 +295,14 @@ def load_weights(path: str, cfg: ModelConfig, dtype: torch.dtype,
     qc = quantization_config(path)
     if qc is not None:
         tensors = quantized_tensors(tensors, qc)
-        dequantize = dequantize or dtype != torch.float32 or torch.device(device).type != "cpu"
+        # Codes stay codes for a float32 CPU model (the core's packed kernel) and on a CUDA
+        # device with Triton (pyspec.triton_linear: any dtype); elsewhere the float matrices.
+        from pyspec.triton_attention import available as triton_available
+
+        dev = torch.device(device)
+        kept = (dev.type == "cpu" and dtype == torch.float32) or (
+            dev.type == "cuda" and triton_available())
+        dequantize = dequantize or not kept
     for name, t in tensors:
         packed = isinstance(t, PackedWeight)  # a quantized layer's codes (already checked)
         if not packed and name.endswith(_IGNORED_SUFFIXES):
@@ -314,7 +322,8 @@ def load_weights(path: str, cfg: ModelConfig, dtype: torch.dtype,
             # Codes only for the decoder layers' matrices (a quantized lm_head is read, like the
             # embedding, as a float matrix: drafters and other devices take it as one).
             keep = not dequantize and name.startswith("model.layers.")
-            out[name] = t if keep else t.natural().to(device=device, dtype=dtype)
+            out[name] = (t if dev.type == "cpu" else t.to(dev)) if keep else \
+                t.natural().to(device=device, dtype=dtype)
         elif not t.is_floating_point():
             raise ValueError(f"tensor '{name}' has dtype {t.dtype}; expected a floating type "
                              "(of quantized checkpoints, 4-bit AWQ and GPTQ load: see "

@@ -94,9 +94,9 @@ class LlamaWeights:
                 if packed is not None:
                     return packed.drop_dense()
                 warnings.warn("matrices fused into one (q/k/v, gate/up) differ in quantization "
-                              "or act-order column order: that fused matrix is held as float32",
+                              "or act-order column order: that fused matrix is held as floats",
                               stacklevel=4)
-                return fused
+                return fused.to(dtype)
             return torch.cat(parts, 0)
 
         for i in range(cfg.num_hidden_layers):

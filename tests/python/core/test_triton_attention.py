@@ -190,32 +190,19 @@ COMPILED = [  # (kernel, dtype, head_dim, tile rows, warps, stages, must not spi
 ]
 
 
-@pytest.mark.parametrize("kernel, dtype, d, block_m, warps, stages, no_spill", COMPILED)
-def test_compiles_for_sm90_without_spills(kernel, dtype, d, block_m, warps, stages, no_spill,
-                                          tmp_path):
+def compile_sm90(fn, types, const, aligned, warps, stages, no_spill, tmp_path):
+    """Compiles the Triton kernel ``fn`` for an H100 (sm_90) without a GPU: pointer ``types``
+    by argument name (other arguments int32, as a launch types them where they fit), ``const``
+    the constexprs, ``aligned`` the arguments Triton would see 16-byte aligned / divisible by 16.
+    Checks shared memory and, with ``no_spill``, that every register stays (cuobjdump)."""
     import inspect
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from pyspec import _triton_kernels
-
-    fn = getattr(_triton_kernels, kernel)
     names = list(inspect.signature(fn.fn).parameters)
-    types = {"items": "*i64", "merges": "*i64", "q_indptr": "*i64", "page_indptr": "*i64",
-             "pages": "*i64", "tree_flags": "*i64", "masks": "*i64", "lse": "*fp32",
-             "part_o": "*fp32", "part_lse": "*fp32", "scale_log2": "fp32"}
-    types.update({n: f"*{dtype}" for n in ("q", "kp", "vp", "kn", "vn", "out")})
-    const = {"GROUP": 4, "D": d, "BLOCK_D": d, "BLOCK_M": block_m, "BLOCK_N": 64, "PAGE": 16,
-             "MASK_WORDS": 4, "HAS_LSE": True, "PREC": "ieee" if dtype == "fp32" else "tf32",
-             "WIDEN": False}
-    # Integer arguments as a launch types them: int32 where they fit (strides, counts).
     signature = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
-    # As Triton specializes at launch: 16-byte aligned tensors and strides divisible by 16.
-    aligned = [n for n in names if signature[n].startswith("*") and n not in
-               ("items", "merges", "q_indptr", "page_indptr", "pages", "tree_flags", "masks")]
-    aligned += [n for n in names if n.startswith("s_")]
     src = ASTSource(fn=fn, signature=signature,
                     constexprs={(names.index(k),): v for k, v in const.items() if k in names},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
@@ -231,3 +218,26 @@ def test_compiles_for_sm90_without_spills(kernel, dtype, d, block_m, warps, stag
                            check=True).stdout
     line = next(ln for ln in usage.splitlines() if "REG:" in ln)
     assert " STACK:0 " in line and " LOCAL:0 " in line, line
+
+
+@pytest.mark.parametrize("kernel, dtype, d, block_m, warps, stages, no_spill", COMPILED)
+def test_compiles_for_sm90_without_spills(kernel, dtype, d, block_m, warps, stages, no_spill,
+                                          tmp_path):
+    import inspect
+
+    from pyspec import _triton_kernels
+
+    fn = getattr(_triton_kernels, kernel)
+    names = list(inspect.signature(fn.fn).parameters)
+    types = {"items": "*i64", "merges": "*i64", "q_indptr": "*i64", "page_indptr": "*i64",
+             "pages": "*i64", "tree_flags": "*i64", "masks": "*i64", "lse": "*fp32",
+             "part_o": "*fp32", "part_lse": "*fp32", "scale_log2": "fp32"}
+    types.update({n: f"*{dtype}" for n in ("q", "kp", "vp", "kn", "vn", "out")})
+    const = {"GROUP": 4, "D": d, "BLOCK_D": d, "BLOCK_M": block_m, "BLOCK_N": 64, "PAGE": 16,
+             "MASK_WORDS": 4, "HAS_LSE": True, "PREC": "ieee" if dtype == "fp32" else "tf32",
+             "WIDEN": False}
+    # As Triton specializes at launch: 16-byte aligned tensors and strides divisible by 16.
+    aligned = [n for n in names if types.get(n, "").startswith("*") and n not in
+               ("items", "merges", "q_indptr", "page_indptr", "pages", "tree_flags", "masks")]
+    aligned += [n for n in names if n.startswith("s_")]
+    compile_sm90(fn, types, const, aligned, warps, stages, no_spill, tmp_path)

@@ -179,7 +179,7 @@ def test_act_order_layers_run_in_the_one_call_stack(float_dir, tmp_path):
 def test_fused_matrices_with_different_column_orders_are_held_as_floats(float_dir, tmp_path):
     ref = _write_quantized(float_dir, str(tmp_path / "q"), "gptq", 32, act_order=True,
                            shared_order=False)
-    with pytest.warns(UserWarning, match="that fused matrix is held as float32"):
+    with pytest.warns(UserWarning, match="that fused matrix is held as floats"):
         m = LlamaForCausalLM.from_pretrained(str(tmp_path / "q"))
     assert isinstance(m.layers[0]["wqkv"], torch.Tensor)
     assert isinstance(m.layers[0]["wo"], PackedWeight) and m.layers[0]["wo"].perm is not None
@@ -225,6 +225,37 @@ def test_speculative_decoding_on_a_quantized_model_is_lossless(float_dir, tmp_pa
     p = pyspec.SamplingParams(max_tokens=24, ignore_eos=True)
     a = llm.generate([prompt], p)[0]
     b = plain.generate([prompt], p)[0]
+    assert a.token_ids == b.token_ids
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("method,group,act_order", [("awq", 64, False), ("gptq", 32, True)])
+def test_on_a_gpu_the_layers_stay_codes(float_dir, tmp_path, method, group, act_order):
+    """With Triton, a GPU model keeps the 4-bit codes (pyspec.triton_linear reads them): float32
+    equal to the dequantized reference, bfloat16 to the dequantized bfloat16 model, and
+    speculative decoding on it greedy-equal to plain."""
+    pytest.importorskip("triton")
+    import pyspec
+
+    q = str(tmp_path / "q")
+    ref = _write_quantized(float_dir, q, method, group, act_order)
+    ids = [5, 77, 140, 9, 31, 200, 18, 5, 77, 140, 64, 3]
+    r = _reference_model(float_dir, ref)
+    for dtype, other, tol in (("float32", r, 1e-4),
+                              ("bfloat16", LlamaForCausalLM.from_pretrained(
+                                  q, dtype="bfloat16", device="cuda", packed_weights="off"), 5e-2)):
+        m = LlamaForCausalLM.from_pretrained(q, dtype=dtype, device="cuda")
+        for layer in m.layers:
+            for key in ("wqkv", "wo", "wgu", "wd"):
+                assert isinstance(layer[key], PackedWeight) and layer[key].q.is_cuda
+        for rows in (ids[:1], ids[:5], ids):
+            torch.testing.assert_close(_logits(m, rows).cpu(), _logits(other, rows).cpu(),
+                                       rtol=tol, atol=tol)
+    kw = dict(progress=False, kv_cache_tokens=1024, device="cuda", dtype="float32")
+    prompt = [5, 77, 140, 9, 31, 5, 77, 140, 9, 31, 5, 77]
+    p = pyspec.SamplingParams(max_tokens=24, ignore_eos=True)
+    a = pyspec.LLM(q, draft="ngram", **kw).generate([prompt], p)[0]
+    b = pyspec.LLM(q, draft="none", **kw).generate([prompt], p)[0]
     assert a.token_ids == b.token_ids
 
 
