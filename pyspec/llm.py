@@ -152,8 +152,8 @@ class LLM:
             Medusa heads), a draft-model folder (same vocabulary), or a Drafter.
         spec: a :class:`SpecConfig`.
         device: "cpu", or "cuda" / "cuda:N" in a CUDA build with a usable GPU: the model's
-            forward and KV pool then run there; acceptance, sampling and the drafters stay on
-            the host (see ``pyspec.models.llama.resolve_device``).
+            forward, KV pool, sampling filters, acceptance and head drafters then run there;
+            n-gram and corpus drafters on the host (see ``pyspec.models.llama.resolve_device``).
         dtype: "float32" | "bfloat16" | "float16".
         kv_cache_tokens: KV pool size in tokens (shared by all requests).
         kv_cache_dtype: "auto" (default): float16 for a float32 model on the CPU (half the

@@ -156,7 +156,7 @@ class ModelRunner:
         ``[T, hidden]``: layer-0 inputs for the flattened rows instead of
         the token embeddings (the token ids then only size the rows). ``logits_to_host=False``
         leaves a GPU model's logits on the device (the engine's acceptance runs there and copies
-        back only its decisions); hidden states always come to the host."""
+        back only its decisions, its head drafters read the hidden states there)."""
         if not seqs:
             raise ValueError("a step needs at least one sequence")
         cfg = self.model.cfg
@@ -243,10 +243,11 @@ class ModelRunner:
                                      inputs_embeds=None if inputs_embeds is None
                                      else inputs_embeds.to(self.model.device))
             logits, hidden = out if isinstance(out, tuple) else (out, None)
-        if logits.device.type != "cpu":
-            # A model on a GPU: the drafters run on the host; the step's K/V scratch stays on the
-            # device for commit_kv, and the logits too where the caller accepts there.
-            logits = logits.cpu() if logits_to_host else logits
+        if logits.device.type != "cpu" and logits_to_host:
+            # A model on a GPU: the step's K/V scratch stays on the device for commit_kv, and the
+            # logits and hidden states too where the caller works there (the engine's acceptance
+            # and head drafters).
+            logits = logits.cpu()
             hidden = hidden.cpu() if hidden is not None else None
         return StepOutput(logits, logits_indptr, row_indptr, k_new, v_new, hidden)
 

@@ -85,7 +85,8 @@ class PrefillChunk:
     start: int
     block_table: Sequence[int]
     context: Sequence[int]  # the whole prompt + generated tokens (the chunk's successors)
-    hidden: Optional[torch.Tensor] = None  # [len, hidden] target hidden states (needs_hidden)
+    # [len, hidden] target hidden states (needs_hidden), on the target's device
+    hidden: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -95,7 +96,8 @@ class Verified:
     committed: List[int]  # root + accepted draft tokens (positions start ..)
     emitted: List[int]  # accepted draft tokens + the bonus/recovered token
     block_table: Sequence[int]
-    hidden: Optional[torch.Tensor] = None  # [len(committed), hidden] of the accepted path
+    # [len(committed), hidden] of the accepted path, on the target's device
+    hidden: Optional[torch.Tensor] = None
     # For drafters with ``wants_predictions``: the verified tree, and the target's most likely
     # token at each of its nodes (its argmax there, whatever was sampled).
     tree: Optional["Draft"] = None

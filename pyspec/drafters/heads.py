@@ -124,10 +124,11 @@ class MedusaDrafter(Drafter):
         if not isinstance(num_layers, int) or not 1 <= num_layers <= 8:
             raise ValueError(f"num_layers must be an int in [1, 8]; got {num_layers!r}")
         self.target = m
-        # The heads run on the host (like every drafter): host copies of the target's final norm
-        # and lm_head when the target is on a GPU (no copy for a CPU target).
-        self.norm_w = m.norm.cpu()
-        self.lm_head = m.lm_head.cpu()
+        # The heads run where the target does (a GPU target's hidden states stay there), on the
+        # target's own final norm and lm_head.
+        self.device = m.device
+        self.norm_w = m.norm
+        self.lm_head = m.lm_head
         # Residual blocks per head: [layer][head] weights (pyspec's own single-block heads are
         # named heads.{k}.weight/bias; published ones heads.{k}.{j}.weight/bias).
         def block(k, j, part, shape):
@@ -135,16 +136,17 @@ class MedusaDrafter(Drafter):
                     else f"heads.{k}.{j}.{part}")
             return _shape(weights, name, shape)
 
-        self.w = [torch.stack([block(k, j, "weight", (h, h)) for k in range(num_heads)]).to(m.dtype)
+        place = dict(device=m.device, dtype=m.dtype)
+        self.w = [torch.stack([block(k, j, "weight", (h, h)) for k in range(num_heads)]).to(**place)
                   for j in range(num_layers)]
-        self.b = [torch.stack([block(k, j, "bias", (h,)) for k in range(num_heads)]).to(m.dtype)
+        self.b = [torch.stack([block(k, j, "bias", (h,)) for k in range(num_heads)]).to(**place)
                   for j in range(num_layers)]
         # Each head's own projection to the vocabulary (the published Medusa layout), or the
         # target's lm_head for all (pyspec's own heads).
         self.head_lm = None
         if any(f"heads.{k}.lm_head.weight" in weights for k in range(num_heads)):
             self.head_lm = [_shape(weights, f"heads.{k}.lm_head.weight",
-                                   (m.cfg.vocab_size, h)).to(m.dtype) for k in range(num_heads)]
+                                   (m.cfg.vocab_size, h)).to(**place) for k in range(num_heads)]
         # The default tree cut to the heads there are (its paths' prefixes stay in it).
         tree = [list(p) for p in (tree or [q for q in DEFAULT_MEDUSA_TREE
                                            if len(q) <= num_heads])]
@@ -180,8 +182,8 @@ class MedusaDrafter(Drafter):
         ranked = {}
         if have:
             m = self.target
-            h = rms_norm(torch.stack([self._last[r.request_id] for r in have]), self.norm_w,
-                         m.cfg.rms_norm_eps)  # [B, H]
+            h = rms_norm(torch.stack([self._last[r.request_id] for r in have]).to(self.device),
+                         self.norm_w, m.cfg.rms_norm_eps)  # [B, H]
             hk = h[:, None, :].expand(-1, self.num_heads, -1)  # [B, K, H]
             for w, b in zip(self.w, self.b):
                 hk = hk + F.silu(torch.einsum("bkh,koh->bko", hk, w) + b)
@@ -240,6 +242,8 @@ class EagleDrafter(Drafter):
         tm = target_runner.model
         tc = tm.cfg
         h = tc.hidden_size
+        self.device = tm.device
+        place = dict(device=tm.device, dtype=tm.dtype)
         for name, v, lo, hi in (("width", width, 1, 16), ("max_depth", max_depth, 1, 32),
                                 ("max_nodes", max_nodes, 1, 255)):
             if not isinstance(v, int) or not lo <= v <= hi:
@@ -275,14 +279,14 @@ class EagleDrafter(Drafter):
                 fused + (() if fused[-1] == tc.num_hidden_layers else (tc.num_hidden_layers,)),
                 tc.num_hidden_layers)
             self.fuse_cols = len(fused) * h
-            self.fuse_w = _shape(weights, "fuse.weight", (h, self.fuse_cols)).to(tm.dtype)
+            self.fuse_w = _shape(weights, "fuse.weight", (h, self.fuse_cols)).to(**place)
         elif layers:
             from pyspec.models.llama import feature_layers
 
             layers = feature_layers(layers, tc.num_hidden_layers)
             if len(layers) > 1:
                 self.hidden_layers = layers
-                self.fuse_w = _shape(weights, "fuse.weight", (h, len(layers) * h)).to(tm.dtype)
+                self.fuse_w = _shape(weights, "fuse.weight", (h, len(layers) * h)).to(**place)
         if self.fuse_w is None and "fuse.weight" in weights:
             raise ValueError("the drafter has fuse.weight but its config names no eagle "
                              "feature_layers (the target layers it was trained on)")
@@ -292,16 +296,16 @@ class EagleDrafter(Drafter):
                 raise ValueError("an EAGLE-3 head has no fc over [embed; feature] (its fc is the "
                                  "fuse of the target's layers: fuse.weight)")
         else:
-            self.fc_w = _shape(weights, "fc.weight", (h, 2 * h)).to(tm.dtype)
+            self.fc_w = _shape(weights, "fc.weight", (h, 2 * h)).to(**place)
             self.fc_b = weights.get("fc.bias")
             if self.fc_b is not None:
-                self.fc_b = _shape(weights, "fc.bias", (h,)).to(tm.dtype)
+                self.fc_b = _shape(weights, "fc.bias", (h,)).to(**place)
         self.vocab_map = None
-        # The head runs on the host (like every drafter), on host copies of the target's
-        # embedding and lm_head when the target is on a GPU (no copy for a CPU target, unless it
-        # holds its tied table only as codes: then the head holds the rebuilt table).
-        self.embed_w = tm.embed.cpu()
-        lm_head = self.embed_w if tm.tied else tm.lm_head.cpu()
+        # The head runs where the target does (a GPU target's hidden states stay there), on the
+        # target's embedding and lm_head (a CPU target holding its tied table only as codes: the
+        # head holds the rebuilt table).
+        self.embed_w = tm.embed
+        lm_head = self.embed_w if tm.tied else tm.lm_head
         if "lm_head.weight" in weights:
             if "draft_vocab" not in weights:
                 raise ValueError("a drafter with its own lm_head.weight needs draft_vocab (its "
@@ -309,7 +313,7 @@ class EagleDrafter(Drafter):
             dv = weights["draft_vocab"].to(torch.int64)
             if dv.dim() != 1 or bool((dv < 0).any()) or bool((dv >= tc.vocab_size).any()):
                 raise ValueError(f"draft_vocab must be 1-D target ids in [0, {tc.vocab_size})")
-            lm_head = _shape(weights, "lm_head.weight", (dv.numel(), h)).to(tm.dtype)
+            lm_head = _shape(weights, "lm_head.weight", (dv.numel(), h)).to(**place)
             self.vocab_map = dv
         # EAGLE-1/2 as published: no input norm in the layer, no final norm (the head predicts
         # the target's *normed* last hidden state, which goes straight to its lm_head), and
@@ -323,9 +327,9 @@ class EagleDrafter(Drafter):
         if feature == "normed_hidden" and (layers or self.eagle3):
             raise ValueError("eagle feature 'normed_hidden' reads the last layer only; it cannot "
                              "go with feature_layers")
-        self.feature_norm = tm.norm.cpu() if feature == "normed_hidden" else None
+        self.feature_norm = tm.norm if feature == "normed_hidden" else None
         w = {"model.embed_tokens.weight": self.embed_w, "lm_head.weight": lm_head,
-             "model.norm.weight": (_shape(weights, "norm.weight", (h,)).to(tm.dtype)
+             "model.norm.weight": (_shape(weights, "norm.weight", (h,)).to(**place)
                                    if head_cfg.get("final_norm", True) else None)}
         win = 2 * h if self.eagle3 else h  # the attention's input width
         shapes = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
@@ -338,13 +342,14 @@ class EagleDrafter(Drafter):
             del shapes["input_layernorm.weight"]
             w["model.layers.0.input_layernorm.weight"] = None
         for k, s in shapes.items():
-            w["model.layers.0." + k] = _shape(weights, "layer." + k, s).to(tm.dtype)
+            w["model.layers.0." + k] = _shape(weights, "layer." + k, s).to(**place)
         # The target's dense kernels (its LinearKernels), for the head's layers and its own
         # matrices (fc, fuse) alike.
-        self.head = LlamaForCausalLM(cfg, w, tm.dtype, "cpu", kernels=getattr(tm, "kernels", None))
+        self.head = LlamaForCausalLM(cfg, w, tm.dtype, tm.device,
+                                     kernels=getattr(tm, "kernels", None))
         if self.eagle3:
             self.head.layers[0]["ln_hidden"] = _shape(weights, "layer.hidden_norm.weight",
-                                                      (h,)).to(tm.dtype)
+                                                      (h,)).to(**place)
         self.target = tm
         self.vocab_size = tc.vocab_size
         self.block_size = target_runner.block_size
@@ -367,6 +372,7 @@ class EagleDrafter(Drafter):
         return min(self.max_nodes, max(depth, round(self.max_nodes * depth / self.max_depth)))
 
     def _push(self, rid: int, start: int, feats: torch.Tensor, next_tokens: Sequence[int]) -> None:
+        feats = feats.to(self.device)
         if self.feature_norm is not None:
             feats = rms_norm(feats.contiguous(), self.feature_norm, self.target.cfg.rms_norm_eps)
         if self.fuse_w is not None:  # the target's layers fused into one feature (EAGLE-3)
@@ -425,7 +431,7 @@ class EagleDrafter(Drafter):
             d.pop(request_id, None)
 
     def _embed(self, tokens: List[int], feats: torch.Tensor) -> torch.Tensor:
-        e = F.embedding(torch.tensor(tokens, dtype=torch.int64), self.embed_w)
+        e = F.embedding(torch.tensor(tokens, dtype=torch.int64).to(self.device), self.embed_w)
         if self.eagle3:  # the layer norms both halves itself
             return torch.cat([e, feats.to(e.dtype)], dim=-1)
         # The core's dense kernel, like every layer of the head: torch's GEMM here would wake
@@ -477,7 +483,8 @@ class EagleDrafter(Drafter):
                 ent_feat = torch.stack(feats[len(feats) - 1 - mm:])
                 node_feat = [fhat[i][b.parents[n]] for n in run[1:]]
                 toks = ent_tok + [b.tokens[n] for n in run[1:]]
-                x = ent_feat if not node_feat else torch.cat([ent_feat, torch.stack(node_feat)])
+                x = ent_feat if not node_feat else torch.cat([ent_feat, torch.stack(node_feat)
+                                                              .to(self.device)])
                 embeds.append(self._embed(toks, x))
                 parents = list(range(-1, mm)) + [p + mm for p in b.run_parents()[1:]]
                 seqs.append(SeqStep(toks, r.start - 1 - mm, r.block_table, TokenTree(parents),
@@ -501,6 +508,7 @@ class EagleDrafter(Drafter):
                 for k, n in enumerate(b.run):
                     fhat[i][n] = res.hidden[base + mm + k]
                 rows = torch.tensor([mm + k for k in b.frontier_rows()], dtype=torch.int64)
+                # (The head's logits come to the host: the tree is built there.)
                 b.expand(torch.softmax(res.logits_of(j).index_select(0, rows), dim=-1))
             first = False
         for i, b, _ in work:

@@ -24,8 +24,8 @@ def resolve_device(device) -> torch.device:
 
     On a CUDA device the model's forward (dense layers, norms and rotary through torch, tree
     attention and KV materialization through pyspec's kernels) and its KV pool live on the GPU;
-    the step's logits and hidden states come back to the host, where acceptance, sampling and the
-    drafters run.
+    so do the engine's sampling filters and acceptance (only its decisions come back) and head
+    drafters (EAGLE, Medusa) and draft models; n-gram and corpus drafters run on the host.
     """
     try:
         dev = torch.device(device)

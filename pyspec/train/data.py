@@ -375,6 +375,7 @@ class _Recorder(Drafter):
 
     def _put(self, rid, start, h):
         d = self.hidden.setdefault(rid, {})
+        h = h.cpu()  # (a GPU target's states stay on its device through the engine)
         for k in range(h.shape[0]):
             d[start + k] = h[k].to(torch.bfloat16).clone()
 

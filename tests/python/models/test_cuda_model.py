@@ -109,7 +109,11 @@ def test_greedy_speculation_on_cuda_equals_plain(kind, dtype, tmp_path):
                        max_num_seqs=8, max_num_batched_tokens=80, max_prefill_chunk=16)
     plain = [r.token_ids for r in plain_eng.generate(ps, params)]
     runner = ModelRunner(model, num_blocks=64, block_size=8)
-    eng = Engine(runner, drafter=_drafter(kind, runner, model, str(tmp_path), plain),
+    drafter = _drafter(kind, runner, model, str(tmp_path), plain)
+    if kind in ("medusa", "eagle"):  # head drafters run on the target's device
+        assert drafter.device == model.device
+        assert (drafter.w[0] if kind == "medusa" else drafter.runner.kv.k).is_cuda
+    eng = Engine(runner, drafter=drafter,
                  max_num_seqs=8, max_num_batched_tokens=80, max_prefill_chunk=16, adaptive=False)
     res = eng.generate(ps, params)
     for i, r in enumerate(res):
@@ -124,10 +128,13 @@ def test_greedy_speculation_on_cuda_equals_plain(kind, dtype, tmp_path):
 
 @pytest.mark.cuda
 @needs_cuda_model
+@pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("kind", ["ngram", "eagle"])
-def test_greedy_speculation_with_triton_attention_equals_plain(kind, tmp_path):
-    """The whole engine with the Triton tree-attention kernel (bfloat16): greedy speculative
-    output equals plain greedy output with pyspec's own kernel, up to measured near-ties."""
+def test_greedy_speculation_with_triton_attention_equals_plain(kind, graphs, tmp_path):
+    """The whole engine with the Triton tree-attention kernel (bfloat16), and with its steps in
+    CUDA graphs (an EAGLE head's steps, which return hidden states, run eagerly beside them):
+    greedy speculative output equals plain greedy output with pyspec's own kernel, up to measured
+    near-ties."""
     pytest.importorskip("triton")
     model = LlamaForCausalLM.random(tiny_config(), seed=0, dtype=torch.bfloat16).to("cuda")
     ps = prompts()
@@ -137,10 +144,14 @@ def test_greedy_speculation_with_triton_attention_equals_plain(kind, tmp_path):
     plain = [r.token_ids for r in plain_eng.generate(ps, params)]
     model.set_attention_backend("triton")
     runner = ModelRunner(model, num_blocks=64, block_size=8)
+    if graphs:
+        runner.enable_cuda_graphs(max_batch=8, max_tokens=512)
     eng = Engine(runner, drafter=_drafter(kind, runner, model, str(tmp_path), plain),
                  max_num_seqs=8, max_num_batched_tokens=80, max_prefill_chunk=16, adaptive=False)
     res = eng.generate(ps, params)
     assert sum(r.stats.draft_tokens for r in res) > 0
+    if graphs and kind == "ngram":
+        assert runner.graphs.describe()["replays"] > 0
     model.set_attention_backend("native")  # the near-tie check's forward uses pyspec's kernel
     assert_equal_up_to_near_ties(model, ps, [r.token_ids for r in res], plain, 0.0625,
                                  f"{kind} with triton attention: ")
