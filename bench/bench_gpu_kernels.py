@@ -152,19 +152,16 @@ def bench_attention(batch, ctx, tree, flex, compare, g):
     row = {"batch": batch, "context": ctx, "tree": tree, "pyspec_s": t,
            "pyspec_gbps": kv_bytes / t / 1e9, "plan_and_upload_s": plan_s,
            "work_items": dplan.num_work_items, "split_tiles": dplan.num_split_tiles,
-           "variant": _C._cuda_attention_variant()}
-    # The other tensor-core kernel on the same problem (see _C._set_cuda_attention_variant).
-    other = "pipelined" if row["variant"] == "simple" else "simple"
-    prev = _C._set_cuda_attention_variant(other)
-    try:
-        out_other = torch.empty_like(out)
-        tree_attention(plan, p["q"], p["kp"], p["vp"], p["kn"], p["vn"], out=out_other)
-        row[f"{other}_s"] = cuda_time(lambda: tree_attention(
-            plan, p["q"], p["kp"], p["vp"], p["kn"], p["vn"], out=out_other))
-        row[f"{other}_gbps"] = kv_bytes / row[f"{other}_s"] / 1e9
-        row[f"{other}_max_abs_diff"] = (out_other.float() - out.float()).abs().max().item()
-    finally:
-        _C._set_cuda_attention_variant(prev)
+           "variant": "simple"}
+    # The other tensor-core kernel on the same problem (backend="pipelined").
+    other = "pipelined"
+    out_other = torch.empty_like(out)
+    tree_attention(plan, p["q"], p["kp"], p["vp"], p["kn"], p["vn"], out=out_other,
+                   backend=other)
+    row[f"{other}_s"] = cuda_time(lambda: tree_attention(
+        plan, p["q"], p["kp"], p["vp"], p["kn"], p["vn"], out=out_other, backend=other))
+    row[f"{other}_gbps"] = kv_bytes / row[f"{other}_s"] / 1e9
+    row[f"{other}_max_abs_diff"] = (out_other.float() - out.float()).abs().max().item()
     # Kernel time without host overhead (CUDA graphs), and the Triton kernel on the same problem.
     args = (plan, p["q"], p["kp"], p["vp"], p["kn"], p["vn"])
     try:

@@ -55,19 +55,7 @@ size_t Append(std::vector<unsigned char>& image, const T* src, size_t n) {
 
 bool Aligned16(const TensorView& t) { return reinterpret_cast<uintptr_t>(t.data) % 16 == 0; }
 
-// The tensor-core kernel variant RunAttention launches (SetTcAttentionVariant).
-std::atomic<bool> g_tc_pipelined{false};
-
 }  // namespace
-
-std::string SetTcAttentionVariant(const std::string& name) {
-  PYSPEC_CHECK(name == "simple" || name == "pipelined", "unknown CUDA attention variant '", name,
-               "'; allowed: 'simple', 'pipelined'");
-  const bool was = g_tc_pipelined.exchange(name == "pipelined");
-  return was ? "pipelined" : "simple";
-}
-
-std::string TcAttentionVariant() { return g_tc_pipelined.load() ? "pipelined" : "simple"; }
 
 DeviceAttentionPlan::DeviceAttentionPlan(const AttentionPlan& plan, int device,
                                          int64_t num_q_heads, int64_t num_kv_heads,
@@ -183,8 +171,8 @@ template <typename T, int D>
 cudaError_t LaunchTc(const kernels::AttnStep& s, int64_t items, const TensorView& q,
                      const TensorView& kp, const TensorView& vp, const TensorView& kn,
                      const TensorView& vn, const TensorView& out, float* lse,
-                     cudaStream_t stream) {
-  return g_tc_pipelined.load(std::memory_order_relaxed)
+                     cudaStream_t stream, bool pipelined) {
+  return pipelined
              ? LaunchTcVariant<T, D, true>(s, items, q, kp, vp, kn, vn, out, lse, stream)
              : LaunchTcVariant<T, D, false>(s, items, q, kp, vp, kn, vn, out, lse, stream);
 }
@@ -236,7 +224,8 @@ bool DeviceAttentionPlan::UsesTensorCores(DType q_dtype, DType kv_dtype) const {
 
 void RunAttention(const DeviceAttentionPlan& dplan, const TensorView& q, const TensorView& k_pages,
                   const TensorView& v_pages, const TensorView& k_new, const TensorView& v_new,
-                  const TensorView& out, const TensorView* lse, float scale, void* stream_ptr) {
+                  const TensorView& out, const TensorView* lse, float scale, void* stream_ptr,
+                  bool pipelined) {
   const DeviceAttentionPlan::Impl& p = *dplan.impl_;
   const detail::AttentionShape shape = detail::CheckAttentionArgs(
       p.host, q, k_pages, v_pages, k_new, v_new, out, lse, scale, DeviceType::kCUDA);
@@ -263,14 +252,14 @@ void RunAttention(const DeviceAttentionPlan& dplan, const TensorView& q, const T
       if (q.dtype == DType::kBFloat16) {
         err = p.d == 64
                   ? LaunchTc<__nv_bfloat16, 64>(s, items, q, k_pages, v_pages, k_new, v_new, out,
-                                                lse_ptr, stream)
+                                                lse_ptr, stream, pipelined)
                   : LaunchTc<__nv_bfloat16, 128>(s, items, q, k_pages, v_pages, k_new, v_new,
-                                                 out, lse_ptr, stream);
+                                                 out, lse_ptr, stream, pipelined);
       } else {
         err = p.d == 64 ? LaunchTc<__half, 64>(s, items, q, k_pages, v_pages, k_new, v_new, out,
-                                               lse_ptr, stream)
+                                               lse_ptr, stream, pipelined)
                         : LaunchTc<__half, 128>(s, items, q, k_pages, v_pages, k_new, v_new, out,
-                                                lse_ptr, stream);
+                                                lse_ptr, stream, pipelined);
       }
     } else {
       switch (q.dtype) {

@@ -39,8 +39,9 @@ from pyspec.triton_attention import StaticAttention
 
 __all__ = ["AttentionPlan", "plan_attention", "tree_attention"]
 
-# tree_attention's kernels: pyspec's own (cpu and CUDA) or the Triton kernel (pyspec.triton_attention)
-ATTENTION_BACKENDS = ("native", "triton")
+# tree_attention's kernels: pyspec's own (cpu and CUDA), its CUDA tensor-core kernel with two
+# cp.async stages, or the Triton kernel (pyspec.triton_attention)
+ATTENTION_BACKENDS = ("native", "pipelined", "triton")
 
 
 def check_attention_backend(backend) -> str:
@@ -161,8 +162,11 @@ def tree_attention(
         out: optional ``[T, Hq, D]`` output with ``q``'s dtype (allocated when ``None``).
         lse: optional float32 ``[T, Hq]`` receiving the natural log-sum-exp of the scaled scores.
         return_lse: also return ``lse`` (allocated when not given).
-        backend: ``"native"`` (pyspec's own CPU and CUDA kernels) or ``"triton"``: the Triton
-            kernel of :mod:`pyspec.triton_attention` (CUDA tensors; q, K and V of one dtype).
+        backend: ``"native"`` (pyspec's own CPU and CUDA kernels), ``"pipelined"`` (CUDA
+            tensors: pyspec's tensor-core kernel with two cp.async K/V stages instead of one
+            synchronous one, the same results bit for bit; other dtypes and head dims as
+            ``"native"``) or ``"triton"``: the Triton kernel of :mod:`pyspec.triton_attention`
+            (CUDA tensors; q, K and V of one dtype).
 
     Returns:
         ``out``, or ``(out, lse)`` when ``return_lse`` is true or ``lse`` was given.
@@ -206,7 +210,9 @@ def tree_attention(
                                          q.shape[2], stream)
             plan.__dict__[key] = dplan
         _C.run_attention_cuda(dplan, q, k_pages, v_pages, k_new, v_new, out, lse, float(scale),
-                              stream)
+                              stream, "pipelined" if backend == "pipelined" else "simple")
+    elif backend == "pipelined":
+        raise ValueError(f"backend='pipelined' runs on CUDA tensors; got {q.device}")
     else:
         _C.run_attention(plan, q, k_pages, v_pages, k_new, v_new, out, lse, float(scale))
     return (out, lse) if want_lse else out

@@ -33,8 +33,9 @@ def add_model_flags(p: argparse.ArgumentParser, *, dtypes: Sequence[str] = DTYPE
         p.add_argument("--device", default="cpu",
                        help="cpu, or cuda / cuda:N (a CUDA build with a GPU): where the model runs")
         p.add_argument("--attention-backend", default="native", choices=list(ATTENTION_BACKENDS),
-                       help="tree attention's kernels: native (pyspec's) or triton (on cuda, with "
-                            "the triton package: one pass over a prefix per draft tree)")
+                       help="tree attention's kernels: native (pyspec's), pipelined (on cuda: "
+                            "its tensor-core kernel with two cp.async stages) or triton (on cuda, "
+                            "with the triton package: one pass over a prefix per draft tree)")
         p.add_argument("--cuda-graphs", action="store_true",
                        help="run decode and verify steps as CUDA graphs (needs --device cuda and "
                             "--attention-backend triton)")

@@ -181,9 +181,11 @@ class LLM:
             and MLP across this process and N-1 worker processes (:mod:`pyspec.tensor_parallel`:
             CPU, gloo; at most the model's KV heads); drafting and acceptance stay here, so every
             rank verifies the same drafts. :meth:`close` stops the workers.
-        attention_backend: "native" (default: pyspec's CPU and CUDA kernels) or "triton" (with
-            ``device="cuda"`` and the ``triton`` package: :mod:`pyspec.triton_attention`, one
-            pass over a request's prefix for its whole draft tree).
+        attention_backend: "native" (default: pyspec's CPU and CUDA kernels), "pipelined"
+            (``device="cuda"``: the CUDA tensor-core kernel with two cp.async K/V stages, the same
+            results bit for bit) or "triton" (with ``device="cuda"`` and the ``triton`` package:
+            :mod:`pyspec.triton_attention`, one pass over a request's prefix for its whole draft
+            tree).
         cuda_graphs: True (with ``device="cuda"`` and ``attention_backend="triton"``): decode
             and verify steps of up to ``min(max_num_seqs, 256)`` requests and 64 new tokens each
             run as CUDA graphs, one per (batch, rows) bucket, captured the first time a step

@@ -202,7 +202,10 @@ layer of the step. Device memory is allocated and freed stream-ordered on `strea
       "run_attention_cuda",
       [](const cuda::DeviceAttentionPlan& plan, py::handle q, py::handle k_pages,
          py::handle v_pages, py::handle k_new, py::handle v_new, py::handle out, py::object lse,
-         std::optional<double> scale, uintptr_t stream) {
+         std::optional<double> scale, uintptr_t stream, const std::string& variant) {
+        PYSPEC_CHECK(variant == "simple" || variant == "pipelined",
+                     "unknown CUDA attention variant '", variant,
+                     "'; allowed: 'simple', 'pipelined'");
         TensorView qv = ToView(q, "q"), kp = ToView(k_pages, "k_pages");
         TensorView vp = ToView(v_pages, "v_pages"), kn = ToView(k_new, "k_new");
         TensorView vn = ToView(v_new, "v_new"), ov = ToView(out, "out");
@@ -210,16 +213,14 @@ layer of the step. Device memory is allocated and freed stream-ordered on `strea
         const float s = DefaultScale(qv, scale);
         py::gil_scoped_release release;
         cuda::RunAttention(plan, qv, kp, vp, kn, vn, ov, ViewPtr(lv), s,
-                           reinterpret_cast<void*>(stream));
+                           reinterpret_cast<void*>(stream), variant == "pipelined");
       },
       py::arg("plan"), py::arg("q"), py::arg("k_pages"), py::arg("v_pages"), py::arg("k_new"),
       py::arg("v_new"), py::arg("out"), py::arg("lse") = py::none(), py::arg("scale") = py::none(),
-      py::arg("stream") = 0, "run_attention for CUDA tensors with an uploaded CudaAttentionPlan.");
-  m.def("_set_cuda_attention_variant", &cuda::SetTcAttentionVariant, py::arg("name"),
-        "Force the CUDA tensor-core attention kernel: 'simple' (default) or 'pipelined' (tests "
-        "and benchmarks). Returns the previous one.");
-  m.def("_cuda_attention_variant", &cuda::TcAttentionVariant,
-        "The CUDA tensor-core attention kernel in use ('simple' or 'pipelined').");
+      py::arg("stream") = 0, py::arg("variant") = "simple",
+      "run_attention for CUDA tensors with an uploaded CudaAttentionPlan; variant: the "
+      "tensor-core kernel, 'simple' (one synchronous K/V stage) or 'pipelined' (two cp.async "
+      "stages).");
 #endif
 
   m.def("_attention_isa", &detail::AttentionIsa,

@@ -127,8 +127,8 @@ class LlamaForCausalLM(LlamaWeights):
         # Tensor parallelism (pyspec.tensor_parallel): this model is one rank's share and the
         # row-parallel layers' outputs are summed over this process group; None: the whole model.
         self.tp_group = None
-        # Tree attention's kernels (pyspec.attention.tree_attention's backend): "native" or
-        # "triton" (CUDA tensors; see set_attention_backend).
+        # Tree attention's kernels (pyspec.attention.tree_attention's backend): "native",
+        # "pipelined" or "triton" (CUDA tensors; see set_attention_backend).
         self.attention_backend = "native"
         super().__init__(cfg, weights, dtype, device)
         self._inv_freq = rope_inv_freq(cfg, 0).to(self.device)
@@ -137,14 +137,16 @@ class LlamaForCausalLM(LlamaWeights):
         self._fused = None
 
     def set_attention_backend(self, backend: str) -> None:
-        """Run this model's tree attention on pyspec's own kernels (``"native"``, the default) or
-        on the Triton kernel of :mod:`pyspec.triton_attention` (``"triton"``: a model on a GPU
-        in bfloat16 / float16 / float32, with the ``triton`` package)."""
-        if check_attention_backend(backend) == "triton":
+        """Run this model's tree attention on pyspec's own kernels (``"native"``, the default),
+        on their CUDA tensor-core kernel with two cp.async K/V stages (``"pipelined"``: a model on
+        a GPU; the same results bit for bit) or on the Triton kernel of
+        :mod:`pyspec.triton_attention` (``"triton"``: a model on a GPU in bfloat16 / float16 /
+        float32, with the ``triton`` package)."""
+        if check_attention_backend(backend) != "native" and self.device.type != "cuda":
+            raise ValueError(f"attention backend '{backend}' runs on CUDA; this model is on "
+                             f"{self.device}")
+        if backend == "triton":
             from pyspec import triton_attention
-            if self.device.type != "cuda":
-                raise ValueError("attention backend 'triton' runs on CUDA; this model is on "
-                                 f"{self.device}")
             if not triton_attention.available():
                 raise ValueError("attention backend 'triton' needs the 'triton' package")
         self.attention_backend = backend

@@ -75,7 +75,7 @@ class DeviceAttentionPlan {
  private:
   friend void RunAttention(const DeviceAttentionPlan&, const TensorView&, const TensorView&,
                            const TensorView&, const TensorView&, const TensorView&,
-                           const TensorView&, const TensorView*, float, void*);
+                           const TensorView&, const TensorView*, float, void*, bool);
   std::unique_ptr<Impl> impl_;
   size_t merges_offset_ = 0;
 };
@@ -83,16 +83,13 @@ class DeviceAttentionPlan {
 // Same contract as pyspec::RunAttention for CUDA tensors on the plan's device (shapes, dtypes and
 // errors identical; fp32 accumulation). bf16/fp16 with head_dim 64 or 128 run on tensor cores;
 // other dtypes and head dims up to 256 on a generic kernel. `stream` must be the stream the plan
-// was built on (ValueError otherwise): its buffers are ordered on that stream.
+// was built on (ValueError otherwise): its buffers are ordered on that stream. `pipelined`: the
+// tensor-core kernel with two cp.async K/V stages (warps holding no query skip the math) instead
+// of the default one synchronously loaded stage; the same results bit for bit.
 void RunAttention(const DeviceAttentionPlan& plan, const TensorView& q, const TensorView& k_pages,
                   const TensorView& v_pages, const TensorView& k_new, const TensorView& v_new,
-                  const TensorView& out, const TensorView* lse, float scale, void* stream);
-
-// The tensor-core kernel RunAttention launches (process-wide; tests and benchmarks): "simple" (the
-// default: one K/V stage loaded synchronously) or "pipelined" (two cp.async stages, and warps
-// holding no query skip the math). Returns the previous one; another name is a ValueError.
-std::string SetTcAttentionVariant(const std::string& name);
-std::string TcAttentionVariant();
+                  const TensorView& out, const TensorView* lse, float scale, void* stream,
+                  bool pipelined = false);
 
 }  // namespace cuda
 }  // namespace pyspec

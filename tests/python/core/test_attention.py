@@ -372,20 +372,16 @@ def test_cuda_tensor_core_variants(case):
             (7, 17, 16, 9, 3, 128, BF16) if case == "gqa3-bf16-128" else (8, 11, 1, 4, 1, 64, BF16))
         c = make_batch(seed, batch, bs, hq, hkv, d, dtype, "cuda")
     results = {}
-    for variant in ("simple", "pipelined"):
-        prev = _C._set_cuda_attention_variant(variant)
-        try:
-            assert _C._cuda_attention_variant() == variant
-            plan = plan_for(c, hq, hkv)
-            out, lse = tree_attention(plan, c["q"], c["k_pages"], c["v_pages"], c["k_new"],
-                                      c["v_new"], return_lse=True)
-            dplan = next(v for k, v in plan.__dict__.items() if isinstance(k, tuple))
-            assert dplan.uses_tensor_cores(str(dtype).split(".")[-1], str(dtype).split(".")[-1])
-        finally:
-            _C._set_cuda_attention_variant(prev)
+    for backend in ("native", "pipelined"):
+        plan = plan_for(c, hq, hkv)
+        out, lse = tree_attention(plan, c["q"], c["k_pages"], c["v_pages"], c["k_new"],
+                                  c["v_new"], return_lse=True, backend=backend)
+        dplan = next(v for k, v in plan.__dict__.items() if isinstance(k, tuple))
+        assert dplan.uses_tensor_cores(str(dtype).split(".")[-1], str(dtype).split(".")[-1])
         check(c, out, lse, dtype, 1 / math.sqrt(d))
-        results[variant] = (out, lse)
-    torch.testing.assert_close(results["pipelined"][0], results["simple"][0], atol=0, rtol=0)
-    torch.testing.assert_close(results["pipelined"][1], results["simple"][1], atol=0, rtol=0)
+        results[backend] = (out, lse)
+    torch.testing.assert_close(results["pipelined"][0], results["native"][0], atol=0, rtol=0)
+    torch.testing.assert_close(results["pipelined"][1], results["native"][1], atol=0, rtol=0)
     with pytest.raises(ValueError, match="allowed: 'simple', 'pipelined'"):
-        _C._set_cuda_attention_variant("fast")
+        _C.run_attention_cuda(dplan, c["q"], c["k_pages"], c["v_pages"], c["k_new"], c["v_new"],
+                              out, None, None, torch.cuda.current_stream().cuda_stream, "fast")

@@ -148,8 +148,10 @@ def test_bad_input():
     c = make_step([(5, 3, None)], 16, 4, 2, 16, F32, "cpu")
     plan = plan_for(c, 4, 2)
     args = (plan, c["q"], c["k_pages"], c["v_pages"], c["k_new"], c["v_new"])
-    with pytest.raises(ValueError, match="attention backend must be one of native, triton"):
+    with pytest.raises(ValueError, match="attention backend must be one of native, pipelined, triton"):
         tree_attention(*args, backend="cuda")
+    with pytest.raises(ValueError, match="backend='pipelined' runs on CUDA tensors"):
+        tree_attention(*args, backend="pipelined")
     if os.environ.get("TRITON_INTERPRET") != "1":
         with pytest.raises(ValueError, match="runs on CUDA tensors"):
             tree_attention(*args, backend="triton")
@@ -165,12 +167,13 @@ def test_model_and_llm_settings():
 
     model = LlamaForCausalLM.random(tiny_config(), seed=0)
     assert model.attention_backend == "native"
-    with pytest.raises(ValueError, match="'triton' runs on CUDA; this model is on cpu"):
-        model.set_attention_backend("triton")
-    with pytest.raises(ValueError, match="must be one of native, triton; got 'flash'"):
+    for backend in ("triton", "pipelined"):
+        with pytest.raises(ValueError, match=f"'{backend}' runs on CUDA; this model is on cpu"):
+            model.set_attention_backend(backend)
+    with pytest.raises(ValueError, match="must be one of native, pipelined, triton; got 'flash'"):
         model.set_attention_backend("flash")
     assert model.attention_backend == "native"
-    with pytest.raises(ValueError, match="must be one of native, triton; got 'flash'"):
+    with pytest.raises(ValueError, match="must be one of native, pipelined, triton; got 'flash'"):
         LLM("/nonexistent", attention_backend="flash")  # refused before the model loads
 
 
