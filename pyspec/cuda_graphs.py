@@ -20,7 +20,8 @@ pointers, shapes), so a step is padded to a *bucket*:
   logits for every padded row of every bucket would cost gigabytes).
 
 A bucket's graph is captured the first time a step needs it (after two warm-up runs, which also
-compile the Triton kernels for its tile sizes) and replayed after that. Steps a graph cannot run
+compile the Triton kernels for its tile sizes) and replayed after that. Should a capture fail, a
+warning says why and every later step runs eagerly (``describe()["failed"]``). Steps a graph cannot run
 go through the eager forward: prefill chunks larger than the rows buckets, steps that ask for
 hidden states (EAGLE-style drafters) or give input embeddings.
 
@@ -32,6 +33,7 @@ where no GPU is present.
 
 from __future__ import annotations
 
+import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -126,12 +128,14 @@ class GraphedSteps:
         self._kv_new: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         self.captures = 0
         self.replays = 0
+        # Why capturing failed (then every later step runs eagerly), or None.
+        self.failed: Optional[str] = None
 
     def bucket(self, rows_per_request: Sequence[int],
                prefix_lens: Sequence[int]) -> Optional[Tuple[int, int]]:
         """The ``(batch, rows)`` bucket of a step whose requests have these new-token counts and
         committed tokens, or None where no graph holds it."""
-        if not rows_per_request or len(prefix_lens) != len(rows_per_request):
+        if self.failed or not rows_per_request or len(prefix_lens) != len(rows_per_request):
             return None
         b = _smallest(self.batch_buckets, len(rows_per_request))
         n = _smallest(self.rows_buckets, max(rows_per_request))
@@ -160,7 +164,9 @@ class GraphedSteps:
             logit_rows: torch.Tensor):
         """The step in bucket ``key`` (from :meth:`bucket`): its ``ids`` and ``positions``
         (host), the attention ``plan`` and the device ``logit_rows``. Returns ``(logits, k_new,
-        v_new)``: logits of those rows, and the step's own K/V scratch ``[L, T, Hkv, D]``."""
+        v_new)``: logits of those rows, and the step's own K/V scratch ``[L, T, Hkv, D]``; or
+        None where the bucket's capture failed (a warning says why; the caller runs the step
+        eagerly, and so does every later step)."""
         batch, rows = key
         t = len(ids)
         self._buffers(max(b * n for b in self.batch_buckets for n in self.rows_buckets
@@ -188,7 +194,13 @@ class GraphedSteps:
             self._copied = torch.cuda.Event()
             self._copied.record(torch.cuda.current_stream(self.model.device))
         if g is None:
-            g = self._capture(key, attn)
+            try:
+                g = self._capture(key, attn)
+            except Exception as e:  # noqa: BLE001 (any capture failure: eager from now on)
+                self.failed = f"capturing bucket {key} failed: {type(e).__name__}: {e}"
+                warnings.warn(f"CUDA graphs are off for this model's steps: {self.failed}",
+                              stacklevel=3)
+                return None
             self._graphs[key] = g
         if self.emulate:
             g.hidden = g.graph()
@@ -230,5 +242,5 @@ class GraphedSteps:
     def describe(self) -> dict:
         """Buckets captured so far, captures and replays."""
         return {"buckets": sorted(self._graphs), "captures": self.captures,
-                "replays": self.replays, "max_tokens": self.max_tokens,
+                "replays": self.replays, "failed": self.failed, "max_tokens": self.max_tokens,
                 "batch_buckets": self.batch_buckets, "rows_buckets": self.rows_buckets}

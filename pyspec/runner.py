@@ -223,11 +223,13 @@ class ModelRunner:
             bad = next(i for i in ids if not 0 <= i < cfg.vocab_size)
             raise ValueError(f"token id {bad} is out of range [0, {cfg.vocab_size})")
         rows = torch.tensor(logit_rows, dtype=torch.int64, device=self.model.device)
-        bucket = None
+        graphed = None
         if self.graphs is not None and not return_hidden and inputs_embeds is None:
             bucket = self.graphs.bucket([len(s.token_ids) for s in seqs], prefix)
-        if bucket is not None:
-            logits, k_new, v_new = self.graphs.run(bucket, ids, torch.cat(pos), plan, rows)
+            if bucket is not None:
+                graphed = self.graphs.run(bucket, ids, torch.cat(pos), plan, rows)
+        if graphed is not None:
+            logits, k_new, v_new = graphed
             hidden = None
         else:
             shape = (cfg.num_hidden_layers, t, cfg.num_key_value_heads, cfg.head_dim)

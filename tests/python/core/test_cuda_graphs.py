@@ -64,6 +64,34 @@ def test_bucket_selection_and_refusals():
         half.enable_cuda_graphs(emulate=True)
 
 
+def test_a_failed_capture_leaves_eager_steps(monkeypatch):
+    """A capture that raises: a warning naming the bucket and the error, the step itself and
+    every later one run eagerly with the same results, and no capture is tried again."""
+    from pyspec.cuda_graphs import GraphedSteps
+
+    eager = _runner()
+    runner = ModelRunner(eager.model, 64, 16, kv=eager.kv)
+    g = runner.enable_cuda_graphs(max_batch=4, max_rows=8, emulate=True)
+    tries = []
+
+    def broken(self, key, attn):
+        tries.append(key)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(GraphedSteps, "_capture", broken)
+    steps = list(random_steps(random.Random(5), eager.model.cfg.vocab_size, 3, max_batch=3))
+    with pytest.warns(UserWarning, match=r"CUDA graphs are off .* capturing bucket \(\d+, \d+\) "
+                                         "failed: RuntimeError: operation not permitted"):
+        out = runner.step(steps[0])
+    torch.testing.assert_close(out.logits, eager.step(steps[0]).logits, atol=0, rtol=0)
+    for seqs in steps[1:]:
+        torch.testing.assert_close(runner.step(seqs).logits, eager.step(seqs).logits, atol=0,
+                                   rtol=0)
+    info = g.describe()
+    assert len(tries) == 1 and info["replays"] == 0 and "RuntimeError" in info["failed"]
+    assert g.bucket([1], [0]) is None
+
+
 def test_llm_and_cli_settings():
     from pyspec import LLM
     from pyspec.cli import build_parser
