@@ -44,6 +44,7 @@ def main(argv=None):
     import torch
 
     import pyspec
+    from bench_spec import emit
     from pyspec.train.evaluate import read_prompts
 
     torch.set_num_threads(2)
@@ -91,10 +92,9 @@ def main(argv=None):
     best_fixed = max(res["always"].values())
     res["oracle_gain_over_best_fixed"] = res["oracle_drafters_or_plain"] / best_fixed
     res["noise_floor_gain"] = res["noise_floor_plain_vs_plain"] / res["plain2_vs_plain"]
-    print(json.dumps({k: v for k, v in res.items() if k != "records"}, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+    print(json.dumps({k: v for k, v in res.items() if k != "records"}, indent=1),
+          file=sys.stderr)
+    emit(res, args.out)
     return res
 
 

@@ -235,7 +235,8 @@ class GraphedSteps:
                 forward()
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: another thread's CUDA work (a server's) does not invalidate the capture.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             hidden = forward()
         return _Graph(attn, hidden, graph)
 
