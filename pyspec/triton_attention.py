@@ -240,7 +240,8 @@ def _launch(step, q, k_pages, v_pages, k_new, v_new, scale, out, lse, part_o, pa
     with torch.cuda.device(q.device) if not interpret else contextlib.nullcontext():
         for block_m, num_items, num_merges, items, merges in step.groups:
             extra = {} if interpret else {"num_warps": 4 if block_m <= 64 else 8,
-                                          "num_stages": 3 if block_d <= 128 else 2}
+                                          "num_stages": 3 if block_d <= 128 else 2,
+                                          "enable_fp_fusion": True}
             attn[(num_items, hkv)](
                 items, step.q_indptr, step.page_indptr, step.pages, step.tree_flags, step.masks,
                 q, k_pages, v_pages, k_new, v_new, out, lse_arg, part_o, part_lse,
@@ -256,7 +257,7 @@ def _launch(step, q, k_pages, v_pages, k_new, v_new, scale, out, lse, part_o, pa
                     merges, step.q_indptr, part_o, part_lse, out, lse_arg, step.part_rows, hq,
                     out.stride(0), out.stride(1), GROUP=step.group, D=d, BLOCK_D=block_d,
                     BLOCK_M=block_m, HAS_LSE=lse is not None,
-                    **({} if interpret else {"num_warps": 4}))
+                    **({} if interpret else {"num_warps": 4, "enable_fp_fusion": True}))
 
 
 class StaticAttention:

@@ -210,7 +210,8 @@ def compile_sm90(fn, types, const, aligned, warps, stages, no_spill, tmp_path):
                     constexprs={(names.index(k),): v for k, v in const.items() if k in names},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps, "num_stages": stages})
+                              options={"num_warps": warps, "num_stages": stages,
+                                       "enable_fp_fusion": True})  # as the launchers ask
     assert compiled.metadata.shared <= SM90_SMEM
     if not no_spill:
         return
