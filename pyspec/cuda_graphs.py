@@ -33,6 +33,7 @@ where no GPU is present.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -142,9 +143,15 @@ class GraphedSteps:
         if b is None or n is None or b * n > self.max_tokens:
             return None
         bs = self.runner.block_size
-        if sum(-(-p // bs) for p in prefix_lens) > b * self._max_pages_per_request:
+        if sum(-(-p // bs) for p in prefix_lens) > self._max_pages(b):
             return None  # (past the model's positions: its own error comes from the eager path)
         return b, n
+
+    def _max_pages(self, batch: int) -> int:
+        """Most pages a step of ``batch`` requests may read in a graph: each request's most,
+        and at most twice the pool's pages in all (requests sharing a cached prefix count its
+        pages each; a step past that runs eagerly)."""
+        return min(batch * self._max_pages_per_request, 2 * self.runner.kv.num_blocks)
 
     def _buffers(self, tokens: int) -> None:
         """The step inputs every graph reads, sized for the largest bucket (graphs replay one at
@@ -162,6 +169,14 @@ class GraphedSteps:
 
     def run(self, key: Tuple[int, int], ids: List[int], positions: torch.Tensor, plan,
             logit_rows: torch.Tensor):
+        # On the model's own GPU (cuda:N need not be the current device): its streams, its
+        # allocations, its capture.
+        dev = self.model.device
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            return self._run(key, ids, positions, plan, logit_rows)
+
+    def _run(self, key: Tuple[int, int], ids: List[int], positions: torch.Tensor, plan,
+             logit_rows: torch.Tensor):
         """The step in bucket ``key`` (from :meth:`bucket`): its ``ids`` and ``positions``
         (host), the attention ``plan`` and the device ``logit_rows``. Returns ``(logits, k_new,
         v_new)``: logits of those rows, and the step's own K/V scratch ``[L, T, Hkv, D]``; or
@@ -178,7 +193,7 @@ class GraphedSteps:
 
             attn = StaticAttention(self.model.device, batch, rows, cfg.num_attention_heads,
                                    cfg.num_key_value_heads, cfg.head_dim,
-                                   self.runner.block_size, batch * self._max_pages_per_request)
+                                   self.runner.block_size, self._max_pages(batch))
         else:
             attn = g.attn
         attn.write(plan)  # checks that the step fits the bucket
@@ -236,7 +251,10 @@ class GraphedSteps:
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: another thread's CUDA work (a server's) does not invalidate the capture.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        # The capture stream is the model's device's (torch's default one is made on whichever
+        # device is current when it is first used).
+        with torch.cuda.graph(graph, pool=self._pool, stream=side,
+                              capture_error_mode="thread_local"):
             hidden = forward()
         return _Graph(attn, hidden, graph)
 

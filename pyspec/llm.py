@@ -190,8 +190,9 @@ class LLM:
             and verify steps of up to ``min(max_num_seqs, 256)`` requests and 64 new tokens each
             run as CUDA graphs, one per (batch, rows) bucket, captured the first time a step
             needs it (:mod:`pyspec.cuda_graphs`); other steps (prefill chunks) run eagerly.
-            Models whose steps cannot be captured (quantized weights, dynamic RoPE) are refused
-            with the reason.
+            Models whose steps cannot be captured (dynamic RoPE, tensor parallelism) are
+            refused with the reason; 4-bit AWQ / GPTQ layers are read in the graphs by
+            :mod:`pyspec.triton_linear`.
     """
 
     def __init__(self, model: Optional[str] = None, draft="default",

@@ -294,6 +294,8 @@ class StaticAttention:
             raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads "
                              f"({num_kv_heads})")
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.max_requests, self.max_rows, self.max_pages = max_requests, max_rows, max_pages
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.block_size = block_size
@@ -326,9 +328,11 @@ class StaticAttention:
     def _allocate(self, mask_words: int) -> None:
         self.mask_words = mask_words
         sizes = dict(self._sizes, masks=self.max_tokens * mask_words)
-        order = ("q_indptr", "page_indptr", "pages", "tree_flags", "masks", "items", "merges")
+        # The page list last: a step uploads the buffer only up to its own pages.
+        order = ("q_indptr", "page_indptr", "tree_flags", "masks", "items", "merges", "pages")
         # Each section padded to 16 bytes, as the one-shot upload of _Step.
         lens = [sizes[n] + sizes[n] % 2 for n in order]
+        self._pages_at = sum(lens[:-1])
         self._host = torch.zeros(sum(lens), dtype=torch.int64, pin_memory=self._pin)
         self._buffer = torch.zeros(sum(lens), dtype=torch.int64, device=self.device)
         self._host_views = dict(zip(order, torch.split(self._host, lens)))
@@ -400,7 +404,9 @@ class StaticAttention:
             rows = torch.tensor(merges + [[self._pad, 0, 0, 0]] * (self.num_merges - len(merges)),
                                 dtype=torch.int64).view(-1)
             v["merges"][:rows.numel()] = rows
-        self._buffer.copy_(self._host, non_blocking=self._pin)
+        used = self._pages_at + pages + pages % 2
+        self._buffer[:used].copy_(self._host[:used], non_blocking=self._pin)
+        self._rows, self._num_blocks = t, plan.num_blocks
         if self._pin:
             self._copied = torch.cuda.Event()
             self._copied.record(torch.cuda.current_stream(self.device))
@@ -411,18 +417,28 @@ class StaticAttention:
         rows (a step's rows first, the rest unused: their output is left as it was)."""
         if self._buffer is None:
             raise ValueError("StaticAttention.run before any write(plan)")
+        pages = (self._num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         if q.dim() != 3 or tuple(q.shape[1:]) != (self.num_q_heads, self.head_dim) or \
-                q.shape[0] > self.max_tokens or tuple(k_new.shape) != (
-                    q.shape[0], self.num_kv_heads, self.head_dim) or \
-                k_pages.shape[1] != self.block_size:
-            raise ValueError(f"StaticAttention for [<= {self.max_tokens}, {self.num_q_heads}, "
-                             f"{self.head_dim}] queries, {self.num_kv_heads} KV heads and pages "
-                             f"of {self.block_size}; got q {tuple(q.shape)}, k_new "
-                             f"{tuple(k_new.shape)}, k_pages {tuple(k_pages.shape)}")
-        for name, t in (("k_pages", k_pages), ("v_pages", v_pages), ("k_new", k_new),
-                        ("v_new", v_new)):
-            if t.dtype != q.dtype or t.device != q.device or not t.is_contiguous():
-                raise ValueError(f"'{name}' must be contiguous, in q's dtype and on q's device")
+                not self._rows <= q.shape[0] <= self.max_tokens or \
+                tuple(k_new.shape) != (q.shape[0], self.num_kv_heads, self.head_dim) or \
+                tuple(v_new.shape) != tuple(k_new.shape) or tuple(k_pages.shape) != pages or \
+                tuple(v_pages.shape) != pages:
+            raise ValueError(f"StaticAttention for {self._rows} .. {self.max_tokens} rows of "
+                             f"{self.num_q_heads} q heads of {self.head_dim} ({self._rows}: the "
+                             f"last write's step), K/V pages {list(pages)}; got q "
+                             f"{tuple(q.shape)}, k_new {tuple(k_new.shape)}, v_new "
+                             f"{tuple(v_new.shape)}, k_pages {tuple(k_pages.shape)}, v_pages "
+                             f"{tuple(v_pages.shape)}")
+        if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"StaticAttention supports float32/bfloat16/float16; got {q.dtype}")
+        for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages), ("k_new", k_new),
+                        ("v_new", v_new), ("out", out)):
+            if t is not None and (t.dtype != q.dtype or t.device != self.device
+                                  or not t.is_contiguous()):
+                raise ValueError(f"'{name}' must be contiguous, in q's dtype and on "
+                                 f"{self.device}")
+        if out is not None and tuple(out.shape) != tuple(q.shape):
+            raise ValueError(f"'out' must be shaped as q {tuple(q.shape)}; got {tuple(out.shape)}")
         _check_interpreter(q.device)
         if out is None:
             out = torch.empty_like(q)

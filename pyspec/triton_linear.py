@@ -65,7 +65,9 @@ def packed_linear(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None,
 
         interpret = x.device.type != "cuda"
         bm = _block_m(rows)
-        extra = {} if interpret else {"num_warps": 4, "num_stages": 3, "enable_fp_fusion": True}
+        # No FMA contraction: q * d + m rounds twice, as the float matrix the codes stand for
+        # was rebuilt (PackedWeight.unpack), so every weight is that matrix's value exactly.
+        extra = {} if interpret else {"num_warps": 4, "num_stages": 3, "enable_fp_fusion": False}
         with torch.cuda.device(x.device) if not interpret else contextlib.nullcontext():
             packed_matmul[(-(-n // BLOCK_N), -(-rows // bm))](
                 x2, w.q, w.d, w.m if w.m is not None else w.d,

@@ -186,7 +186,7 @@ def select_layers(hidden: Optional[torch.Tensor], have: Sequence[int], want: Seq
     if hidden is None or tuple(have) == tuple(want):
         return hidden
     t, h = hidden.shape[0], hidden.shape[-1] // len(have)
-    idx = torch.tensor([list(have).index(n) for n in want])
+    idx = torch.tensor([list(have).index(n) for n in want], device=hidden.device)
     return hidden.view(t, len(have), h).index_select(1, idx).reshape(t, len(want) * h)
 
 

@@ -352,10 +352,20 @@ class LlamaWeights:
         self._weights_changed()  # views of the old weights would keep them alive
         mv = lambda t: None if t is None else t.to(dev)  # noqa: E731
 
-        def mv_layer(t):  # codes-only matrices stay codes on the CPU, else are rebuilt
+        from pyspec.triton_attention import available as triton_available
+
+        # Codes-only matrices stay codes where a kernel reads them: the CPU's (codes on the
+        # CPU), a GPU's with Triton (4-bit / 8-bit codes); else the matrices in the model's dtype.
+        gpu_codes = dev.type == "cuda" and triton_available()
+
+        def mv_layer(t):
             if t is None or isinstance(t, torch.Tensor):
                 return mv(t)
-            return t if dev.type == "cpu" else t.natural().to(dev)
+            if dev.type == "cpu" and t.q.device.type == "cpu":
+                return t
+            if gpu_codes and t.bits in (4, 8):
+                return t.to(dev)
+            return t.natural().to(device=dev, dtype=self.dtype)
 
         if self._embed is None and dev.type != "cpu":
             self._embed = self.embed  # rebuilt from its codes: the device reads the table
@@ -364,8 +374,15 @@ class LlamaWeights:
         self.norm = mv(self.norm)
         self.layers = [{k: mv_layer(v) for k, v in layer.items()} for layer in self.layers]
         self.device = dev
-        if dev.type != "cpu":  # packed codes are a CPU kernel's
-            self._packed = None
+        from pyspec.linear import PackedWeight
+
+        coded = any(type(v) is PackedWeight for layer in self.layers for v in layer.values())
+        off_device = any(p.q.device != dev for lp in (self._packed or []) for p in lp.values()
+                         if type(p) is PackedWeight)
+        if dev.type != "cpu" or off_device:  # the CPU kernel's packed copies of floats go
             self._packed_lm_head = None
-            self._codes_only = False  # every layer matrix was rebuilt for the device
+            # Codes the layers still hold (a quantized checkpoint's, on a GPU with Triton).
+            self._packed = [{k: layer[k] for k in ("wqkv", "wo", "wgu", "wd")}
+                            for layer in self.layers] if coded else None
+            self._codes_only = coded
         return self

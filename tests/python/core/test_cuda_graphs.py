@@ -134,6 +134,19 @@ def test_static_attention_work_lists_fit_and_pad():
                         lambda rows: 64, min_chunk=64)
         q = v["q_indptr"].tolist()
         assert q[:batch + 1] == c["q_indptr"].tolist() and set(q[batch + 1:]) == {q[batch]}
+    # run() checks its tensors against the last write (before any kernel launch).
+    c = make_step([(40, 3, None), (0, 5, None)], 16, 8, 2, 64, F32, "cpu")
+    sa.write(plan_for(c, 8, 2))
+    t, nb = c["q"].shape[0], c["k_pages"].shape[0]
+    with pytest.raises(ValueError, match=f"StaticAttention for {t} .. 96 rows"):
+        sa.run(c["q"][:t - 1], c["k_pages"], c["v_pages"], c["k_new"][:t - 1],
+               c["v_new"][:t - 1], 0.125)
+    with pytest.raises(ValueError, match=rf"K/V pages \[{nb}, 16, 2, 64\]"):
+        sa.run(c["q"], c["k_pages"][:, :, :1].contiguous(), c["v_pages"], c["k_new"],
+               c["v_new"], 0.125)
+    with pytest.raises(ValueError, match="'out' must be shaped as q"):
+        sa.run(c["q"], c["k_pages"], c["v_pages"], c["k_new"], c["v_new"], 0.125,
+               out=torch.empty(t + 1, 8, 64))
     c = make_step([(0, 17, None)], 16, 8, 2, 8, F32, "cpu")
     with pytest.raises(ValueError, match="does not fit a StaticAttention of 6 requests, 16"):
         sa.write(plan_for(c, 8, 2))

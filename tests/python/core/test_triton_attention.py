@@ -193,7 +193,7 @@ COMPILED = [  # (kernel, dtype, head_dim, tile rows, warps, stages, must not spi
 ]
 
 
-def compile_sm90(fn, types, const, aligned, warps, stages, no_spill, tmp_path):
+def compile_sm90(fn, types, const, aligned, warps, stages, no_spill, tmp_path, fp_fusion=True):
     """Compiles the Triton kernel ``fn`` for an H100 (sm_90) without a GPU: pointer ``types``
     by argument name (other arguments int32, as a launch types them where they fit), ``const``
     the constexprs, ``aligned`` the arguments Triton would see 16-byte aligned / divisible by 16.
@@ -211,7 +211,7 @@ def compile_sm90(fn, types, const, aligned, warps, stages, no_spill, tmp_path):
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": warps, "num_stages": stages,
-                                       "enable_fp_fusion": True})  # as the launchers ask
+                                       "enable_fp_fusion": fp_fusion})  # as the launchers ask
     assert compiled.metadata.shared <= SM90_SMEM
     if not no_spill:
         return

@@ -118,7 +118,7 @@ def test_compiles_for_sm90_without_spills(bits, block_m, tmp_path):
              "HAS_BIAS": False, "PREC": "tf32", "WIDEN": False}
     compile_sm90(_triton_kernels.packed_matmul, types, const, aligned=("x", "q", "d", "m",
                                                                         "out", "s_xm", "s_om"),
-                 warps=4, stages=3, no_spill=True, tmp_path=tmp_path)
+                 warps=4, stages=3, no_spill=True, tmp_path=tmp_path, fp_fusion=False)
 
 
 @pytest.mark.cuda

@@ -251,6 +251,13 @@ def test_on_a_gpu_the_layers_stay_codes(float_dir, tmp_path, method, group, act_
         for rows in (ids[:1], ids[:5], ids):
             torch.testing.assert_close(_logits(m, rows).cpu(), _logits(other, rows).cpu(),
                                        rtol=tol, atol=tol)
+    # Loaded on the CPU and moved: the codes move (and back on the CPU, float matrices).
+    moved = LlamaForCausalLM.from_pretrained(q).to("cuda")
+    assert isinstance(moved.layers[0]["wo"], PackedWeight) and moved.layers[0]["wo"].q.is_cuda
+    torch.testing.assert_close(_logits(moved, ids).cpu(), _logits(r, ids), rtol=1e-4, atol=1e-4)
+    back = moved.to("cpu")
+    assert isinstance(back.layers[0]["wo"], torch.Tensor) and back._packed is None
+    torch.testing.assert_close(_logits(back, ids), _logits(r, ids), rtol=1e-5, atol=1e-5)
     kw = dict(progress=False, kv_cache_tokens=1024, device="cuda", dtype="float32")
     prompt = [5, 77, 140, 9, 31, 5, 77, 140, 9, 31, 5, 77]
     p = pyspec.SamplingParams(max_tokens=24, ignore_eos=True)
