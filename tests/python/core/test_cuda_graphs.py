@@ -70,6 +70,8 @@ def test_a_failed_capture_leaves_eager_steps(monkeypatch):
     from pyspec.cuda_graphs import GraphedSteps
 
     eager = _runner()
+    eager.kv.k.normal_()  # (the steps' prefixes read pages no step wrote)
+    eager.kv.v.normal_()
     runner = ModelRunner(eager.model, 64, 16, kv=eager.kv)
     g = runner.enable_cuda_graphs(max_batch=4, max_rows=8, emulate=True)
     tries = []
