@@ -9,10 +9,12 @@ pointers, shapes), so a step is padded to a *bucket*:
   each (a decode token is 1 row, a 16-node draft tree 16). Batch buckets are 1, 2, 4, then
   multiples of 8 up to ``max_batch``; rows buckets 1, 2, 4, ... up to ``max_rows``. A step takes
   the smallest bucket that holds it; one whose padded size passes ``max_tokens`` runs eagerly.
-* Every graph reads its inputs from fixed buffers: token ids and positions (one copy to the
-  device per step), and the attention metadata in a
-  :class:`pyspec.triton_attention.StaticAttention` (one more copy): fixed-capacity work lists
-  whose unused entries are no-ops. The step's K/V scratch is shared by all graphs.
+* Every graph reads its inputs from fixed buffers: token ids, positions and the attention
+  metadata of a :class:`pyspec.triton_attention.StaticAttention` (fixed-capacity work lists whose
+  unused entries are no-ops), one copy to the device per step. It writes its outputs into
+  buffers all graphs share (graphs replay one at a time): the step's K/V scratch, the final
+  hidden states and, for steps that ask for them (EAGLE-style drafters), the hidden states of
+  the layers asked.
 * Layers held as 4-bit / 8-bit codes (AWQ / GPTQ checkpoints) read them with the Triton kernel
   of :mod:`pyspec.triton_linear`, whose launches replay like the others.
 * The graph ends at the final hidden states. The lm_head runs after the replay, only on the rows
@@ -22,8 +24,8 @@ pointers, shapes), so a step is padded to a *bucket*:
 A bucket's graph is captured the first time a step needs it (after two warm-up runs, which also
 compile the Triton kernels for its tile sizes) and replayed after that. Should a capture fail, a
 warning says why and every later step runs eagerly (``describe()["failed"]``). Steps a graph cannot run
-go through the eager forward: prefill chunks larger than the rows buckets, steps that ask for
-hidden states (EAGLE-style drafters) or give input embeddings.
+go through the eager forward: prefill chunks larger than the rows buckets, and steps that give
+input embeddings.
 
 ``emulate=True`` runs the same padded steps without CUDA graphs, on any device: a "capture"
 records the forward and a "replay" calls it. On the CPU with the Triton interpreter
@@ -74,13 +76,6 @@ def why_not_graphed(model) -> Optional[str]:
     return None
 
 
-class _Graph:
-    """One bucket's fixed buffers and its captured step."""
-
-    def __init__(self, attn, hidden, graph):
-        self.attn = attn
-        self.hidden = hidden  # the replay's output: final hidden states [T_bucket, hidden]
-        self.graph = graph  # torch.cuda.CUDAGraph, or the forward itself when emulated
 
 
 class GraphedSteps:
@@ -121,12 +116,13 @@ class GraphedSteps:
         cfg = model.cfg
         self._max_pages_per_request = min(runner.kv.num_blocks,
                                           -(-cfg.max_position_embeddings // runner.block_size))
-        self._graphs: Dict[Tuple[int, int], _Graph] = {}
+        # Per (batch, rows, layers asked): the captured step (torch.cuda.CUDAGraph, or the
+        # forward itself when emulated); per (batch, rows): its StaticAttention.
+        self._graphs: Dict[tuple, object] = {}
+        self._attn: Dict[Tuple[int, int], object] = {}
         self._pool = None if emulate else torch.cuda.graph_pool_handle()
-        self._io: Optional[torch.Tensor] = None  # [2, T] token ids and positions (device)
-        self._io_host: Optional[torch.Tensor] = None
-        self._copied = None
         self._kv_new: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        self._out: Dict[int, torch.Tensor] = {}  # width -> [T, width] hidden states written
         self.captures = 0
         self.replays = 0
         # Why capturing failed (then every later step runs eagerly), or None.
@@ -153,93 +149,100 @@ class GraphedSteps:
         pages each; a step past that runs eagerly)."""
         return min(batch * self._max_pages_per_request, 2 * self.runner.kv.num_blocks)
 
-    def _buffers(self, tokens: int) -> None:
-        """The step inputs every graph reads, sized for the largest bucket (graphs replay one at
-        a time, so they share them)."""
-        if self._io is not None:
-            return
-        cfg, dev = self.model.cfg, self.model.device
-        pin = dev.type == "cuda"
-        self._io_host = torch.zeros(2, tokens, dtype=torch.int64, pin_memory=pin)
-        self._io = torch.zeros(2, tokens, dtype=torch.int64, device=dev)
-        shape = (cfg.num_hidden_layers, tokens, cfg.num_key_value_heads, cfg.head_dim)
-        kv_dtype = self.runner.kv.k.dtype
-        self._kv_new = (torch.zeros(shape, dtype=kv_dtype, device=dev),
-                        torch.zeros(shape, dtype=kv_dtype, device=dev))
+    def _buffers(self, taps: Optional[Tuple[int, ...]]) -> None:
+        """The outputs every graph writes, sized for the largest bucket (graphs replay one at a
+        time, so they share them): K/V scratch, final hidden states, and the hidden states of
+        ``taps`` (their concatenation)."""
+        tokens = max(b * n for b in self.batch_buckets for n in self.rows_buckets
+                     if b * n <= self.max_tokens)
+        cfg, dev, dtype = self.model.cfg, self.model.device, self.model.dtype
+        if self._kv_new is None:
+            shape = (cfg.num_hidden_layers, tokens, cfg.num_key_value_heads, cfg.head_dim)
+            kv_dtype = self.runner.kv.k.dtype
+            self._kv_new = (torch.zeros(shape, dtype=kv_dtype, device=dev),
+                            torch.zeros(shape, dtype=kv_dtype, device=dev))
+        for width in {cfg.hidden_size, cfg.hidden_size * len(taps or ())} - {0}:
+            if width not in self._out:
+                self._out[width] = torch.zeros(tokens, width, dtype=dtype, device=dev)
 
     def run(self, key: Tuple[int, int], ids: List[int], positions: torch.Tensor, plan,
-            logit_rows: torch.Tensor):
+            logit_rows: torch.Tensor, taps: Optional[Tuple[int, ...]] = None):
         # On the model's own GPU (cuda:N need not be the current device): its streams, its
         # allocations, its capture.
         dev = self.model.device
         with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-            return self._run(key, ids, positions, plan, logit_rows)
+            return self._run(key, ids, positions, plan, logit_rows, taps)
 
     def _run(self, key: Tuple[int, int], ids: List[int], positions: torch.Tensor, plan,
-             logit_rows: torch.Tensor):
+             logit_rows: torch.Tensor, taps: Optional[Tuple[int, ...]]):
         """The step in bucket ``key`` (from :meth:`bucket`): its ``ids`` and ``positions``
-        (host), the attention ``plan`` and the device ``logit_rows``. Returns ``(logits, k_new,
-        v_new)``: logits of those rows, and the step's own K/V scratch ``[L, T, Hkv, D]``; or
-        None where the bucket's capture failed (a warning says why; the caller runs the step
-        eagerly, and so does every later step)."""
+        (host), the attention ``plan``, the device ``logit_rows`` and the layers whose hidden
+        states it returns (``taps``, as ``pyspec.models.llama.hidden_layers`` normalizes them;
+        None: none). Returns ``(logits, k_new, v_new, hidden)``: logits of those rows, the step's
+        own K/V scratch ``[L, T, Hkv, D]`` and the hidden states ``[T, len(taps) * hidden]`` (or
+        None); or None where the bucket's capture failed (a warning says why; the caller runs
+        the step eagerly, and so does every later step)."""
         batch, rows = key
         t = len(ids)
-        self._buffers(max(b * n for b in self.batch_buckets for n in self.rows_buckets
-                          if b * n <= self.max_tokens))
-        g = self._graphs.get(key)
-        cfg = self.model.cfg
-        if g is None:
+        self._buffers(taps)
+        attn = self._attn.get(key)
+        if attn is None:
             from pyspec.triton_attention import StaticAttention
 
+            cfg = self.model.cfg
             attn = StaticAttention(self.model.device, batch, rows, cfg.num_attention_heads,
                                    cfg.num_key_value_heads, cfg.head_dim,
-                                   self.runner.block_size, self._max_pages(batch))
-        else:
-            attn = g.attn
-        attn.write(plan)  # checks that the step fits the bucket
-        if self._copied is not None:
-            self._copied.synchronize()  # the last step's upload has left the host buffer
-        host = self._io_host
-        host[:, t:batch * rows].zero_()
-        host[0, :t] = torch.tensor(ids, dtype=torch.int64)
-        host[1, :t] = positions
-        pinned = self.model.device.type == "cuda"
-        self._io.copy_(host, non_blocking=pinned)
-        if pinned:
-            self._copied = torch.cuda.Event()
-            self._copied.record(torch.cuda.current_stream(self.model.device))
+                                   self.runner.block_size, self._max_pages(batch),
+                                   inputs=2 * batch * rows)
+            self._attn[key] = attn
+        io = torch.zeros(2, batch * rows, dtype=torch.int64)  # padding rows: token 0 at 0
+        io[0, :t] = torch.tensor(ids, dtype=torch.int64)
+        io[1, :t] = positions
+        attn.write(plan, io)  # checks that the step fits the bucket; one upload
+        gkey = (batch, rows) if taps is None else (batch, rows, taps)
+        g = self._graphs.get(gkey)
         if g is None:
             try:
-                g = self._capture(key, attn)
+                g = self._capture(key, attn, taps)
             except Exception as e:  # noqa: BLE001 (any capture failure: eager from now on)
-                self.failed = f"capturing bucket {key} failed: {type(e).__name__}: {e}"
+                self.failed = f"capturing bucket {gkey} failed: {type(e).__name__}: {e}"
                 warnings.warn(f"CUDA graphs are off for this model's steps: {self.failed}",
                               stacklevel=3)
                 return None
-            self._graphs[key] = g
+            self._graphs[gkey] = g
         if self.emulate:
-            g.hidden = g.graph()
+            g()
         else:
-            g.graph.replay()
+            g.replay()
         self.replays += 1
-        logits = self.model.project(g.hidden.index_select(0, logit_rows))
+        width = self.model.cfg.hidden_size
+        logits = self.model.project(self._out[width][:t].index_select(0, logit_rows))
+        hidden = None if taps is None else self._out[width * len(taps)][:t].clone()
         k_new, v_new = self._kv_new
-        return logits, k_new[:, :t].clone(), v_new[:, :t].clone()
+        return logits, k_new[:, :t].clone(), v_new[:, :t].clone(), hidden
 
-    def _capture(self, key: Tuple[int, int], attn) -> _Graph:
+    def _capture(self, key: Tuple[int, int], attn, taps: Optional[Tuple[int, ...]]):
         batch, rows = key
         t = batch * rows
-        io, (k_new, v_new) = self._io[:, :t], self._kv_new
+        io, (k_new, v_new) = attn.inputs.view(2, t), self._kv_new
         k_new, v_new = k_new[:, :t], v_new[:, :t]
         kv = self.runner.kv
         model = self.model
+        width = model.cfg.hidden_size
+        final = self._out[width][:t]
+        tapped = None if taps is None else self._out[width * len(taps)][:t]
 
         def forward():
-            return model.forward(io[0], io[1], attn, kv.k, kv.v, k_new, v_new, lm_head=False)
+            out = model.forward(io[0], io[1], attn, kv.k, kv.v, k_new, v_new, lm_head=False,
+                                return_hidden=taps or False)
+            x, hidden = out if taps else (out, None)
+            final.copy_(x)
+            if hidden is not None:
+                tapped.copy_(hidden)
 
         self.captures += 1
         if self.emulate:
-            return _Graph(attn, None, forward)
+            return forward
         dev = model.device
         # Two runs off the capture (they compile the Triton kernels for this bucket's tiles and
         # let the libraries pick their workspaces), then the capture itself.
@@ -255,8 +258,8 @@ class GraphedSteps:
         # device is current when it is first used).
         with torch.cuda.graph(graph, pool=self._pool, stream=side,
                               capture_error_mode="thread_local"):
-            hidden = forward()
-        return _Graph(attn, hidden, graph)
+            forward()
+        return graph
 
     def describe(self) -> dict:
         """Buckets captured so far, captures and replays."""

@@ -16,6 +16,7 @@ import torch
 
 from pyspec import TokenTree, ops
 from pyspec.attention import plan_attention
+from pyspec.models.llama import hidden_layers
 
 
 @dataclass
@@ -224,13 +225,13 @@ class ModelRunner:
             raise ValueError(f"token id {bad} is out of range [0, {cfg.vocab_size})")
         rows = torch.tensor(logit_rows, dtype=torch.int64, device=self.model.device)
         graphed = None
-        if self.graphs is not None and not return_hidden and inputs_embeds is None:
+        if self.graphs is not None and inputs_embeds is None:
             bucket = self.graphs.bucket([len(s.token_ids) for s in seqs], prefix)
             if bucket is not None:
-                graphed = self.graphs.run(bucket, ids, torch.cat(pos), plan, rows)
+                graphed = self.graphs.run(bucket, ids, torch.cat(pos), plan, rows,
+                                          hidden_layers(return_hidden, cfg.num_hidden_layers))
         if graphed is not None:
-            logits, k_new, v_new = graphed
-            hidden = None
+            logits, k_new, v_new, hidden = graphed
         else:
             shape = (cfg.num_hidden_layers, t, cfg.num_key_value_heads, cfg.head_dim)
             k_new = torch.empty(shape, dtype=self.kv_dtype, device=self.model.device)

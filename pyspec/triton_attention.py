@@ -279,17 +279,21 @@ class StaticAttention:
     ``run(q, k_pages, v_pages, k_new, v_new, scale)`` launches the kernels on this buffer (what
     ``tree_attention`` does when given this object as its plan); the metadata of the last
     :meth:`write` is what they read.
+
+    ``inputs``: int64 values of the caller's own that go up in the same copy (a graphed step's
+    token ids and positions): :meth:`write` takes them, :attr:`inputs` is their device copy.
     """
 
     def __init__(self, device, max_requests: int, max_rows: int, num_q_heads: int,
                  num_kv_heads: int, head_dim: int, block_size: int, max_pages: int,
-                 num_sms: Optional[int] = None, min_chunk: int = MIN_CHUNK):
+                 num_sms: Optional[int] = None, min_chunk: int = MIN_CHUNK, inputs: int = 0):
         if not available():
             raise ValueError("StaticAttention needs the 'triton' package (pip install triton)")
-        for name, v in (("max_requests", max_requests), ("max_rows", max_rows),
-                        ("block_size", block_size), ("max_pages", max_pages)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1; got {v!r}")
+        for name, v, low in (("max_requests", max_requests, 1), ("max_rows", max_rows, 1),
+                             ("block_size", block_size, 1), ("max_pages", max_pages, 1),
+                             ("inputs", inputs, 0)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ValueError(f"{name} must be an int >= {low}; got {v!r}")
         if num_kv_heads < 1 or num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads "
                              f"({num_kv_heads})")
@@ -312,7 +316,9 @@ class StaticAttention:
         self.max_tokens = max_requests * max_rows
         pad = max_requests  # the request every unused item and merge points at: no rows
         self._pad = pad
-        sizes = {"q_indptr": pad + 2, "page_indptr": pad + 2, "pages": max_pages,
+        self.num_inputs = inputs
+        self.inputs: Optional[torch.Tensor] = None  # the device copy of write()'s inputs
+        sizes = {"inputs": inputs, "q_indptr": pad + 2, "page_indptr": pad + 2, "pages": max_pages,
                  "tree_flags": pad + 1, "masks": None, "items": self.num_items * 6,
                  "merges": max(1, self.num_merges) * 4}
         self._sizes = sizes
@@ -329,7 +335,8 @@ class StaticAttention:
         self.mask_words = mask_words
         sizes = dict(self._sizes, masks=self.max_tokens * mask_words)
         # The page list last: a step uploads the buffer only up to its own pages.
-        order = ("q_indptr", "page_indptr", "tree_flags", "masks", "items", "merges", "pages")
+        order = ("inputs", "q_indptr", "page_indptr", "tree_flags", "masks", "items", "merges",
+                 "pages")
         # Each section padded to 16 bytes, as the one-shot upload of _Step.
         lens = [sizes[n] + sizes[n] % 2 for n in order]
         self._pages_at = sum(lens[:-1])
@@ -340,6 +347,7 @@ class StaticAttention:
         self.q_indptr, self.page_indptr, self.pages = (views["q_indptr"], views["page_indptr"],
                                                        views["pages"])
         self.tree_flags, self.masks = views["tree_flags"], views["masks"]
+        self.inputs = views["inputs"][:self.num_inputs]
         self.groups = [(self.block_m, self.num_items, self.num_merges, views["items"],
                         views["merges"])]
 
@@ -349,9 +357,17 @@ class StaticAttention:
         return (0 < len(rows_per_request) <= self.max_requests and pages <= self.max_pages
                 and max(rows_per_request) <= self.max_rows)
 
-    def write(self, plan) -> None:
+    def write(self, plan, inputs: Optional[torch.Tensor] = None) -> None:
         """The metadata of ``plan`` (from :func:`pyspec.attention.plan_attention`, for these head
-        counts and pages) into the buffer the launches read; ValueError where it does not fit."""
+        counts and pages) into the buffer the launches read, in one copy to the device with
+        ``inputs`` (int64, as many values as the constructor's ``inputs``; required when that is
+        not 0); ValueError where they do not fit."""
+        if (inputs is None) != (self.num_inputs == 0) or (
+                inputs is not None and (inputs.dtype != torch.int64
+                                        or inputs.numel() != self.num_inputs)):
+            got = "none" if inputs is None else f"{inputs.numel()} {inputs.dtype}"
+            raise ValueError(f"this StaticAttention uploads {self.num_inputs} int64 inputs with "
+                             f"each step; got {got}")
         arrays = plan._step_arrays()
 
         def host(name, dt):
@@ -386,6 +402,8 @@ class StaticAttention:
                                block_m=self.block_m, splits=self.splits)
         items, merges = groups.get(self.block_m, ([], []))
         v = self._host_views
+        if inputs is not None:
+            v["inputs"][:self.num_inputs] = inputs.reshape(-1)
         t = int(q_indptr[-1])
         v["q_indptr"][:batch + 1] = q_indptr
         v["q_indptr"][batch + 1:] = t

@@ -332,8 +332,9 @@ class LlamaForCausalLM(LlamaWeights):
             rope_lens: int64 ``[T]``, dynamic-RoPE scaling length per row (see ``rope_tables``).
             inputs_embeds: ``[T, hidden]`` layer-0 inputs used instead of the token embeddings
                 (EAGLE-style heads feed fused token + feature vectors).
-            lm_head: False: return only the final hidden states ``[T, hidden]`` (before the
-                norm; :meth:`project` makes logits of them): a CUDA-graphed step stops there.
+            lm_head: False: return the final hidden states ``[T, hidden]`` (before the norm;
+                :meth:`project` makes logits of them) instead of logits, and the asked hidden
+                states as a second value when ``return_hidden``: a CUDA-graphed step stops there.
 
         Returns:
             float32 logits ``[R, vocab]`` (and the hidden states when asked).
@@ -389,10 +390,10 @@ class LlamaForCausalLM(LlamaWeights):
             else:
                 x = self._layers_one_by_one(x, cos, sin, plan, k_pages, v_pages, k_new, v_new,
                                             taps, kept)
-        if not lm_head:
-            return x
         hidden = x if taps is None else kept[taps[0]] if len(taps) == 1 else torch.cat(
             [kept[n] for n in taps], -1)
+        if not lm_head:
+            return (x, hidden) if taps is not None else x
         logits = self.project(x if logits_rows is None else x.index_select(0, logits_rows))
         return (logits, hidden) if taps is not None else logits
 

@@ -76,7 +76,7 @@ def test_a_failed_capture_leaves_eager_steps(monkeypatch):
     g = runner.enable_cuda_graphs(max_batch=4, max_rows=8, emulate=True)
     tries = []
 
-    def broken(self, key, attn):
+    def broken(self, key, attn, taps):
         tries.append(key)
         raise RuntimeError("operation not permitted when stream is capturing")
 
@@ -224,16 +224,35 @@ def run_graphed_steps(device, dtype=torch.float32, emulate=True):
         assert b.logits_indptr == a.logits_indptr and b.row_indptr == a.row_indptr
     info = g.describe()
     assert info["replays"] == 8 and info["captures"] == len(info["buckets"]) < 8
-    # A prefill chunk past the rows buckets, and a step asking for hidden states: eager.
+    # A prefill chunk past the rows buckets: eager.
     long = [SeqStep(list(range(20)), 0, [0, 1], None, "last")]
     torch.testing.assert_close(runner.step(long).logits, eager.step(long).logits, atol=tol,
                                rtol=0)
-    out = runner.step([SeqStep([1], 20, [0, 1], None, "last")], return_hidden=True)
-    assert out.hidden is not None and g.describe()["replays"] == 8
+    assert g.describe()["replays"] == 8
+    # Steps asking for hidden states (head drafters): graphed too, one graph per bucket and
+    # layer list, the same logits, K/V and hidden states as eager steps.
+    layers = eager.model.cfg.num_hidden_layers
+    step = [SeqStep([1, 2, 3], 20, [0, 1], TokenTree([-1, 0, 0]), "all"),
+            SeqStep([4], 7, [2], None, "last")]
+    for hidden in (True, (1, layers), (1, layers), True):
+        a, b = eager.step(step, return_hidden=hidden), runner.step(step, return_hidden=hidden)
+        torch.testing.assert_close(b.logits, a.logits, atol=tol, rtol=0)
+        torch.testing.assert_close(b.k_new.float(), a.k_new.float(), atol=tol, rtol=0)
+        torch.testing.assert_close(b.hidden.float(), a.hidden.float(), atol=tol, rtol=0)
+    info = g.describe()
+    assert info["replays"] == 12
+    assert {(2, 4, (layers,)), (2, 4, (1, layers))} <= set(info["buckets"])
+    # The hidden states a step returned are its own: the next replay does not overwrite them.
+    kept = b.hidden.clone()
+    runner.step(step, return_hidden=True)
+    assert torch.equal(b.hidden, kept)
 
 
-def run_engine_greedy(device, emulate=True):
-    """Speculative decoding through graphed steps: greedy output equal to plain decoding's."""
+def run_engine_greedy(device, emulate=True, heads_dir=None):
+    """Speculative decoding through graphed steps (n-gram drafts, and an EAGLE head reading two
+    target layers when ``heads_dir`` is given): greedy output equal to plain decoding's."""
+    from drafters_support import _heads_dir
+
     model = LlamaForCausalLM.random(tiny_config(), seed=3).to(device)
     prompts = [default_prompt(seed=s) for s in (1, 2, 3)]
     params = SamplingParams(max_tokens=24)
@@ -241,30 +260,41 @@ def run_engine_greedy(device, emulate=True):
     def engine(draft, graphs):
         runner = ModelRunner(model, 96, 16, kv_dtype=torch.float32)
         if graphs:
-            runner.enable_cuda_graphs(max_batch=4, max_rows=8, emulate=emulate)
+            runner.enable_cuda_graphs(max_batch=4, max_rows=16, emulate=emulate)
+        if draft == "eagle":
+            from pyspec.drafters import load_heads
+
+            draft = load_heads(_heads_dir(heads_dir, model, "eagle-fused"), runner)
+            return Engine(runner, drafter=draft, adaptive=False), runner
         eng = Engine(runner, drafter=draft, gamma=4 if draft != "none" else None,
                      adaptive=False, **({"initial_draft_tokens": 4} if draft != "none" else {}))
         return eng, runner
 
     plain, _ = engine("none", False)
     refs = [r.token_ids for r in plain.generate(prompts, params)]
-    spec, runner = engine("ngram", True)
-    outs = spec.generate(prompts, params)
-    assert runner.graphs.describe()["replays"] > 0
-    assert sum(r.stats.accepted_tokens for r in outs) > 0  # drafts were verified in graphs
-    identical, ties = assert_equal_up_to_near_ties(model, prompts, [r.token_ids for r in outs],
-                                                   refs, near_tie=1e-3)
-    assert identical + len(ties) == len(prompts)
+    for kind in ("ngram",) + (("eagle",) if heads_dir else ()):
+        spec, runner = engine(kind, True)
+        outs = spec.generate(prompts, params)
+        info = runner.graphs.describe()
+        assert info["replays"] > 0 and not info["failed"]
+        if kind == "eagle":  # the verify steps that return the head's two layers were graphed
+            assert any(len(k) == 3 and k[2] == (1, 2) for k in info["buckets"]), info
+        # Drafts were verified in graphs (a random head's are rarely right: drafted, at least).
+        assert sum(r.stats.accepted_tokens if kind == "ngram" else r.stats.draft_tokens
+                   for r in outs) > 0
+        identical, ties = assert_equal_up_to_near_ties(
+            model, prompts, [r.token_ids for r in outs], refs, near_tie=1e-3)
+        assert identical + len(ties) == len(prompts), kind
 
 
-def run_all(device):
+def run_all(device, heads_dir):
     run_static_attention(device)
     run_graphed_steps(device)
-    run_engine_greedy(device)
+    run_engine_greedy(device, heads_dir=heads_dir)
 
 
-def test_interpreted_graphed_steps():
-    run_interpreted(__file__, "run_all('cpu')")
+def test_interpreted_graphed_steps(tmp_path):
+    run_interpreted(__file__, f"run_all('cpu', {str(tmp_path)!r})")
 
 
 @pytest.mark.cuda
@@ -279,5 +309,5 @@ def test_cuda_graphed_steps(dtype):
 
 
 @pytest.mark.cuda
-def test_cuda_graphed_engine_greedy():
-    run_engine_greedy("cuda", emulate=False)
+def test_cuda_graphed_engine_greedy(tmp_path):
+    run_engine_greedy("cuda", emulate=False, heads_dir=str(tmp_path))
