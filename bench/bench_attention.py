@@ -70,8 +70,9 @@ def make_case(batch, ctx, tree, hq, hkv, d, dtype, seed=0):
                 hq=hq, hkv=hkv, d=d)
 
 
-def run_pyspec(c, out):
-    tree_attention(c["plan"], c["q"], c["k_pages"], c["v_pages"], c["k_new"], c["v_new"], out=out)
+def run_pyspec(c, out, kernels=None):
+    tree_attention(c["plan"], c["q"], c["k_pages"], c["v_pages"], c["k_new"], c["v_new"], out=out,
+                   kernels=kernels)
 
 
 def run_torch(c, gqa: bool):
@@ -125,16 +126,16 @@ def configs(quick: bool):
     return out
 
 
-def bench(dtype=torch.float32, quick=False, budget_s=1.0):
+def bench(dtype=torch.float32, quick=False, budget_s=1.0, kernels=None):
     results = []
     for name, batch, ctx, tree in configs(quick):
         hq, hkv, d = HEADS[name]
         c = make_case(batch, ctx, tree, hq, hkv, d, dtype)
         out = torch.empty_like(c["q"])
         ref = run_torch(c, gqa=True)
-        run_pyspec(c, out)
+        run_pyspec(c, out, kernels)
         err = (out.float() - ref.float()).abs().max().item()
-        t = measure({"ours": lambda: run_pyspec(c, out), "rep": lambda: run_torch(c, gqa=False),
+        t = measure({"ours": lambda: run_pyspec(c, out, kernels), "rep": lambda: run_torch(c, gqa=False),
                      "gqa": lambda: run_torch(c, gqa=True)}, budget_s)
         t_ours, t_rep, t_gqa = t["ours"], t["rep"], t["gqa"]
         flops = 4 * batch * tree * hq * (ctx + tree) * d
@@ -155,12 +156,13 @@ def main():
     ap.add_argument("--budget", type=float, default=1.0,
                     help="seconds per variant and configuration")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
-    ap.add_argument("--isa", default="auto", choices=["auto", "generic", "avx2"])
+    ap.add_argument("--isa", default="auto", choices=["auto", "generic", "avx2", "avx512"])
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    isa = _C._set_attention_isa(args.isa)
-    res = bench(getattr(torch, args.dtype), args.quick, args.budget)
+    kernels = _C.LinearKernels(args.isa)
+    isa = _C._attention_isa(kernels)
+    res = bench(getattr(torch, args.dtype), args.quick, args.budget, kernels)
     print(json.dumps(dict(
         dtype=args.dtype, pyspec_threads=_C.num_threads(), torch_threads=torch.get_num_threads(),
         kernel_isa=isa, block_size=BLOCK_SIZE,

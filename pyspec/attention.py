@@ -147,6 +147,7 @@ def tree_attention(
     lse: Optional[torch.Tensor] = None,
     return_lse: bool = False,
     backend: str = "native",
+    kernels=None,
 ):
     """Attention of every new token over its prefix (from pages) and visible new tokens.
 
@@ -167,6 +168,8 @@ def tree_attention(
             synchronous one, the same results bit for bit; other dtypes and head dims as
             ``"native"``) or ``"triton"``: the Triton kernel of :mod:`pyspec.triton_attention`
             (CUDA tensors; q, K and V of one dtype).
+        kernels: on the CPU, the :class:`pyspec._C.LinearKernels` whose vector build the kernel
+            runs (a model's own, ``model.kernels``; AVX-512 at most); None: this CPU's best.
 
     Returns:
         ``out``, or ``(out, lse)`` when ``return_lse`` is true or ``lse`` was given.
@@ -214,5 +217,6 @@ def tree_attention(
     elif backend == "pipelined":
         raise ValueError(f"backend='pipelined' runs on CUDA tensors; got {q.device}")
     else:
-        _C.run_attention(plan, q, k_pages, v_pages, k_new, v_new, out, lse, float(scale))
+        _C.run_attention(plan, q, k_pages, v_pages, k_new, v_new, out, lse, float(scale),
+                         kernels)
     return (out, lse) if want_lse else out

@@ -10,6 +10,7 @@
 #include "dlpack_view.h"
 #include "pyspec/attention.h"
 #include "pyspec/check.h"
+#include "pyspec/linear.h"
 #include "pyspec/tree.h"
 #include "registry.h"
 #include "uninitialized.h"
@@ -132,7 +133,7 @@ argument.)doc");
       "run_attention",
       [](const AttentionPlan& plan, py::handle q, py::handle k_pages, py::handle v_pages,
          py::handle k_new, py::handle v_new, py::handle out, py::object lse,
-         std::optional<double> scale) {
+         std::optional<double> scale, const LinearKernels* kernels) {
         TensorView qv = ToView(q, "q"), kp = ToView(k_pages, "k_pages");
         TensorView vp = ToView(v_pages, "v_pages"), kn = ToView(k_new, "k_new");
         TensorView vn = ToView(v_new, "v_new"), ov = ToView(out, "out");
@@ -154,17 +155,19 @@ argument.)doc");
 #endif
         }
         py::gil_scoped_release release;
-        RunAttention(plan, qv, kp, vp, kn, vn, ov, ViewPtr(lv), s);
+        RunAttention(plan, qv, kp, vp, kn, vn, ov, ViewPtr(lv), s, nullptr, kernels);
       },
       py::arg("plan"), py::arg("q"), py::arg("k_pages"), py::arg("v_pages"), py::arg("k_new"),
       py::arg("v_new"), py::arg("out"), py::arg("lse") = py::none(), py::arg("scale") = py::none(),
+      py::arg("kernels") = py::none(),
       R"doc(Run tree attention for one layer with a plan, writing ``out`` (and ``lse``) in place.
 
 q [T, Hq, D]; k_pages/v_pages [num_blocks, block_size, Hkv, D]; k_new/v_new [T, Hkv, D] (the new
 tokens' K/V in q's row order); out [T, Hq, D] with q's dtype; lse float32 [T, Hq] or None (natural
 log-sum-exp of the scaled scores). q/out and K/V: float32, bfloat16 or float16, contiguous, cpu.
 scale defaults to 1/sqrt(D). All tensors on one device: cpu, or cuda (the plan is uploaded for the
-call; tree_attention() keeps one upload per step instead).)doc");
+call; tree_attention() keeps one upload per step instead). kernels: the LinearKernels (a model's)
+whose vector build the CPU kernel runs, AVX-512 at most; None: this CPU's best.)doc");
 
 #ifdef PYSPEC_WITH_CUDA
   py::class_<cuda::DeviceAttentionPlan>(m, "CudaAttentionPlan", R"doc(
@@ -223,11 +226,9 @@ layer of the step. Device memory is allocated and freed stream-ordered on `strea
       "stages).");
 #endif
 
-  m.def("_attention_isa", &detail::AttentionIsa,
-        "Instruction set of the CPU attention kernel in use ('generic' or 'avx2').");
-  m.def("_set_attention_isa", &detail::SetAttentionIsa, py::arg("isa"),
-        "Force the CPU attention kernel: 'auto', 'generic' or 'avx2' (tests and benchmarks). "
-        "Returns the kernel now in use.");
+  m.def("_attention_isa", &detail::AttentionIsa, py::arg("kernels") = py::none(),
+        "The CPU attention kernel's build that runs with ``kernels`` (a LinearKernels; None: "
+        "this CPU's best): 'generic', 'avx2' or 'avx512'.");
 }
 
 }  // namespace bindings

@@ -13,6 +13,7 @@
 // (SSE2), once with target("avx2,fma,f16c") and once for AVX-512; a cpuid check picks one at run
 // time.
 #include "pyspec/attention.h"
+#include "pyspec/linear.h"
 
 #include <algorithm>
 #include <atomic>
@@ -711,14 +712,18 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) void ProcessItemAvx512(
 
 using ItemFn = void (*)(const RunCtx&, const AttentionPlan::WorkItem&, int64_t);
 
-detail::IsaSelector g_isa(detail::IsaSelector::kAvx512);  // process-wide: which build of the kernel runs (tests override it)
+// The vector build of `kernels` (a model's; nullptr: this CPU's best), AVX-512 at most.
+int KernelLevel(const LinearKernels* kernels) {
+  const int level = kernels != nullptr ? kernels->level() : detail::CpuIsaLevel();
+  return std::min(level, detail::kIsaAvx512);
+}
 
-ItemFn SelectKernel() {
+ItemFn SelectKernel(int level) {
 #ifdef PYSPEC_X86
-  const int isa = g_isa.Resolved();
-  if (isa >= detail::IsaSelector::kAvx512) return &ProcessItemAvx512;
-  if (isa >= detail::IsaSelector::kAvx2) return &ProcessItemAvx2;
+  if (level >= detail::kIsaAvx512) return &ProcessItemAvx512;
+  if (level >= detail::kIsaAvx2) return &ProcessItemAvx2;
 #endif
+  (void)level;
   return &ProcessItemGeneric;
 }
 
@@ -750,9 +755,9 @@ void MergeRow(const RunCtx& c, const AttentionPlan::Merge& mg, int64_t r, float*
 
 namespace detail {
 
-std::string SetAttentionIsa(const std::string& isa) { return g_isa.Set(isa, "attention"); }
-
-std::string AttentionIsa() { return g_isa.Name(); }
+std::string AttentionIsa(const LinearKernels* kernels) {
+  return detail::IsaLevelName(KernelLevel(kernels));
+}
 
 }  // namespace detail
 
@@ -813,7 +818,8 @@ AttentionShape CheckAttentionArgs(const AttentionPlan& plan, const TensorView& q
 
 void RunAttention(const AttentionPlan& plan, const TensorView& q, const TensorView& k_pages,
                   const TensorView& v_pages, const TensorView& k_new, const TensorView& v_new,
-                  const TensorView& out, const TensorView* lse, float scale, ThreadPool* pool) {
+                  const TensorView& out, const TensorView* lse, float scale, ThreadPool* pool,
+                  const LinearKernels* kernels) {
   const detail::AttentionShape shape = detail::CheckAttentionArgs(
       plan, q, k_pages, v_pages, k_new, v_new, out, lse, scale, DeviceType::kCPU);
   const int64_t T = shape.T, Hq = shape.Hq, D = shape.D, Hkv = shape.Hkv;
@@ -850,7 +856,7 @@ void RunAttention(const AttentionPlan& plan, const TensorView& q, const TensorVi
   c.scale2 = scale * kLog2e;
 
   ThreadPool& tp = pool != nullptr ? *pool : ThreadPool::Default();
-  const ItemFn fn = SelectKernel();
+  const ItemFn fn = SelectKernel(KernelLevel(kernels));
   const int64_t num_items = static_cast<int64_t>(plan.items_.size());
   tp.ParallelFor(num_items * Hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) fn(c, c.items[k / Hkv], k % Hkv);

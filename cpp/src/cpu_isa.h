@@ -2,9 +2,9 @@
 // unit has one, AVX-512.
 //
 // Kernels are compiled several times (plain and with __attribute__((target(...)))) so the library
-// runs on any x86-64 and uses the widest vectors the CPU has. The dense kernels' build is a property
-// of each model's LinearKernels (pyspec/linear.h); tree attention and the sampling filters' passes
-// each use an IsaSelector, whose override exists so tests can run every build.
+// runs on any x86-64 and uses the widest vectors the CPU has. The dense kernels' and tree
+// attention's builds are a property of each model's LinearKernels (pyspec/linear.h); the sampling
+// filters' passes use an IsaSelector, whose override exists so tests can run every build.
 #pragma once
 
 #include <atomic>

@@ -286,7 +286,7 @@ void DecoderLayers(const DecoderConfig& cfg, const std::vector<DecoderLayerWeigh
     RmsNorm(x, w.ln1, cfg.eps, h, pool);
     RunLinear(h, w.wqkv, Opt(w.bqkv), qkv, lk, routes, pool, ptrs[7]);
     RotaryQKV(qkv, cos, sin, q, kn, vn, pool);
-    RunAttention(plan, q, kp, vp, kn, vn, a3, nullptr, scale, pool);
+    RunAttention(plan, q, kp, vp, kn, vn, a3, nullptr, scale, pool, &lk);
     RunLinear(a2, w.wo, Opt(w.bo), o, lk, routes, pool, ptrs[7]);
     AddInPlace(x, o, pool);
     RmsNorm(x, w.ln2, cfg.eps, h, pool);

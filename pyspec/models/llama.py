@@ -152,9 +152,10 @@ class LlamaForCausalLM(LlamaWeights):
         self.attention_backend = backend
 
     def set_kernels(self, kernels=None) -> None:
-        """Choose the dense layers' kernels (a :class:`pyspec._C.LinearKernels`, an ISA name, or
-        None for this CPU's best): which builds run and which route each call takes (another
-        vector build may round differently; within one, every route gives a row the same bits).
+        """Choose the CPU kernels (a :class:`pyspec._C.LinearKernels`, an ISA name, or None for
+        this CPU's best): which builds of the dense layers and of tree attention run (attention
+        at most AVX-512) and which route each dense call takes (another vector build may round
+        differently; within one, every route gives a row the same bits).
         Packed matrices stay packed: where these kernels have no packed route they are read as
         their float32 matrices (rebuilt per step when only the codes are held)."""
         lin = Linear(kernels)
@@ -231,6 +232,8 @@ class LlamaForCausalLM(LlamaWeights):
                                  "core_kernel_up_to_rows": self._serial_rows}
                                 if core else {"kernel": "torch"}),
                "packed": None, "fused_layers": core and self.fused_layers}
+        if self.device.type == "cpu" and self.attention_backend == "native":
+            out["attention_isa"] = _C._attention_isa(k)
         ps = self._packed_weights()
         if ps:
             out["packed"] = {"matrices": len(ps), "bits": sorted({p.bits for p in ps}),
@@ -475,7 +478,7 @@ class LlamaForCausalLM(LlamaWeights):
             q = ops.rotary_qkv(qkv, cos, sin, cfg.num_attention_heads, cfg.num_key_value_heads,
                                k_new[li], v_new[li])
             a = tree_attention(plan, q, k_pages[li], v_pages[li], k_new[li], v_new[li],
-                               backend=self.attention_backend)
+                               backend=self.attention_backend, kernels=self.kernels)
             x = x + self._summed(self.linear(a.view(t, qs), mats["wo"], layer["bo"]))
             h = self._rms(x, layer["ln2"])
             gu = self.linear(h, mats["wgu"])

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "isa_expected.h"
 #include "../../cpp/src/linear_amx.h"
 #include "half_bits.h"
 #include "pyspec/check.h"
@@ -94,33 +95,11 @@ void Check(const Case& cs, const LinearKernels* kernels, ThreadPool* pool = null
   }
 }
 
-// Whether the environment says this ISA must be there (PYSPEC_EXPECT_ISAS=generic,avx2,avx512,
-// set by .ci/run for the machines CI runs on): then a missing build fails instead of skipping.
-bool IsaExpected(const std::string& isa) {
-  const char* env = std::getenv("PYSPEC_EXPECT_ISAS");
-  if (env == nullptr) return false;
-  const std::string list = std::string(",") + env + ",";
-  return list.find("," + isa + ",") != std::string::npos;
-}
-
 // Every build of the kernel this CPU runs, each through its own LinearKernels (nothing
 // process-wide): an ISA the CPU lacks is a visible skip, or a failure where it is expected.
-class LinearIsaTest : public ::testing::TestWithParam<std::string> {
+class LinearIsaTest : public IsaParamTest {
  protected:
-  void SetUp() override {
-    try {
-      kernels_.emplace(GetParam());
-    } catch (const ValueError& e) {
-      if (IsaExpected(GetParam())) {
-        FAIL() << "PYSPEC_EXPECT_ISAS names " << GetParam() << ", but: " << e.what();
-      }
-      GTEST_SKIP() << "no " << GetParam() << " kernel on this CPU: " << e.what();
-    }
-  }
-  const LinearKernels* k() const { return &*kernels_; }
   void Check(const Case& cs, ThreadPool* pool = nullptr) const { ::pyspec::Check(cs, k(), pool); }
-
-  std::optional<LinearKernels> kernels_;
 };
 
 TEST_P(LinearIsaTest, MatchesNaiveLoop) {

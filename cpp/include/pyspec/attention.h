@@ -37,6 +37,7 @@
 namespace pyspec {
 
 class ThreadPool;
+class LinearKernels;
 class AttentionPlan;
 
 // Knobs of PlanAttention. Zero means "decide".
@@ -76,11 +77,13 @@ AttentionPlan PlanAttention(const TensorView& q_indptr, const TensorView& prefix
 //   out      [T, Hq, D]                           dtype of q (written)
 //   lse      [T, Hq] float32, or nullptr          natural-log sum of exp(scale * q.k) (written)
 // Hq must be a multiple of Hkv; query head hq uses KV head hq / (Hq / Hkv). Accumulation is fp32.
-// `pool` defaults to ThreadPool::Default(). Throws ValueError on bad arguments.
+// `pool` defaults to ThreadPool::Default(). `kernels`: the CPU builds to run (a model's own, see
+// pyspec/linear.h: the widest vector build they allow, AVX-512 at most); nullptr: the best this CPU
+// has. Throws ValueError on bad arguments.
 void RunAttention(const AttentionPlan& plan, const TensorView& q, const TensorView& k_pages,
                   const TensorView& v_pages, const TensorView& k_new, const TensorView& v_new,
                   const TensorView& out, const TensorView* lse, float scale,
-                  ThreadPool* pool = nullptr);
+                  ThreadPool* pool = nullptr, const LinearKernels* kernels = nullptr);
 
 // Built by PlanAttention; immutable afterwards, so one plan may serve concurrent RunAttention
 // calls.
@@ -134,7 +137,8 @@ class AttentionPlan {
                                      const AttentionPlanOptions&);
   friend void RunAttention(const AttentionPlan&, const TensorView&, const TensorView&,
                            const TensorView&, const TensorView&, const TensorView&,
-                           const TensorView&, const TensorView*, float, ThreadPool*);
+                           const TensorView&, const TensorView*, float, ThreadPool*,
+                           const LinearKernels*);
 
   int64_t block_size_ = 0;
   int64_t num_blocks_ = 0;
@@ -163,12 +167,9 @@ AttentionShape CheckAttentionArgs(const AttentionPlan& plan, const TensorView& q
                                   const TensorView& out, const TensorView* lse, float scale,
                                   DeviceType device);
 
-// Which instruction set the CPU kernel uses: "auto" (best the CPU supports), "generic" (SSE2
-// baseline) or "avx2" (AVX2+FMA). For tests and benchmarks; process-wide. Returns the kernel that
-// "auto" resolves to when given "auto", else the requested name. Throws ValueError for unknown
-// names or an ISA this CPU lacks.
-std::string SetAttentionIsa(const std::string& isa);
-std::string AttentionIsa();  // the kernel RunAttention uses now
+// The CPU kernel build RunAttention runs with `kernels` (nullptr: this CPU's best): "generic",
+// "avx2" or "avx512".
+std::string AttentionIsa(const LinearKernels* kernels = nullptr);
 }  // namespace detail
 
 }  // namespace pyspec

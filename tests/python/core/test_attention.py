@@ -13,7 +13,7 @@ import torch
 
 from pyspec import _C
 from pyspec.attention import plan_attention, tree_attention
-from helpers import devices
+from helpers import devices, missing_isa
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 # Output tolerance per storage dtype (outputs are rounded to it); LSE is fp32 in every case.
@@ -166,20 +166,17 @@ def test_split_kv_and_kernels(device, isa):
     """Forced split-KV (merged by LSE) on both kernels; a plan without head counts."""
     c = make_batch(100, 7, 16, 9, 3, 64, F32, device)
     try:
-        used = _C._set_attention_isa(isa)
-    except ValueError:
-        pytest.skip(f"this CPU has no {isa} build of the kernel")
-    try:
-        plan = plan_for(c, num_threads=64, min_kv_chunk=64)
-        assert plan.num_split_tiles > 0
-        out = torch.full_like(c["q"], float("nan"))
-        lse = torch.empty(c["q"].shape[:2], device=c["q"].device)
-        tree_attention(plan, c["q"], c["k_pages"], c["v_pages"], c["k_new"], c["v_new"], out=out,
-                       lse=lse)
-        check(c, out, lse, F32, 1 / 8)
-        assert _C._attention_isa() == used
-    finally:
-        _C._set_attention_isa("auto")
+        kernels = _C.LinearKernels(isa)
+    except ValueError as e:
+        missing_isa(isa, str(e))
+    assert _C._attention_isa(kernels) == (_C._attention_isa() if isa == "auto" else isa)
+    plan = plan_for(c, num_threads=64, min_kv_chunk=64)
+    assert plan.num_split_tiles > 0
+    out = torch.full_like(c["q"], float("nan"))
+    lse = torch.empty(c["q"].shape[:2], device=c["q"].device)
+    tree_attention(plan, c["q"], c["k_pages"], c["v_pages"], c["k_new"], c["v_new"], out=out,
+                   lse=lse, kernels=kernels)
+    check(c, out, lse, F32, 1 / 8)
 
 
 @pytest.mark.parametrize("kv_dtype", [F16, BF16])
@@ -191,23 +188,16 @@ def test_float32_queries_over_a_16_bit_kv_cache(kv_dtype, isa):
     c = make_batch(40, 9, 16, 9, 3, 64, F32, "cpu")
     for key in ("k_pages", "v_pages", "k_new", "v_new"):
         c[key] = c[key].to(kv_dtype)
-    level = {"generic": 0, "avx2": 1, "avx512": 2}[isa]
-    have = {"generic": 0, "avx2": 1, "avx512": 2}[_C._attention_isa()] \
-        if _C._attention_isa() in ("generic", "avx2", "avx512") else 0
-    if level > have:
-        with pytest.raises(ValueError):
-            _C._set_attention_isa(isa)
-        return
-    used = _C._set_attention_isa(isa)
     try:
-        assert used == isa
-        plan = plan_for(c, 9, 3)
-        out, lse = tree_attention(plan, c["q"], c["k_pages"], c["v_pages"], c["k_new"],
-                                  c["v_new"], return_lse=True)
-        assert out.dtype == F32
-        check(c, out, lse, F32, 1 / 8)
-    finally:
-        _C._set_attention_isa("auto")
+        kernels = _C.LinearKernels(isa)
+    except ValueError as e:
+        missing_isa(isa, str(e))
+    assert _C._attention_isa(kernels) == isa
+    plan = plan_for(c, 9, 3)
+    out, lse = tree_attention(plan, c["q"], c["k_pages"], c["v_pages"], c["k_new"],
+                              c["v_new"], return_lse=True, kernels=kernels)
+    assert out.dtype == F32
+    check(c, out, lse, F32, 1 / 8)
 
 
 @pytest.mark.parametrize("device", devices())

@@ -281,6 +281,24 @@ def test_retired_environment_switches_are_refused_not_ignored(name, value, monke
     assert LlamaForCausalLM.random(tiny_config()).fused_layers
 
 
+def test_two_models_run_attention_with_their_own_kernels(monkeypatch):
+    """Tree attention's CPU build is the model's (its LinearKernels), not the process's: a
+    model on the generic build beside one on this CPU's best, the fused stack and the op-by-op
+    path of each giving the same bits (both read the model's kernels), and the generic model's
+    results unchanged by the other's steps."""
+    generic, best = _model(torch.float32), _model(torch.float32)
+    generic.set_kernels("generic")
+    assert generic.describe()["attention_isa"] == "generic"
+    assert best.describe()["attention_isa"] == _C._attention_isa()
+    first = _steps(generic, True, monkeypatch)
+    for m in (best, generic):
+        fused, plain = _steps(m, True, monkeypatch), _steps(m, False, monkeypatch)
+        for a, b in zip(fused, plain):
+            assert _same(a.logits, b.logits)
+    for a, b in zip(_steps(generic, True, monkeypatch), first):
+        assert _same(a.logits, b.logits)
+
+
 def test_model_pickles_and_copies_with_its_kernels(monkeypatch):
     """A model (its LinearKernels included, the decoder stack never) survives pickle and deepcopy:
     the copy keeps its kernels and computes the same bits."""
