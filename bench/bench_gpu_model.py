@@ -41,9 +41,28 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def device_share(events):
+    """What overlapping host and device work (asynchronous speculation) could buy at most, from a
+    profile's trace events: the steps' wall time (their ``pyspec.step`` ranges), the device's
+    busy time within them (kernels, summed), and the bound ``1 / max(busy, 1 - busy)`` on the
+    speedup of a step whose host and device halves ran fully overlapped."""
+    steps = [e for e in events if str(e.get("name", "")).startswith("pyspec.step ")
+             and e.get("ph") == "X"]
+    wall = sum(float(e["dur"]) for e in steps)
+    spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in steps]
+    busy = sum(float(e["dur"]) for e in events if e.get("cat") == "kernel"
+               and any(a <= float(e["ts"]) < b for a, b in spans))
+    if not wall:
+        return None
+    share = busy / wall
+    return {"step_ms": round(wall / 1e3 / len(steps), 3), "device_busy": round(share, 3),
+            "overlap_bound_speedup": round(1 / max(share, 1 - share), 3)}
+
+
 def profile_check(eng, prompts, folder):
-    """A 4-step profile window of ``eng`` (untimed): the trace's file, its step ranges, and how
-    many device kernels it holds (a CUDA trace has events of category "kernel")."""
+    """A 4-step profile window of ``eng`` (untimed): the trace's file, its step ranges, how many
+    device kernels it holds (a CUDA trace has events of category "kernel") and the device's share
+    of the steps' time (:func:`device_share`)."""
     from pyspec.engine import SamplingParams
 
     path = eng.profile(folder, steps=4)
@@ -56,6 +75,7 @@ def profile_check(eng, prompts, folder):
         out["step_ranges"] = sum(str(e.get("name", "")).startswith("pyspec.step ")
                                  for e in events)
         out["kernels"] = sum(e.get("cat") == "kernel" for e in events)
+        out["device_share"] = device_share(events)
         with open(st["summary"]) as f:
             out["top"] = json.load(f)["top"][:5]
     return out
