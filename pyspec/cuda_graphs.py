@@ -18,8 +18,8 @@ pointers, shapes), so a step is padded to a *bucket*:
 * Layers held as 4-bit / 8-bit codes (AWQ / GPTQ checkpoints) read them with the Triton kernel
   of :mod:`pyspec.triton_linear`, whose launches replay like the others.
 * The graph ends at the final hidden states. The lm_head runs after the replay, only on the rows
-  whose logits the step needs (a graph's output stays allocated as long as the graph: full-vocab
-  logits for every padded row of every bucket would cost gigabytes).
+  whose logits the step needs (full-vocabulary logits for every padded row would take a buffer of
+  gigabytes: 2,048 rows x 128,256 x 4 bytes = 1 GB).
 
 A bucket's graph is captured the first time a step needs it (after two warm-up runs, which also
 compile the Triton kernels for its tile sizes) and replayed after that. Should a capture fail, a
@@ -76,8 +76,6 @@ def why_not_graphed(model) -> Optional[str]:
     return None
 
 
-
-
 class GraphedSteps:
     """Captured steps of one :class:`pyspec.runner.ModelRunner` (see the module doc).
 
@@ -122,7 +120,10 @@ class GraphedSteps:
         self._attn: Dict[Tuple[int, int], object] = {}
         self._pool = None if emulate else torch.cuda.graph_pool_handle()
         self._kv_new: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-        self._out: Dict[int, torch.Tensor] = {}  # width -> [T, width] hidden states written
+        # The final hidden states [T, hidden] each graph writes, and per width of a layer list's
+        # concatenation the asked hidden states [T, width].
+        self._final: Optional[torch.Tensor] = None
+        self._tapped: Dict[int, torch.Tensor] = {}
         self.captures = 0
         self.replays = 0
         # Why capturing failed (then every later step runs eagerly), or None.
@@ -161,9 +162,11 @@ class GraphedSteps:
             kv_dtype = self.runner.kv.k.dtype
             self._kv_new = (torch.zeros(shape, dtype=kv_dtype, device=dev),
                             torch.zeros(shape, dtype=kv_dtype, device=dev))
-        for width in {cfg.hidden_size, cfg.hidden_size * len(taps or ())} - {0}:
-            if width not in self._out:
-                self._out[width] = torch.zeros(tokens, width, dtype=dtype, device=dev)
+        if self._final is None:
+            self._final = torch.zeros(tokens, cfg.hidden_size, dtype=dtype, device=dev)
+        width = cfg.hidden_size * len(taps or ())
+        if width and width not in self._tapped:
+            self._tapped[width] = torch.zeros(tokens, width, dtype=dtype, device=dev)
 
     def run(self, key: Tuple[int, int], ids: List[int], positions: torch.Tensor, plan,
             logit_rows: torch.Tensor, taps: Optional[Tuple[int, ...]] = None):
@@ -215,9 +218,9 @@ class GraphedSteps:
         else:
             g.replay()
         self.replays += 1
-        width = self.model.cfg.hidden_size
-        logits = self.model.project(self._out[width][:t].index_select(0, logit_rows))
-        hidden = None if taps is None else self._out[width * len(taps)][:t].clone()
+        logits = self.model.project(self._final[:t].index_select(0, logit_rows))
+        hidden = None if taps is None else \
+            self._tapped[self.model.cfg.hidden_size * len(taps)][:t].clone()
         k_new, v_new = self._kv_new
         return logits, k_new[:, :t].clone(), v_new[:, :t].clone(), hidden
 
@@ -228,9 +231,8 @@ class GraphedSteps:
         k_new, v_new = k_new[:, :t], v_new[:, :t]
         kv = self.runner.kv
         model = self.model
-        width = model.cfg.hidden_size
-        final = self._out[width][:t]
-        tapped = None if taps is None else self._out[width * len(taps)][:t]
+        final = self._final[:t]
+        tapped = None if taps is None else self._tapped[model.cfg.hidden_size * len(taps)][:t]
 
         def forward():
             out = model.forward(io[0], io[1], attn, kv.k, kv.v, k_new, v_new, lm_head=False,

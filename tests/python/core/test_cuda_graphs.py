@@ -234,14 +234,14 @@ def run_graphed_steps(device, dtype=torch.float32, emulate=True):
     layers = eager.model.cfg.num_hidden_layers
     step = [SeqStep([1, 2, 3], 20, [0, 1], TokenTree([-1, 0, 0]), "all"),
             SeqStep([4], 7, [2], None, "last")]
-    for hidden in (True, (1, layers), (1, layers), True):
+    for hidden in (True, (1, layers), (1, layers), (1,), True):
         a, b = eager.step(step, return_hidden=hidden), runner.step(step, return_hidden=hidden)
         torch.testing.assert_close(b.logits, a.logits, atol=tol, rtol=0)
         torch.testing.assert_close(b.k_new.float(), a.k_new.float(), atol=tol, rtol=0)
         torch.testing.assert_close(b.hidden.float(), a.hidden.float(), atol=tol, rtol=0)
     info = g.describe()
-    assert info["replays"] == 12
-    assert {(2, 4, (layers,)), (2, 4, (1, layers))} <= set(info["buckets"])
+    assert info["replays"] == 13
+    assert {(2, 4, (layers,)), (2, 4, (1, layers)), (2, 4, (1,))} <= set(info["buckets"])
     # The hidden states a step returned are its own: the next replay does not overwrite them.
     kept = b.hidden.clone()
     runner.step(step, return_hidden=True)
