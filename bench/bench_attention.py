@@ -135,7 +135,8 @@ def bench(dtype=torch.float32, quick=False, budget_s=1.0, kernels=None):
         ref = run_torch(c, gqa=True)
         run_pyspec(c, out, kernels)
         err = (out.float() - ref.float()).abs().max().item()
-        t = measure({"ours": lambda: run_pyspec(c, out, kernels), "rep": lambda: run_torch(c, gqa=False),
+        t = measure({"ours": lambda: run_pyspec(c, out, kernels),
+                     "rep": lambda: run_torch(c, gqa=False),
                      "gqa": lambda: run_torch(c, gqa=True)}, budget_s)
         t_ours, t_rep, t_gqa = t["ours"], t["rep"], t["gqa"]
         flops = 4 * batch * tree * hq * (ctx + tree) * d

@@ -41,21 +41,35 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def _step_ranges(events):
+    """The host's ``pyspec.step`` ranges of a profile's trace (not their copies on the GPU
+    timeline, category ``gpu_user_annotation``)."""
+    return [e for e in events if str(e.get("name", "")).startswith("pyspec.step ")
+            and e.get("ph") == "X" and e.get("cat") == "user_annotation"]
+
+
 def device_share(events):
     """What overlapping host and device work (asynchronous speculation) could buy at most, from a
-    profile's trace events: the steps' wall time (their ``pyspec.step`` ranges), the device's
-    busy time within them (kernels, summed), and the bound ``1 / max(busy, 1 - busy)`` on the
-    speedup of a step whose host and device halves ran fully overlapped."""
-    steps = [e for e in events if str(e.get("name", "")).startswith("pyspec.step ")
-             and e.get("ph") == "X"]
-    wall = sum(float(e["dur"]) for e in steps)
-    spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in steps]
-    busy = sum(float(e["dur"]) for e in events if e.get("cat") == "kernel"
-               and any(a <= float(e["ts"]) < b for a, b in spans))
+    profile's trace events: the steps' mean wall time (their ``pyspec.step`` ranges), the share
+    of it the device was busy (kernels, copies and sets on any stream, clipped to the steps and
+    merged where they overlap), and the bound ``1 / max(busy, 1 - busy)`` on the speedup of a
+    step whose host and device halves ran fully overlapped."""
+    spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in _step_ranges(events)]
+    wall = sum(b - a for a, b in spans)
     if not wall:
         return None
+    work = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
+                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
+    busy = 0.0
+    for a, b in spans:
+        end = a  # merged: time already counted within this step
+        for s, f in work:
+            s, f = max(s, end), min(f, b)
+            if f > s:
+                busy += f - s
+                end = f
     share = busy / wall
-    return {"step_ms": round(wall / 1e3 / len(steps), 3), "device_busy": round(share, 3),
+    return {"step_ms": round(wall / 1e3 / len(spans), 3), "device_busy": round(share, 3),
             "overlap_bound_speedup": round(1 / max(share, 1 - share), 3)}
 
 
@@ -72,8 +86,7 @@ def profile_check(eng, prompts, folder):
     if st["error"] is None:
         with open(path) as f:
             events = json.load(f)["traceEvents"]
-        out["step_ranges"] = sum(str(e.get("name", "")).startswith("pyspec.step ")
-                                 for e in events)
+        out["step_ranges"] = len(_step_ranges(events))
         out["kernels"] = sum(e.get("cat") == "kernel" for e in events)
         out["device_share"] = device_share(events)
         with open(st["summary"]) as f:
