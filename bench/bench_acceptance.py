@@ -13,7 +13,7 @@ tree of depth 4), float32 probabilities on the CPU.
   usual torch formulation (full sort, softmax, cumsum, scatter).
 * filters_step (script only): apply_sampling_filters on a decoding step's rows (1, 4, 16 x 49152,
   temperature 0.7, with and without top-p 0.9) in each build of the filters' row passes
-  (generic, AVX2, AVX-512; ``_C._set_sampling_isa``), checked equal bit for bit.
+  (generic, AVX2, AVX-512; each through its ``_C.LinearKernels``), checked equal bit for bit.
 * engine_greedy (script only): one greedy request's acceptance at batch 1 from the logits of a
   1-, 4- or 16-node chain: the core's walk over the logits (``sampling.accept_greedy``, no
   probability rows; what an engine runs with ``greedy_from_logits``) against the temperature-0
@@ -261,35 +261,25 @@ def main(argv=None):
         results["ms"][f"filters/{name}/torch"] = round(ref, 4)
         results["speedup_vs_torch"][f"filters/{name}"] = round(ref / ours, 2)
     # A decoding step's filters: a request's tree rows (1, 4, 16) at temperature 0.7 (and with
-    # top-p 0.9), in each build of the row passes (the same bits in each; builds without the
-    # switch run their one build as "auto").
+    # top-p 0.9), in each build of the row passes this CPU has (the same bits in each).
     g = torch.Generator().manual_seed(2)
-    set_isa = getattr(_C, "_set_sampling_isa", None)
-    isas = ["auto"]
-    if set_isa is not None:
-        isas = []
-        for isa in ("generic", "avx2", "avx512"):
-            try:
-                set_isa(isa)
-                isas.append(isa)
-            except ValueError:
-                pass
-    try:
-        for rows in (1, 4, 16):
-            logits = torch.randn(rows, VOCAB, generator=g) * 4.0
-            for name, kw in (("t0.7", {}), ("t0.7_top_p0.9", {"top_p": 0.9})):
-                outs = []
-                for isa in isas:
-                    if set_isa is not None:
-                        set_isa(isa)
-                    outs.append(sampling.apply_sampling_filters(logits, 0.7, **kw))
-                    results["ms"][f"filters_step/{rows}_rows/{name}/{isa}"] = round(_median_ms(
-                        lambda: sampling.apply_sampling_filters(logits, 0.7, **kw),
-                        10 * args.repeats), 4)
-                assert all(torch.equal(o, outs[0]) for o in outs)
-    finally:
-        if set_isa is not None:
-            set_isa("auto")
+    isas = {}
+    for isa in ("generic", "avx2", "avx512"):
+        try:
+            isas[isa] = _C.LinearKernels(isa)
+        except ValueError:
+            pass
+    for rows in (1, 4, 16):
+        logits = torch.randn(rows, VOCAB, generator=g) * 4.0
+        for name, kw in (("t0.7", {}), ("t0.7_top_p0.9", {"top_p": 0.9})):
+            outs = []
+            for isa, kernels in isas.items():
+                kw = dict(kw, kernels=kernels)
+                outs.append(sampling.apply_sampling_filters(logits, 0.7, **kw))
+                results["ms"][f"filters_step/{rows}_rows/{name}/{isa}"] = round(_median_ms(
+                    lambda: sampling.apply_sampling_filters(logits, 0.7, **kw),
+                    10 * args.repeats), 4)
+            assert all(torch.equal(o, outs[0]) for o in outs)
     # The engine's greedy step at batch 1: the core's walk straight from the logits against the
     # temperature-0 rows plus the acceptance op, for one request's chain.
     from pyspec.drafters.base import Draft

@@ -99,6 +99,7 @@ def apply_sampling_filters(
     min_p: Union[float, torch.Tensor] = 0.0,
     *,
     out: Optional[torch.Tensor] = None,
+    kernels=None,
 ) -> torch.Tensor:
     """The filtered target distribution of each row of ``logits``.
 
@@ -116,6 +117,9 @@ def apply_sampling_filters(
         top_p: float in (0, 1] (1 = off), or a float ``[N]`` tensor.
         min_p: float in [0, 1] (0 = off), or a float ``[N]`` tensor.
         out: optional float32 ``[N, V]`` tensor to write into.
+        kernels: on the CPU, the :class:`pyspec._C.LinearKernels` (a model's) whose vector build
+            the row passes run (AVX-512 at most; every build gives the same bits); None: this
+            CPU's best.
 
     Returns:
         float32 probabilities with the shape of ``logits``.
@@ -151,9 +155,9 @@ def apply_sampling_filters(
             raise ValueError("'out' must be contiguous")
         result = out
         out = out.view(logits.shape)
-        _C.apply_sampling_filters(logits, t, k, p, m, out, _stream_of(logits))
+        _C.apply_sampling_filters(logits, t, k, p, m, out, _stream_of(logits), kernels)
         return result
-    _C.apply_sampling_filters(logits, t, k, p, m, out, _stream_of(logits))
+    _C.apply_sampling_filters(logits, t, k, p, m, out, _stream_of(logits), kernels)
     return out[0] if squeeze else out
 
 

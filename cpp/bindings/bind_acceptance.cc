@@ -10,6 +10,7 @@
 
 #include "dispatch.h"
 #include "dlpack_view.h"
+#include "pyspec/linear.h"
 #include "pyspec/acceptance.h"
 #include "pyspec/check.h"
 #include "pyspec/philox.h"
@@ -42,7 +43,7 @@ void RegisterAcceptance(py::module_& m) {
   m.def(
       "apply_sampling_filters",
       [](py::handle logits, py::handle temperature, py::handle top_k, py::handle top_p,
-         py::handle min_p, py::handle probs, uintptr_t stream) {
+         py::handle min_p, py::handle probs, uintptr_t stream, const LinearKernels* kernels) {
         TensorView l = ToView(logits, "logits");
         CheckCudaBuilt(l, "apply_sampling_filters");
         TensorView t = ToView(temperature, "temperature"), k = ToView(top_k, "top_k");
@@ -55,10 +56,10 @@ void RegisterAcceptance(py::module_& m) {
           return;
         }
 #endif
-        ApplySamplingFilters(l, t, k, p, mp, out);
+        ApplySamplingFilters(l, t, k, p, mp, out, nullptr, kernels);
       },
       py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
-      py::arg("min_p"), py::arg("probs"), py::arg("stream") = 0,
+      py::arg("min_p"), py::arg("probs"), py::arg("stream") = 0, py::arg("kernels") = py::none(),
       "Write the filtered distribution of every row of logits [N, V] (fp32/fp16/bf16) into probs "
       "[N, V] float32. Per-row params: temperature float32 [N] (0 = greedy one-hot), top_k int32 [N] "
       "(0 = off), top_p float32 [N] (1 = off), min_p float32 [N] (0 = off). Order: temperature, "
@@ -146,12 +147,9 @@ void RegisterAcceptance(py::module_& m) {
       py::arg("seed"), py::arg("position"), py::arg("stream") = kDrawSample, py::arg("draw") = 0,
       "The uniform draw acceptance uses (pyspec/philox.h): request seed, sequence position, stream "
       "(0 = the token sampled at that position, 1 = the tests of sampled draft children), draw.");
-  m.def("_sampling_isa", &detail::SamplingIsa,
-        "Instruction set of the CPU sampling filters' row passes in use ('generic', 'avx2' or "
-        "'avx512').");
-  m.def("_set_sampling_isa", &detail::SetSamplingIsa, py::arg("isa"),
-        "Force the CPU sampling filters' row passes: 'auto', 'generic', 'avx2' or 'avx512' (tests "
-        "and benchmarks; every build gives the same bits). Returns the one now in use.");
+  m.def("_sampling_isa", &detail::SamplingIsa, py::arg("kernels") = py::none(),
+        "The build of the CPU sampling filters' row passes that runs with ``kernels`` (a "
+        "LinearKernels; None: this CPU's best): 'generic', 'avx2' or 'avx512'.");
 }
 
 }  // namespace bindings

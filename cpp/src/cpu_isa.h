@@ -2,12 +2,11 @@
 // unit has one, AVX-512.
 //
 // Kernels are compiled several times (plain and with __attribute__((target(...)))) so the library
-// runs on any x86-64 and uses the widest vectors the CPU has. The dense kernels' and tree
-// attention's builds are a property of each model's LinearKernels (pyspec/linear.h); the sampling
-// filters' passes use an IsaSelector, whose override exists so tests can run every build.
+// runs on any x86-64 and uses the widest vectors the CPU has. Which build runs is a property of
+// each model's LinearKernels (pyspec/linear.h): its dense layers, tree attention and the sampling
+// filters' row passes (these two at most AVX-512); never of the process.
 #pragma once
 
-#include <atomic>
 #include <string>
 
 #include "pyspec/check.h"
@@ -70,40 +69,6 @@ inline int ParseIsaLevel(const std::string& isa, const char* unit) {
   }
   return -2;
 }
-
-class IsaSelector {
- public:
-  static constexpr int kGeneric = kIsaGeneric;
-  static constexpr int kAvx2 = kIsaAvx2;
-  static constexpr int kAvx512 = kIsaAvx512;
-
-  // `widest`: the widest build this unit has.
-  explicit IsaSelector(int widest) : widest_(widest) {}
-
-  // The build in use: the override when set, else the widest the CPU and the unit support.
-  int Resolved() const {
-    const int isa = override_.load(std::memory_order_relaxed);
-    if (isa >= 0) return isa;
-    return CpuIsaLevel() < widest_ ? CpuIsaLevel() : widest_;
-  }
-  const char* Name() const { return IsaLevelName(Resolved()); }
-
-  // "auto" | "generic" | "avx2" | "avx512"; returns the resolved name. `unit` names the kernel in
-  // errors.
-  std::string Set(const std::string& isa, const char* unit) {
-    const int level = ParseIsaLevel(isa, unit);
-    if (level == -2 || level > widest_) {
-      throw ValueError(StrCat("unknown ", unit, " ISA '", isa, "'; use auto, generic, avx2",
-                              widest_ >= kAvx512 ? " or avx512" : " (no avx512 build)"));
-    }
-    override_.store(level);
-    return Name();
-  }
-
- private:
-  const int widest_;
-  std::atomic<int> override_{-1};
-};
 
 }  // namespace detail
 }  // namespace pyspec

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "pyspec/check.h"
+#include "pyspec/linear.h"
 #include "pyspec/thread_pool.h"
 #include "cpu_isa.h"
 #include "sampling_math.h"
@@ -291,14 +292,19 @@ PYSPEC_FILTER_BUILD(Avx512, __attribute__((target("avx512f,avx2,fma"))))
 #endif
 #undef PYSPEC_FILTER_BUILD
 
-detail::IsaSelector g_filter_isa(detail::IsaSelector::kAvx512);  // process-wide (tests override it)
+// The vector build of `kernels` (a model's; nullptr: this CPU's best), AVX-512 at most.
+int PassLevel(const LinearKernels* kernels) {
+  const int level = kernels != nullptr ? kernels->level() : detail::CpuIsaLevel();
+  return std::min(level, detail::kIsaAvx512);
+}
 
-FilterPasses Passes() {
+FilterPasses Passes(const LinearKernels* kernels = nullptr) {
 #ifdef PYSPEC_X86
-  const int isa = g_filter_isa.Resolved();
-  if (isa >= detail::IsaSelector::kAvx512) return kAvx512Passes;
-  if (isa >= detail::IsaSelector::kAvx2) return kAvx2Passes;
+  const int level = PassLevel(kernels);
+  if (level >= detail::kIsaAvx512) return kAvx512Passes;
+  if (level >= detail::kIsaAvx2) return kAvx2Passes;
 #endif
+  (void)kernels;
   return kGenericPasses;
 }
 
@@ -314,9 +320,9 @@ const RowScan& CheckScan(const RowScan& scan, const float* z, int64_t vocab, int
   return scan;
 }
 
-void FilterRow(const TensorView& logits, int64_t row, int64_t vocab, float temperature, int32_t top_k,
-               float top_p, float min_p, float* out, FilterScratch& s) {
-  const FilterPasses passes = Passes();
+void FilterRow(const FilterPasses& passes, const TensorView& logits, int64_t row, int64_t vocab,
+               float temperature, int32_t top_k, float top_p, float min_p, float* out,
+               FilterScratch& s) {
   float* z = s.z.data();
   LoadRow(logits, row, vocab, z);
   const RowScan scan = CheckScan(passes.scan(z, vocab), z, vocab, row);
@@ -466,13 +472,15 @@ void CheckFilterArgs(const TensorView& logits, const TensorView& temperature,
 }  // namespace detail
 
 namespace detail {
-std::string SetSamplingIsa(const std::string& isa) { return g_filter_isa.Set(isa, "sampling"); }
-std::string SamplingIsa() { return g_filter_isa.Name(); }
+std::string SamplingIsa(const LinearKernels* kernels) {
+  return detail::IsaLevelName(PassLevel(kernels));
+}
 }  // namespace detail
 
 void ApplySamplingFilters(const TensorView& logits, const TensorView& temperature,
                           const TensorView& top_k, const TensorView& top_p, const TensorView& min_p,
-                          const TensorView& probs, ThreadPool* pool) {
+                          const TensorView& probs, ThreadPool* pool,
+                          const LinearKernels* kernels) {
   detail::CheckFilterArgs(logits, temperature, top_k, top_p, min_p, probs, DeviceType::kCPU, {});
   const int64_t rows = logits.shape[0], vocab = logits.shape[1];
   const float* temp = temperature.ptr<const float>();
@@ -481,6 +489,7 @@ void ApplySamplingFilters(const TensorView& logits, const TensorView& temperatur
   const float* mp = min_p.ptr<const float>();
   float* out = probs.ptr<float>();
   ThreadPool& tp_pool = pool ? *pool : ThreadPool::Default();
+  const FilterPasses passes = Passes(kernels);
   tp_pool.ParallelFor(rows, 1, [&](int64_t begin, int64_t end) {
     // Reused across calls: two fresh vocabulary-sized buffers per call cost page faults.
     thread_local FilterScratch s;
@@ -489,7 +498,7 @@ void ApplySamplingFilters(const TensorView& logits, const TensorView& temperatur
       s.w.resize(vocab);
     }
     for (int64_t r = begin; r < end; ++r) {
-      FilterRow(logits, r, vocab, temp[r], k[r], tp[r], mp[r], out + r * vocab, s);
+      FilterRow(passes, logits, r, vocab, temp[r], k[r], tp[r], mp[r], out + r * vocab, s);
     }
   });
 }

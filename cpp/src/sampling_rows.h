@@ -14,8 +14,8 @@ struct LogitsRowScan {
   int64_t finite;
   bool bad;
 };
-// The filters' own pass over row `row` of the logits (`z`, `vocab` entries), in the instruction set
-// they run (SetSamplingIsa).
+// The filters' own pass over row `row` of the logits (`z`, `vocab` entries), in this CPU's widest
+// build (every build gives the same result).
 LogitsRowScan ScanLogitsRow(const float* z, int64_t vocab);
 // The same scan, with the filters' check: ValueError naming the row and the first NaN or +inf
 // entry, or a row without a finite entry (all -inf).

@@ -36,7 +36,8 @@ def _decisions(res):
 
 
 def accept_step(reqs, drafts: List[Draft], logits: torch.Tensor, vocab_size: int, *,
-                greedy_from_logits: bool = True, debug_skip_residual: bool = False):
+                greedy_from_logits: bool = True, debug_skip_residual: bool = False,
+                kernels=None):
     """``(emitted tokens, accepted paths, accepted counts)``, one entry per request.
 
     Args:
@@ -47,6 +48,7 @@ def accept_step(reqs, drafts: List[Draft], logits: torch.Tensor, vocab_size: int
         greedy_from_logits: all-greedy batches walk the logits directly (False: through the
             temperature-0 rows, the same result; for measurements).
         debug_skip_residual: the deliberately broken rule (tests only).
+        kernels: the target model's CPU kernels (their build runs the sampling filters).
     """
     indptr = [0]
     parents: List[int] = []
@@ -63,7 +65,7 @@ def accept_step(reqs, drafts: List[Draft], logits: torch.Tensor, vocab_size: int
         res = accept_greedy(logits, *trees)
         return _decisions(res)
     if all(greedy):
-        probs = apply_sampling_filters(logits, 0.0)
+        probs = apply_sampling_filters(logits, 0.0, kernels=kernels)
     else:
         sz = trees[2].diff()  # each tree's rows
 
@@ -76,7 +78,7 @@ def accept_step(reqs, drafts: List[Draft], logits: torch.Tensor, vocab_size: int
             rows([float(r.params.temperature) for r in reqs], torch.float32),
             rows([int(r.params.top_k) for r in reqs], torch.int32),
             rows([float(r.params.top_p) for r in reqs], torch.float32),
-            rows([float(r.params.min_p) for r in reqs], torch.float32))
+            rows([float(r.params.min_p) for r in reqs], torch.float32), kernels=kernels)
     sampled = [d.draft_probs is not None and not g for d, g in zip(drafts, greedy)]
     draft_probs = None
     if any(sampled):

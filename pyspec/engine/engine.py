@@ -593,7 +593,8 @@ class Engine:
             emitted, paths, n_acc = accept_step(
                 [self._reqs[so.ids[i]] for i in dec_idx], dec_drafts, out.logits,
                 self.vocab_size, greedy_from_logits=self.greedy_from_logits,
-                debug_skip_residual=self.debug_skip_residual)
+                debug_skip_residual=self.debug_skip_residual,
+                kernels=getattr(runner.model, "kernels", None))
         src_rows: List[int] = []
         dst_slots: List[int] = []
         row_ptr = out.row_indptr

@@ -16,6 +16,7 @@
 
 namespace pyspec {
 
+class LinearKernels;
 class ThreadPool;
 
 // ---- sampling filters ---------------------------------------------------------------------------
@@ -41,9 +42,12 @@ class ThreadPool;
 //   probs       [N, V] float32, contiguous, written (output)
 // Throws ValueError naming the argument on a bad shape/dtype/device, a NaN or +inf logit, a row with
 // no finite logit, or a parameter out of range. `pool` = nullptr uses ThreadPool::Default().
+// `kernels`: the CPU builds the row passes run (a model's, see pyspec/linear.h: its vector level,
+// AVX-512 at most; every build gives the same bits); nullptr: this CPU's best.
 void ApplySamplingFilters(const TensorView& logits, const TensorView& temperature,
                           const TensorView& top_k, const TensorView& top_p, const TensorView& min_p,
-                          const TensorView& probs, ThreadPool* pool = nullptr);
+                          const TensorView& probs, ThreadPool* pool = nullptr,
+                          const LinearKernels* kernels = nullptr);
 
 // ---- tree acceptance ----------------------------------------------------------------------------
 
@@ -151,10 +155,9 @@ struct AcceptShape {
 };
 AcceptShape CheckAcceptArgs(const AcceptTreesArgs& args, DeviceType device, const AcceptMeta& meta);
 
-// The instruction set of ApplySamplingFilters' passes over a row: "auto" | "generic" | "avx2" |
-// "avx512" (every build gives the same bits; tests and benchmarks). Returns the one now in use.
-std::string SetSamplingIsa(const std::string& isa);
-std::string SamplingIsa();
+// The build of ApplySamplingFilters' passes over a row that runs with `kernels` (nullptr: this
+// CPU's best): "generic", "avx2" or "avx512".
+std::string SamplingIsa(const LinearKernels* kernels = nullptr);
 }  // namespace detail
 
 }  // namespace pyspec

@@ -494,25 +494,23 @@ def test_filters_top_k_past_the_vocabulary_keeps_every_token():
 
 
 def _isas():
-    """The builds of the row passes this CPU runs. One it lacks is a warning here, and a failure
-    where PYSPEC_EXPECT_ISAS says it must be there (CI's machines: generic, avx2, avx512)."""
+    """The builds of the row passes this CPU runs, each as the LinearKernels that selects it. One
+    it lacks is a warning here, and a failure where PYSPEC_EXPECT_ISAS says it must be there (CI's
+    machines: generic, avx2, avx512)."""
     import os
     import warnings
 
     from pyspec import _C
 
-    have = []
+    have = {}
     for isa in ("generic", "avx2", "avx512"):
         try:
-            _C._set_sampling_isa(isa)
-            have.append(isa)
+            have[isa] = _C.LinearKernels(isa)
         except ValueError as e:
             if isa in os.environ.get("PYSPEC_EXPECT_ISAS", "").split(","):
-                _C._set_sampling_isa("auto")
                 pytest.fail(f"PYSPEC_EXPECT_ISAS names {isa}, but this CPU has no {isa} build "
                             f"of the row passes: {e}")
             warnings.warn(f"no {isa} build of the sampling row passes on this CPU: not compared")
-    _C._set_sampling_isa("auto")
     return have
 
 
@@ -549,24 +547,21 @@ def test_filters_same_bits_in_every_build_of_their_row_passes(vocab):
     isas = _isas()
     assert "generic" in isas
     outs = {}
-    try:
-        for isa in isas:
-            assert _C._set_sampling_isa(isa) == isa
-            outs[isa] = sampling.apply_sampling_filters(logits, t, k, p, m)
-            bad = logits.clone()
-            bad[0, vocab - 1] = float("nan")
-            with pytest.raises(ValueError, match=f"row 0 has a NaN or \\+inf entry at token "
-                                                 f"{vocab - 1}"):
-                sampling.apply_sampling_filters(bad, t, k, p, m)
-            bad[0, vocab - 1] = float("inf")
-            with pytest.raises(ValueError, match="NaN or \\+inf"):
-                sampling.apply_sampling_filters(bad, t, k, p, m)
-            with pytest.raises(ValueError, match="no finite entry"):
-                sampling.apply_sampling_filters(torch.full((1, vocab), float("-inf")), 1.0)
-    finally:
-        _C._set_sampling_isa("auto")
-    with pytest.raises(ValueError, match="unknown sampling ISA"):
-        _C._set_sampling_isa("sse9")
+    for isa, kernels in isas.items():
+        assert _C._sampling_isa(kernels) == isa
+        outs[isa] = sampling.apply_sampling_filters(logits, t, k, p, m, kernels=kernels)
+        bad = logits.clone()
+        bad[0, vocab - 1] = float("nan")
+        with pytest.raises(ValueError, match=f"row 0 has a NaN or \\+inf entry at token "
+                                             f"{vocab - 1}"):
+            sampling.apply_sampling_filters(bad, t, k, p, m, kernels=kernels)
+        bad[0, vocab - 1] = float("inf")
+        with pytest.raises(ValueError, match="NaN or \\+inf"):
+            sampling.apply_sampling_filters(bad, t, k, p, m, kernels=kernels)
+        with pytest.raises(ValueError, match="no finite entry"):
+            sampling.apply_sampling_filters(torch.full((1, vocab), float("-inf")), 1.0,
+                                            kernels=kernels)
+    assert _C._sampling_isa() == _C._sampling_isa(_C.LinearKernels())
     first = outs["generic"]
     for isa, out in outs.items():
         assert torch.equal(out, first), isa
