@@ -35,6 +35,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from pyspec import _C
+from pyspec.linear import resolve_kernels
 from pyspec.triton_attention import StaticAttention
 
 __all__ = ["AttentionPlan", "plan_attention", "tree_attention"]
@@ -168,8 +169,9 @@ def tree_attention(
             synchronous one, the same results bit for bit; other dtypes and head dims as
             ``"native"``) or ``"triton"``: the Triton kernel of :mod:`pyspec.triton_attention`
             (CUDA tensors; q, K and V of one dtype).
-        kernels: on the CPU, the :class:`pyspec._C.LinearKernels` whose vector build the kernel
-            runs (a model's own, ``model.kernels``; AVX-512 at most); None: this CPU's best.
+        kernels: on the CPU, the :class:`pyspec._C.LinearKernels` (or an ISA name) whose vector
+            build the kernel runs (a model's own, ``model.kernels``; AVX-512 at most); None:
+            this CPU's best.
 
     Returns:
         ``out``, or ``(out, lse)`` when ``return_lse`` is true or ``lse`` was given.
@@ -178,6 +180,8 @@ def tree_attention(
     build without CUDA raises ``RuntimeError``).
     """
     check_attention_backend(backend)
+    if kernels is not None and not isinstance(kernels, _C.LinearKernels):
+        kernels = resolve_kernels(kernels)
     for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages), ("k_new", k_new),
                     ("v_new", v_new)):
         if not isinstance(t, torch.Tensor):

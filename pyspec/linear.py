@@ -238,6 +238,17 @@ REBUILD_MAX_BYTES = 64 << 20
 _tls = threading.local()
 
 
+def resolve_kernels(kernels) -> "_C.LinearKernels":
+    """A :class:`pyspec._C.LinearKernels` given one, an ISA name (``"auto"``, ``"generic"``,
+    ``"avx2"``, ``"avx512"``, ``"amx"``) or None (this CPU's best); ValueError otherwise."""
+    if kernels is None or isinstance(kernels, str):
+        return _C.LinearKernels(kernels or "auto")
+    if not isinstance(kernels, _C.LinearKernels):
+        raise ValueError(f"kernels must be a pyspec._C.LinearKernels or an ISA name; got "
+                         f"{type(kernels).__name__}")
+    return kernels
+
+
 def _scratch(numel: int) -> torch.Tensor:
     """This thread's float32 buffer of at least ``numel`` elements, for a matrix rebuilt from its
     codes for one call: reused (no fresh pages to fault in on every prefill step) and on huge
@@ -273,12 +284,7 @@ class Linear:
     __slots__ = ("kernels", "_max_rows", "_packed_limit")
 
     def __init__(self, kernels=None):
-        if kernels is None or isinstance(kernels, str):
-            kernels = _C.LinearKernels(kernels or "auto")
-        if not isinstance(kernels, _C.LinearKernels):
-            raise ValueError(f"kernels must be a pyspec._C.LinearKernels or an ISA name; got "
-                             f"{type(kernels).__name__}")
-        self.kernels = kernels
+        self.kernels = kernels = resolve_kernels(kernels)
         # The C++ routing table's numbers for this object (read once: the calls are hot).
         self._max_rows = {dt: kernels.max_fast_rows(name) for dt, name in _DTYPE_NAMES.items()}
         self._packed_limit = {True: kernels.packed_rows_limit(True),

@@ -27,6 +27,7 @@ from typing import List, Optional, Union
 import torch
 
 from pyspec import _C
+from pyspec.linear import resolve_kernels
 from pyspec.ops import _stream_of
 
 __all__ = ["AcceptResult", "accept", "accept_greedy", "apply_sampling_filters"]
@@ -117,14 +118,16 @@ def apply_sampling_filters(
         top_p: float in (0, 1] (1 = off), or a float ``[N]`` tensor.
         min_p: float in [0, 1] (0 = off), or a float ``[N]`` tensor.
         out: optional float32 ``[N, V]`` tensor to write into.
-        kernels: on the CPU, the :class:`pyspec._C.LinearKernels` (a model's) whose vector build
-            the row passes run (AVX-512 at most; every build gives the same bits); None: this
-            CPU's best.
+        kernels: on the CPU, the :class:`pyspec._C.LinearKernels` (a model's; or an ISA name)
+            whose vector build the row passes run (AVX-512 at most; every build gives the same
+            bits); None: this CPU's best.
 
     Returns:
         float32 probabilities with the shape of ``logits``.
     """
     logits = _require_tensor(logits, "logits")
+    if kernels is not None and not isinstance(kernels, _C.LinearKernels):
+        kernels = resolve_kernels(kernels)
     if logits.dtype not in _FLOAT_LOGITS:
         raise ValueError(f"'logits' must be float32, float16 or bfloat16; got {logits.dtype}")
     squeeze = logits.dim() == 1

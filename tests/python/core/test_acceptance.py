@@ -562,6 +562,12 @@ def test_filters_same_bits_in_every_build_of_their_row_passes(vocab):
             sampling.apply_sampling_filters(torch.full((1, vocab), float("-inf")), 1.0,
                                             kernels=kernels)
     assert _C._sampling_isa() == _C._sampling_isa(_C.LinearKernels())
+    assert torch.equal(sampling.apply_sampling_filters(logits, t, k, p, m, kernels="generic"),
+                       outs["generic"])  # an ISA name selects the same build
+    with pytest.raises(ValueError, match="unknown linear kernel ISA 'sse9'"):
+        sampling.apply_sampling_filters(logits, t, k, p, m, kernels="sse9")
+    with pytest.raises(ValueError, match="kernels must be a pyspec._C.LinearKernels"):
+        sampling.apply_sampling_filters(logits, t, k, p, m, kernels=1.5)
     first = outs["generic"]
     for isa, out in outs.items():
         assert torch.equal(out, first), isa

@@ -179,6 +179,22 @@ def test_split_kv_and_kernels(device, isa):
     check(c, out, lse, F32, 1 / 8)
 
 
+def test_kernels_argument():
+    """``kernels`` takes a LinearKernels or an ISA name (the same build either way); anything
+    else is a ValueError naming what is allowed."""
+    c = make_batch(30, 5, 16, 4, 2, 32, F32, "cpu")
+    plan = plan_for(c, 4, 2)
+    args = (plan, c["q"], c["k_pages"], c["v_pages"], c["k_new"], c["v_new"])
+    by_name, lse = tree_attention(*args, kernels="generic", return_lse=True)
+    assert torch.equal(by_name, tree_attention(*args, kernels=_C.LinearKernels("generic")))
+    check(c, by_name, lse, F32, 1 / math.sqrt(32))
+    with pytest.raises(ValueError, match="unknown linear kernel ISA 'sse9'; use auto, generic"):
+        tree_attention(*args, kernels="sse9")
+    with pytest.raises(ValueError, match="kernels must be a pyspec._C.LinearKernels or an ISA "
+                                         "name; got int"):
+        tree_attention(*args, kernels=2)
+
+
 @pytest.mark.parametrize("kv_dtype", [F16, BF16])
 @pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
 def test_float32_queries_over_a_16_bit_kv_cache(kv_dtype, isa):
