@@ -255,8 +255,10 @@ def test_engine_default_drafter_and_policy_reset(server, tmp_path):
     fitted = AcceptancePredictor.fit([[float(i + j) for j in range(k)] for i in range(4)],
                                      [5.0, 5.0, 5.0, 5.01])  # (~5 everywhere)
     fitted.save(str(tmp_path / "p.json"))
-    # (min acceptance 1.0: the predictor never makes a request plain, and learns from each)
-    llm = _llm(server["path"], predictor=str(tmp_path / "p.json"), predictor_min_acceptance=1.0)
+    # (min acceptance 1.0: the predictor never makes a request plain, and learns from each;
+    # adaptive off: how often a request drafts must not hang on the cost model's timings)
+    llm = _llm(server["path"], predictor=str(tmp_path / "p.json"), predictor_min_acceptance=1.0,
+               adaptive=False)
     eng = llm.engine
     assert eng.channel_of(24) == "short" and eng.channel_of(25) == "long"
     with pytest.raises(ValueError, match="no drafter named 'nope'"):
@@ -276,6 +278,7 @@ def test_engine_default_drafter_and_policy_reset(server, tmp_path):
     while eng.has_unfinished():
         eng.step()
     assert eng.scheduler.deployment_acceptance_ewma is not None
+    assert eng._reqs[rid2].stats.drafts >= 4  # enough drafted steps to learn from (see the engine)
     assert not (eng.predictor.a == fitted.a).all()  # it learned online
     eng.reset_policy()
     assert eng.scheduler.deployment_acceptance_ewma is None
