@@ -2,9 +2,11 @@
 // unit has one, AVX-512.
 //
 // Kernels are compiled several times (plain and with __attribute__((target(...)))) so the library
-// runs on any x86-64 and uses the widest vectors the CPU has. Which build runs is a property of
-// each model's LinearKernels (pyspec/linear.h): its dense layers, tree attention and the sampling
-// filters' row passes (these two at most AVX-512); never of the process.
+// runs on any x86-64 and uses the widest vectors the CPU has. Which build runs is chosen per call,
+// never per process: a model's LinearKernels (pyspec/linear.h) for its dense layers, tree
+// attention and the engine's sampling filters (these two at most AVX-512); calls without one (a
+// drafter's own filters, the greedy walk's scan, which give the same bits in every build) run
+// this CPU's widest.
 #pragma once
 
 #include <string>

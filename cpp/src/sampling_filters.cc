@@ -147,8 +147,8 @@ void WriteCandidates(const std::vector<Candidate>& cand, int64_t n, float min_w,
 // Written so that the compiler vectorises them without reassociating anything (the scan and the
 // kept mass keep lanes of their own, in GCC vector types): every value is the one a scalar loop
 // computes, in every build, since this file is compiled without FMA contraction (CMakeLists.txt).
-// Each pass is built for the x86-64 baseline, AVX2 and AVX-512; g_filter_isa picks one at run time
-// (every build gives the same bits, so this is not a setting: tests force each build).
+// Each pass is built for the x86-64 baseline, AVX2 and AVX-512; ApplySamplingFilters runs the one
+// of the LinearKernels it is given (every build gives the same bits; tests compare each build).
 
 constexpr int kLanes = 16;
 
