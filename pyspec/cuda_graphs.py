@@ -111,6 +111,9 @@ class GraphedSteps:
         self.batch_buckets = batch_buckets(max_batch)
         self.rows_buckets = rows_buckets(max_rows)
         self.max_tokens = max_tokens
+        # Rows of the largest bucket: the shared buffers' size.
+        self._max_rows_padded = max(b * n for b in self.batch_buckets for n in self.rows_buckets
+                                    if b * n <= max_tokens)
         cfg = model.cfg
         self._max_pages_per_request = min(runner.kv.num_blocks,
                                           -(-cfg.max_position_embeddings // runner.block_size))
@@ -150,12 +153,11 @@ class GraphedSteps:
         pages each; a step past that runs eagerly)."""
         return min(batch * self._max_pages_per_request, 2 * self.runner.kv.num_blocks)
 
-    def _buffers(self, taps: Optional[Tuple[int, ...]]) -> None:
+    def _buffers(self, taps: Optional[Tuple[int, ...]]):
         """The outputs every graph writes, sized for the largest bucket (graphs replay one at a
         time, so they share them): K/V scratch, final hidden states, and the hidden states of
-        ``taps`` (their concatenation)."""
-        tokens = max(b * n for b in self.batch_buckets for n in self.rows_buckets
-                     if b * n <= self.max_tokens)
+        ``taps`` (their concatenation). Returns the last two (the second None without taps)."""
+        tokens = self._max_rows_padded
         cfg, dev, dtype = self.model.cfg, self.model.device, self.model.dtype
         if self._kv_new is None:
             shape = (cfg.num_hidden_layers, tokens, cfg.num_key_value_heads, cfg.head_dim)
@@ -167,6 +169,7 @@ class GraphedSteps:
         width = cfg.hidden_size * len(taps or ())
         if width and width not in self._tapped:
             self._tapped[width] = torch.zeros(tokens, width, dtype=dtype, device=dev)
+        return self._final, self._tapped.get(width)
 
     def run(self, key: Tuple[int, int], ids: List[int], positions: torch.Tensor, plan,
             logit_rows: torch.Tensor, taps: Optional[Tuple[int, ...]] = None):
@@ -187,7 +190,7 @@ class GraphedSteps:
         the step eagerly, and so does every later step)."""
         batch, rows = key
         t = len(ids)
-        self._buffers(taps)
+        final, tapped = self._buffers(taps)
         attn = self._attn.get(key)
         if attn is None:
             from pyspec.triton_attention import StaticAttention
@@ -206,7 +209,7 @@ class GraphedSteps:
         g = self._graphs.get(gkey)
         if g is None:
             try:
-                g = self._capture(key, attn, taps)
+                g = self._capture(key, attn, taps, final, tapped)
             except Exception as e:  # noqa: BLE001 (any capture failure: eager from now on)
                 self.failed = f"capturing bucket {gkey} failed: {type(e).__name__}: {e}"
                 warnings.warn(f"CUDA graphs are off for this model's steps: {self.failed}",
@@ -218,21 +221,21 @@ class GraphedSteps:
         else:
             g.replay()
         self.replays += 1
-        logits = self.model.project(self._final[:t].index_select(0, logit_rows))
-        hidden = None if taps is None else \
-            self._tapped[self.model.cfg.hidden_size * len(taps)][:t].clone()
+        logits = self.model.project(final[:t].index_select(0, logit_rows))
+        hidden = None if tapped is None else tapped[:t].clone()
         k_new, v_new = self._kv_new
         return logits, k_new[:, :t].clone(), v_new[:, :t].clone(), hidden
 
-    def _capture(self, key: Tuple[int, int], attn, taps: Optional[Tuple[int, ...]]):
+    def _capture(self, key: Tuple[int, int], attn, taps: Optional[Tuple[int, ...]], final,
+                 tapped):
         batch, rows = key
         t = batch * rows
         io, (k_new, v_new) = attn.inputs.view(2, t), self._kv_new
         k_new, v_new = k_new[:, :t], v_new[:, :t]
         kv = self.runner.kv
         model = self.model
-        final = self._final[:t]
-        tapped = None if taps is None else self._tapped[model.cfg.hidden_size * len(taps)][:t]
+        final = final[:t]
+        tapped = None if tapped is None else tapped[:t]
 
         def forward():
             out = model.forward(io[0], io[1], attn, kv.k, kv.v, k_new, v_new, lm_head=False,

@@ -76,7 +76,7 @@ def test_a_failed_capture_leaves_eager_steps(monkeypatch):
     g = runner.enable_cuda_graphs(max_batch=4, max_rows=8, emulate=True)
     tries = []
 
-    def broken(self, key, attn, taps):
+    def broken(self, key, attn, taps, final, tapped):
         tries.append(key)
         raise RuntimeError("operation not permitted when stream is capturing")
 
