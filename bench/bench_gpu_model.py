@@ -41,6 +41,17 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def timed(device, fn, repeats: int = 1):
+    """``(fn()'s last result, seconds per call)`` over ``repeats`` calls, the device synchronized
+    before and after."""
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        out = fn()
+    _sync(device)
+    return out, (time.perf_counter() - t0) / repeats
+
+
 def _step_ranges(events):
     """The host's ``pyspec.step`` ranges of a profile's trace (not their copies on the GPU
     timeline, category ``gpu_user_annotation``)."""
@@ -116,11 +127,7 @@ def verify_cost(model, args, backend, bs=16):
             step = SeqStep(prompt[:n], ctx, table, tree, "all" if n > 1 else "last")
             for _ in range(3):
                 runner.step([step])
-            _sync(device)
-            t0 = time.perf_counter()
-            for _ in range(args.repeats):
-                runner.step([step])  # logits come back to the host: each step ends synchronized
-            ms = (time.perf_counter() - t0) / args.repeats * 1000
+            ms = timed(device, lambda r=runner, s=step: r.step([s]), args.repeats)[1] * 1000
             base = ms if n == 1 else base
             row = {"attention": backend, "context": ctx, "nodes": n, "step_ms": round(ms, 3),
                    "vs_plain": round(ms / base, 3) if base else None}
@@ -172,11 +179,8 @@ def graph_cost(model, args, bs=16):
                     runner.enable_cuda_graphs(max_batch=max(batch, 1), max_rows=16)
                 for _ in range(3):
                     runner.step(steps)
-                _sync(model.device)
-                t0 = time.perf_counter()
-                for _ in range(args.repeats):
-                    runner.step(steps)  # logits come back: each step ends synchronized
-                row[f"{mode}_ms"] = round((time.perf_counter() - t0) / args.repeats * 1e3, 3)
+                sec = timed(model.device, lambda r=runner: r.step(steps), args.repeats)[1]
+                row[f"{mode}_ms"] = round(sec * 1e3, 3)
                 row[f"{mode}_kernels_ms"] = round(
                     kernel_seconds(lambda r=runner: r.step(steps)) * 1e3, 3)
             row["graphs_speedup"] = round(row["eager_ms"] / row["graphs_ms"], 3)
@@ -265,11 +269,7 @@ def main(argv=None):
             eng = Engine(runner, drafter=drafter, max_num_seqs=max(b, 1),
                          max_num_batched_tokens=4096)
             eng.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-            _sync(device)
-            t0 = time.perf_counter()
-            res = eng.generate(prompts, sp)
-            _sync(device)
-            s = time.perf_counter() - t0
+            res, s = timed(device, lambda e=eng: e.generate(prompts, sp))
             toks = sum(len(r.token_ids) for r in res)
             outs[name] = [r.token_ids for r in res]
             row[f"{name}_tok_s"] = round(toks / s, 1)

@@ -28,7 +28,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPTS = os.path.join(HERE, "data", "mt_bench_questions.jsonl")
 sys.path.insert(0, HERE)
-from bench_gpu_model import _sync  # noqa: E402
+from bench_gpu_model import timed  # noqa: E402
 
 
 def first_turns(n: int):
@@ -51,11 +51,7 @@ def run_engine(llm, prompts, batches, max_tokens, device):
         # the first time a step needs them; captures left for the timed run are reported.
         llm.generate(batch, warm)
         captured = _captures(llm)
-        _sync(device)
-        t0 = time.perf_counter()
-        outs = llm.generate(batch, sp)
-        _sync(device)
-        wall = time.perf_counter() - t0
+        outs, wall = timed(device, lambda: llm.generate(batch, sp))
         tokens = sum(len(o.token_ids) for o in outs)
         tpot = [(o.seconds - o.time_to_first_token) / (len(o.token_ids) - 1) for o in outs
                 if o.time_to_first_token is not None and len(o.token_ids) > 1]
@@ -91,15 +87,10 @@ def hf_baseline(model_dir, prompts, max_tokens, device, dtype):
                    return_tensors="pt", add_special_tokens=False).input_ids for p in prompts]
     with torch.no_grad():
         model.generate(encoded[0].to(device), max_new_tokens=8, do_sample=False)  # warm-up
-        tokens = 0
-        _sync(device)
-        t0 = time.perf_counter()
-        for x in encoded:
-            out = model.generate(x.to(device), max_new_tokens=max_tokens,
-                                 min_new_tokens=max_tokens, do_sample=False)
-            tokens += out.shape[1] - x.shape[1]
-        _sync(device)
-    wall = time.perf_counter() - t0
+        outs, wall = timed(device, lambda: [
+            model.generate(x.to(device), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                           do_sample=False) for x in encoded])
+    tokens = sum(o.shape[1] - x.shape[1] for o, x in zip(outs, encoded))
     return {"batch": 1, "tokens": tokens, "seconds": round(wall, 3),
             "tok_s": round(tokens / wall, 1)}
 
