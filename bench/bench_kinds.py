@@ -3,6 +3,8 @@
     python bench/bench_kinds.py [--prompts bench/data/task_kinds.jsonl] [--per-kind 4]
                                 [--drafters "none;default;ngram;lookahead"] [--max-tokens 128]
                                 [--temperature 0] [--long 0] [--ignore-eos]
+                                [--predictor FILE [--predictor-draft default]
+                                 [--predictor-min-acceptance 1.2]]
                                 [--out bench/results/kinds.json]
 
 The prompt set (``bench/data/task_kinds.jsonl``: summaries, questions about a passage,
@@ -17,7 +19,11 @@ every engine). One ``LLM`` per drafter, each warmed up; per prompt the engines r
 order rotating from prompt to prompt, so machine-load drift hits every engine alike. Reports per
 kind and overall (the mixed workload: total tokens over total seconds): tokens/s, speedup
 against plain decoding in the same run, tokens per target step, and (greedy) how many outputs
-equal plain decoding's token for token. Prints one JSON document (and writes it with ``--out``).
+equal plain decoding's token for token. ``--predictor FILE`` adds one more engine, named
+``DRAFT+predictor``: ``--predictor-draft`` (default ``default``) with that acceptance predictor
+(``SpecConfig(predictor=FILE, predictor_min_acceptance=...)``), so the same run measures the engine with and without the
+predictor's decisions; the report also counts the requests it decoded plainly. Prints one JSON
+document (and writes it with ``--out``).
 """
 
 from __future__ import annotations
@@ -70,6 +76,11 @@ def main(argv=None):
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--long", type=int, default=0, help="long-document requests to add")
     ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument("--predictor", default=None, help="an acceptance predictor file: adds the "
+                    "engine DRAFT+predictor")
+    ap.add_argument("--predictor-draft", default="default", help="the drafter of that engine")
+    ap.add_argument("--predictor-min-acceptance", type=float, default=1.2,
+                    help="below this predicted acceptance length a request decodes plainly")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.per_kind < 0 or args.long < 0 or args.max_tokens < 1:
@@ -82,6 +93,13 @@ def main(argv=None):
     drafters = drafter_list(args.drafters)
     t0 = time.perf_counter()
     llms = {d: pyspec.LLM(draft=d, progress=False) for d in drafters}
+    if args.predictor:
+        name = f"{args.predictor_draft}+predictor"
+        llms[name] = pyspec.LLM(draft=args.predictor_draft, progress=False,
+                                spec=pyspec.SpecConfig(
+                                    predictor=args.predictor,
+                                    predictor_min_acceptance=args.predictor_min_acceptance))
+        drafters.append(name)
     rows = read_prompts(args.prompts, per_category=args.per_kind or None)
     rows += long_prompts(llms["none"].tokenizer, args.long)
     warm = pyspec.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -89,7 +107,7 @@ def main(argv=None):
         llm.chat([{"role": "user", "content": "Hello"}], warm)
     greedy = args.temperature == 0.0
     tally = {d: collections.defaultdict(lambda: {"seconds": 0.0, "tokens": 0, "steps": 0,
-                                                 "identical": 0, "prompts": 0})
+                                                 "identical": 0, "prompts": 0, "plain": 0})
              for d in drafters}
     for i, (kind, text) in enumerate(rows):
         msg = [{"role": "user", "content": text}]
@@ -97,10 +115,11 @@ def main(argv=None):
                                    seed=1000 + i, ignore_eos=args.ignore_eos)
         outs = {}
         for d in drafters[i % len(drafters):] + drafters[:i % len(drafters)]:
-            outs[d] = timed_chat(llms[d], msg, sp, tally[d][kind]).token_ids
+            outs[d] = timed_chat(llms[d], msg, sp, tally[d][kind])
         for d in drafters:
-            tally[d][kind]["identical"] += outs[d] == outs["none"]
+            tally[d][kind]["identical"] += outs[d].token_ids == outs["none"].token_ids
             tally[d][kind]["prompts"] += 1
+            tally[d][kind]["plain"] += bool(outs[d].stats.predictor_plain)
 
     def summary(d, r, plain):
         tps = r["tokens"] / r["seconds"]
@@ -110,6 +129,8 @@ def main(argv=None):
                "tokens": r["tokens"]}
         if greedy:
             out["identical_to_plain"] = f"{r['identical']}/{r['prompts']}"
+        if d.endswith("+predictor"):
+            out["predicted_plain"] = f"{r['plain']}/{r['prompts']}"
         return out
 
     kinds = list(dict.fromkeys(k for k, _ in rows))
@@ -117,7 +138,7 @@ def main(argv=None):
                 for k in kinds}
     overall = {}
     for d in drafters:
-        tot = {"seconds": 0.0, "tokens": 0, "steps": 0, "identical": 0, "prompts": 0}
+        tot = {"seconds": 0.0, "tokens": 0, "steps": 0, "identical": 0, "prompts": 0, "plain": 0}
         for k in kinds:
             for key in tot:
                 tot[key] += tally[d][k][key]
@@ -125,7 +146,8 @@ def main(argv=None):
     doc = {"config": {"prompts": args.prompts, "per_kind": args.per_kind, "long": args.long,
                       "requests": len(rows), "max_tokens": args.max_tokens,
                       "temperature": args.temperature, "ignore_eos": args.ignore_eos,
-                      "drafters": drafters, "threads": torch.get_num_threads(),
+                      "drafters": drafters, "predictor": args.predictor,
+                      "predictor_min_acceptance": args.predictor_min_acceptance, "threads": torch.get_num_threads(),
                       "wall_seconds": round(time.perf_counter() - t0, 1)},
            "overall": {d: summary(d, overall[d], overall["none"]) for d in drafters},
            "per_kind": per_kind}

@@ -83,3 +83,31 @@ def test_online_updates_equal_a_fit_over_all_rows():
     first.update(x[0], float("nan"))  # ignored
     first.update(x[0], 2.0, weight=0.0)  # ignored
     assert np.array_equal(before, first.coef)
+
+
+@pytest.mark.slow
+def test_kinds_bench_measures_the_engine_with_and_without_a_predictor(tmp_path):
+    """bench/bench_kinds.py --predictor: one more engine, the drafter with the predictor, in the
+    same run; a predictor that expects no acceptance decodes the requests plainly (one in 8
+    explores), its outputs still plain decoding's."""
+    import os
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(20, len(FEATURES)))
+    path = str(tmp_path / "never.json")
+    AcceptancePredictor.fit(x, np.ones(20)).save(path)
+    out = str(tmp_path / "kinds.json")
+    bench = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "bench_kinds.py")
+    subprocess.run([sys.executable, bench, "--per-kind", "1", "--max-tokens", "4",
+                    "--drafters", "default", "--predictor", path, "--out", out],
+                   check=True, capture_output=True, timeout=600)
+    doc = json.load(open(out))
+    assert doc["config"]["drafters"] == ["none", "default", "default+predictor"]
+    row = doc["overall"]["default+predictor"]
+    requests = doc["config"]["requests"]
+    assert row["identical_to_plain"] == f"{requests}/{requests}"
+    plain, total = map(int, row["predicted_plain"].split("/"))
+    assert total == requests and plain >= requests - 1 - requests // 8, row
+    assert "predicted_plain" not in doc["overall"]["default"]
