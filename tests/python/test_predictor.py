@@ -98,11 +98,15 @@ def test_kinds_bench_measures_the_engine_with_and_without_a_predictor(tmp_path):
     x = rng.normal(size=(20, len(FEATURES)))
     path = str(tmp_path / "never.json")
     AcceptancePredictor.fit(x, np.ones(20)).save(path)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"category": k, "prompt": p}) + "\n" for k, p in
+                               [("chat", "How are you today?"), ("chat", "Tell me a joke."),
+                                ("translate", "Translate into French: the cat sleeps.")]))
     out = str(tmp_path / "kinds.json")
     bench = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "bench_kinds.py")
-    subprocess.run([sys.executable, bench, "--per-kind", "1", "--max-tokens", "4",
-                    "--drafters", "default", "--predictor", path, "--out", out],
-                   check=True, capture_output=True, timeout=600)
+    subprocess.run([sys.executable, bench, "--prompts", str(prompts), "--per-kind", "0",
+                    "--max-tokens", "4", "--drafters", "default", "--predictor", path,
+                    "--out", out], check=True, capture_output=True, timeout=600)
     doc = json.load(open(out))
     assert doc["config"]["drafters"] == ["none", "default", "default+predictor"]
     row = doc["overall"]["default+predictor"]
