@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from numbers import Integral, Real
-from typing import List, Optional, Union
+from typing import List, Optional, Sequence, Union
 
 import torch
 
@@ -30,7 +30,8 @@ from pyspec import _C
 from pyspec.linear import resolve_kernels
 from pyspec.ops import _stream_of
 
-__all__ = ["AcceptResult", "accept", "accept_greedy", "apply_sampling_filters"]
+__all__ = ["AcceptResult", "accept", "accept_greedy", "apply_sampling_filters",
+           "draft_probs_problem"]
 
 _FLOAT_LOGITS = (torch.float32, torch.float16, torch.bfloat16)
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
@@ -292,6 +293,44 @@ def accept(
     return _accept_trees(target_probs, draft_probs, tokens, parents, tree_indptr, greedy_t,
                          sampled_t, seeds_t, offsets_t, float(row_sum_tolerance),
                          debug_skip_residual=bool(debug_skip_residual))
+
+
+def draft_probs_problem(tokens: Sequence[int], parents: Sequence[int],
+                        draft_probs: torch.Tensor, row_sum_tolerance: float = 1e-3) -> Optional[str]:
+    """Why :func:`accept` could refuse one tree's sampled-children ``draft_probs`` (None: it
+    cannot; the walk reads a child's entry only when it gets to that child, this checks every
+    child), checked before the tree joins a batch, where one request's bad rows would fail the
+    whole call: ``[len(tokens), V]`` floating point, and each row of a node with children
+    finite, non-negative, summing to 1 within ``row_sum_tolerance``, giving every child's token a
+    positive probability, with no two siblings holding the same token (a sampled child is a draw
+    without replacement)."""
+    n = len(tokens)
+    if not isinstance(draft_probs, torch.Tensor) or draft_probs.dim() != 2 or \
+            draft_probs.shape[0] != n or not draft_probs.is_floating_point():
+        return (f"draft_probs must be a floating-point [{n}, V] tensor; got "
+                f"{getattr(draft_probs, 'dtype', type(draft_probs).__name__)} "
+                f"{list(getattr(draft_probs, 'shape', []))}")
+    kids = [c for c in range(1, n) if parents[c] >= 0]
+    if not kids:
+        return None
+    rows = sorted({int(parents[c]) for c in kids})
+    q = draft_probs[rows].to(torch.float32)
+    if not bool(torch.isfinite(q).all()) or bool((q < 0).any()):
+        return "a draft_probs row of a node with children has a NaN, infinite or negative entry"
+    sums = q.sum(dim=1, dtype=torch.float64)
+    if bool(((sums - 1.0).abs() > row_sum_tolerance).any()):
+        return (f"draft_probs rows of nodes with children must sum to 1 within "
+                f"{row_sum_tolerance}; got sums {[round(float(x), 4) for x in sums]}")
+    where = {r: i for i, r in enumerate(rows)}  # rows as the walk reads them: float32
+    seen = set()
+    for c in kids:
+        key = (int(parents[c]), int(tokens[c]))
+        if key in seen:
+            return f"node {c} repeats a sibling's token {key[1]}"
+        seen.add(key)
+        if not float(q[where[key[0]], key[1]]) > 0.0:
+            return f"node {c}'s token {key[1]} has probability 0 in its parent's draft_probs row"
+    return None
 
 
 def accept_greedy(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,

@@ -11,6 +11,7 @@ for them, so they decode plainly, and every other request goes on.
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
 
@@ -20,6 +21,7 @@ from pyspec import TokenTree, _C
 from pyspec.drafters import Drafter, make_drafter
 from pyspec.drafters.base import (Draft, DraftRequest, draft_source_of, layers_of, select_layers,
                                   union_layers)
+from pyspec.sampling import draft_probs_problem
 
 __all__ = ["DraftStage"]
 
@@ -180,7 +182,11 @@ class DraftStage:
             if depth <= 0:
                 continue
             p = r.params
-            nodes = max(1, int(self.drafters[r.drafter].node_budget(depth)))
+            try:
+                nodes = max(1, operator.index(self.drafters[r.drafter].node_budget(depth)))
+            except Exception as e:  # noqa: BLE001 - the drafter's fault: this request only
+                self._fail(rid, f"node_budget: {type(e).__name__}: {e}")
+                continue
             rows += nodes
             groups.setdefault(r.drafter, []).append(DraftRequest(
                 rid, r.context, starts[i], table, nodes, float(p.temperature), int(p.top_k),
@@ -245,6 +251,12 @@ class DraftStage:
             if dr.draft_probs is not None:
                 p = dr.draft_probs
                 if tuple(p.shape) != (n, self.vocab_size) or not bool(torch.isfinite(p).all()):
+                    return None
+                # A sampled request's rows go to the batch's acceptance, which refuses the whole
+                # call for one bad row: checked here (at half its tolerance, so that the walk's
+                # float32 sums cannot disagree), failing only this request.
+                if q.temperature > 0.0 and draft_probs_problem(
+                        dr.tokens, parents, p, row_sum_tolerance=0.5e-3) is not None:
                     return None
             return tree
         except Exception:  # noqa: BLE001

@@ -103,11 +103,24 @@ def _drafter(kind, runner, model, tmp, plain=None):
 
 
 class Exploding(Drafter):
+    """Fails on the requests ``bad_ids`` as ``mode`` says: raises, or returns a malformed draft
+    (a NaN, out-of-vocabulary or ill-formed tree, or sampled-children probabilities the acceptance
+    refuses: rows summing to 2, an integer tensor, a child of probability 0, two siblings with
+    one token), or its ``node_budget`` raises. Other requests get a two-token chain."""
+
     name = "exploding"
+    BAD_PROBS = ("sum", "int", "zero", "repeat")
 
     def __init__(self, bad_ids, mode):
         self.bad, self.mode = set(bad_ids), mode
         self.seen = 0
+        self.budget_calls = 0
+
+    def node_budget(self, depth):
+        self.budget_calls += 1
+        if self.mode == "budget" and self.budget_calls == 2:
+            raise ZeroDivisionError("budget crashed")
+        return depth
 
     def propose(self, reqs):
         out = []
@@ -119,6 +132,20 @@ class Exploding(Drafter):
                 if self.mode == "nan":
                     probs = torch.full((2, 111), float("nan"))
                     out.append(Draft([r.context[-1], 1], [-1, 0], probs))
+                    continue
+                if self.mode in self.BAD_PROBS:
+                    probs = torch.full((3, 111), 1.0 / 111)
+                    kids = [1, 2]
+                    if self.mode == "sum":
+                        probs *= 2
+                    elif self.mode == "int":
+                        probs = torch.ones((3, 111), dtype=torch.int64)
+                    elif self.mode == "zero":
+                        probs[0, 2] = 0.0
+                        probs[0, 1] += 1.0 / 111
+                    else:
+                        kids = [1, 1]
+                    out.append(Draft([r.context[-1]] + kids, [-1, 0, 0], probs))
                     continue
                 if self.mode == "token":
                     out.append(Draft([r.context[-1], 5000], [-1, 0]))

@@ -910,3 +910,33 @@ def test_three_token_test_rejects_subtly_broken_samplers(name, bug):
     p_bad = joint3_pvalue(bad_e, bad_n, t64, root, rng)
     assert p_good > 1e-3, (name, p_good)
     assert p_bad < 1e-6, (name, bug, p_bad)
+
+
+def test_draft_probs_problem_names_what_accept_refuses():
+    """draft_probs_problem (the engine's per-request check) says no exactly where accept raises,
+    on one sampled tree: root with two children (the walk reaches both: the target never takes
+    the first), rows over 7 tokens."""
+    tokens, parents = [0, 2, 5], [-1, 0, 0]
+    target = torch.full((3, 7), 1.0 / 7)
+    target[0, 2], target[0, 6] = 0.0, 2.0 / 7  # the first child is always rejected
+    good = torch.full((3, 7), 1.0 / 7)
+    cases = {"good": good, "sum": good * 2, "negative": good.clone(), "nan": good.clone(),
+             "zero child": good.clone(), "repeat": good, "leaf rows are not read": good.clone()}
+    cases["negative"][0, 3] = -0.1
+    cases["negative"][0, 4] += 0.1
+    cases["nan"][0, 1] = float("nan")
+    cases["zero child"][0, 5], cases["zero child"][0, 0] = 0.0, 2.0 / 7
+    cases["leaf rows are not read"][1:] = 5.0
+    for name, probs in cases.items():
+        toks = [0, 2, 2] if name == "repeat" else tokens
+        problem = sampling.draft_probs_problem(toks, parents, probs)
+        try:
+            sampling.accept(target, torch.tensor(toks), torch.tensor(parents), torch.tensor([0, 3]),
+                   draft_probs=probs, seeds=1)
+            refused = False
+        except ValueError:
+            refused = True
+        assert (problem is not None) == refused, (name, problem)
+        assert refused == (name not in ("good", "leaf rows are not read")), name
+    assert "floating-point" in sampling.draft_probs_problem(tokens, parents, good.to(torch.int64))
+    assert "floating-point" in sampling.draft_probs_problem(tokens, parents, good[:2])

@@ -36,6 +36,29 @@ def test_drafter_failure_falls_back_without_changing_output(model, plain, mode, 
     assert eng.stats.fallbacks["drafter_error"] == 2
 
 
+@pytest.mark.parametrize("mode", Exploding.BAD_PROBS + ("budget",))
+def test_bad_sampling_rows_or_node_budget_fail_only_their_request(model, mode):
+    """Sampled requests: rows the batched acceptance would refuse (for the whole call), or a
+    node_budget that raises, fail only the request they came with; every output is still seeded
+    plain sampling's."""
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=10 + i)
+              for i in range(5)]
+    ref = Engine(ModelRunner(model, num_blocks=64, block_size=8)).generate(prompts()[:5], params)
+    eng = Engine(ModelRunner(model, num_blocks=64, block_size=8), drafter=Exploding({1, 3}, mode),
+                 adaptive=False)
+    res = eng.generate(prompts()[:5], params)
+    assert [r.token_ids for r in res] == [r.token_ids for r in ref]
+    failed = [i for i, r in enumerate(res) if r.stats.fallbacks.get("drafter_error")]
+    if mode == "budget":
+        assert len(failed) == 1, failed
+    else:
+        assert failed == [1, 3]
+    for i, r in enumerate(res):
+        assert r.finish_reason == "length"
+        if i not in failed:
+            assert r.stats.draft_tokens > 0
+
+
 @pytest.mark.parametrize("sourced", [True, False])
 def test_first_drafter_parts_keep_their_own_draft_length(model, sourced):
     """``A|B``: A (the target itself, so always right) drafts on some steps, B (never right) on the
