@@ -275,6 +275,9 @@ class Engine:
                     params: Union[None, SamplingParams, Mapping] = None) -> int:
         """Queue a request; returns its id. ValueError for bad input."""
         p = as_params(params)
+        if p.n != 1:
+            raise ValueError(f"an engine request is one sample: n must be 1; got n={p.n} "
+                             f"(LLM.generate and the server add n requests for n samples)")
         try:
             prompt = [int(t) for t in prompt_ids]
         except (TypeError, ValueError):
@@ -383,7 +386,14 @@ class Engine:
                  on_step: Optional[Callable[[List[RequestOutput]], None]] = None
                  ) -> List[GenerationResult]:
         """Run the prompts to completion (one params for all, or one per prompt); results in
-        prompt order. ``on_step`` receives each step's outputs (streaming)."""
+        prompt order. ``on_step`` receives each step's outputs (streaming). When anything fails
+        (``max_steps`` reached, ``on_step`` or a step raising), the call's requests are aborted
+        and forgotten before the exception goes on."""
+        if max_steps is not None and (not is_int(max_steps) or max_steps < 1):
+            raise ValueError(f"max_steps must be None or an int >= 1; got {max_steps!r}")
+        if on_step is not None and not callable(on_step):
+            raise ValueError(f"on_step must be None or a callable taking each step's outputs; "
+                             f"got {type(on_step).__name__}")
         if isinstance(params, (list, tuple)):
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} params for {len(prompts)} prompts")
@@ -394,19 +404,22 @@ class Engine:
         try:
             for prompt, p in zip(prompts, plist):
                 ids.append(self.add_request(prompt, p))
-        except ValueError:
+            steps = 0
+            while any(not self._reqs[rid].finished for rid in ids):
+                if max_steps is not None and steps >= max_steps:
+                    raise RuntimeError(f"generation did not finish within {max_steps} steps")
+                outs = self.step()
+                if on_step is not None:
+                    on_step(outs)
+                steps += 1
+        except BaseException:
             for rid in ids:
-                self.abort(rid)
+                try:
+                    self.abort(rid)
+                except Exception:  # noqa: BLE001 - cleanup; the original error goes on
+                    pass
                 self._reqs.pop(rid, None)
             raise
-        steps = 0
-        while any(not self._reqs[rid].finished for rid in ids):
-            if max_steps is not None and steps >= max_steps:
-                raise RuntimeError(f"generation did not finish within {max_steps} steps")
-            outs = self.step()
-            if on_step is not None:
-                on_step(outs)
-            steps += 1
         return [self.result(rid, pop=True) for rid in ids]
 
     def _finish(self, rid: int, r: _Req, reason: Optional[str]) -> None:

@@ -379,3 +379,31 @@ def test_each_drafter_keeps_its_own_deployment_evidence(model):
     assert eng.scheduler.deployment_evidence(groups["silent"]) == (0.0, 0.0)
     with pytest.raises(ValueError, match="evidence_group"):
         eng.scheduler.add_request(999, [1, 2], evidence_group=-1)
+
+
+def test_generate_leaves_nothing_behind_when_it_fails(model, references):
+    """Bad arguments are refused before anything is queued; max_steps reached, or on_step
+    raising, aborts the call's requests and forgets them (their KV freed); n > 1 is the LLM's
+    and the server's (they add n requests), refused here; the engine then decodes as before."""
+    eng = Engine(ModelRunner(model, num_blocks=64, block_size=8), drafter="ngram", gamma=GAMMA)
+    ps = prompts()[:3]
+    sp = SamplingParams(max_tokens=MAX_TOKENS)
+    free = eng.scheduler.num_free_blocks
+    for kw, msg in (({"max_steps": 0}, "max_steps"), ({"max_steps": "x"}, "max_steps"),
+                    ({"on_step": 5}, "on_step")):
+        with pytest.raises(ValueError, match=msg):
+            eng.generate(ps, sp, **kw)
+    with pytest.raises(RuntimeError, match="within 2 steps"):
+        eng.generate(ps, sp, max_steps=2)
+
+    def boom(outs):
+        raise KeyError("from on_step")
+
+    with pytest.raises(KeyError):
+        eng.generate(ps, sp, on_step=boom)
+    with pytest.raises(ValueError, match="n must be 1"):
+        eng.generate(ps, SamplingParams(max_tokens=4, n=3))
+    assert not eng._reqs and not eng.has_unfinished()
+    assert eng.scheduler.num_free_blocks == free
+    out = eng.generate(ps, sp)
+    assert [r.token_ids for r in out] == references[:3]
