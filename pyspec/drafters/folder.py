@@ -31,11 +31,17 @@ def read_config(path: str) -> dict:
     cfg_path = os.path.join(path, CONFIG_NAME)
     if not os.path.isfile(cfg_path):
         raise ValueError(f"{path!r} is not a drafter folder: {CONFIG_NAME} is missing")
-    with open(cfg_path) as f:
+    with open(cfg_path, "rb") as f:
         try:
-            cfg = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
+            cfg = json.loads(f.read().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{cfg_path}: not valid UTF-8 JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_path}: must hold a JSON object; got {type(cfg).__name__}")
+    for key in ("defaults", "manifest"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+            raise ValueError(f"{cfg_path}: {key!r} must be an object; got "
+                             f"{type(cfg[key]).__name__}")
     if cfg.get("format") != FORMAT:
         raise ValueError(f"{cfg_path}: 'format' must be {FORMAT!r}; got {cfg.get('format')!r}")
     if cfg.get("method") not in METHODS:

@@ -61,6 +61,7 @@ from pyspec.drafters.folder import (WEIGHTS_NAME, check_target, read_config, war
                                     write_config)
 from pyspec.drafters.tree_builder import TreeBuilder
 from pyspec.ops import rms_norm
+from pyspec.params import is_int
 from pyspec.runner import ModelRunner, SeqStep
 
 DEFAULT_MEDUSA_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [2, 0], [0, 2],
@@ -95,7 +96,11 @@ def read_heads(path: str, cfg: Optional[dict] = None):
     w_path = os.path.join(path, WEIGHTS_NAME)
     if not os.path.isfile(w_path):
         raise ValueError(f"{path!r}: {WEIGHTS_NAME} is missing")
-    return cfg, load_file(w_path)
+    try:
+        return cfg, load_file(w_path)
+    except Exception as e:  # noqa: BLE001 - safetensors' own error types
+        raise ValueError(f"{w_path}: not a readable safetensors file ({type(e).__name__}: "
+                         f"{e})") from None
 
 
 def _shape(t: Dict[str, torch.Tensor], name: str, shape: Sequence[int]) -> torch.Tensor:
@@ -148,10 +153,19 @@ class MedusaDrafter(Drafter):
             self.head_lm = [_shape(weights, f"heads.{k}.lm_head.weight",
                                    (m.cfg.vocab_size, h)).to(**place) for k in range(num_heads)]
         # The default tree cut to the heads there are (its paths' prefixes stay in it).
+        vocab = m.cfg.vocab_size
+        if tree is not None and (not isinstance(tree, (list, tuple)) or not all(
+                isinstance(p, (list, tuple)) and all(is_int(r) for r in p) for p in tree)):
+            raise ValueError(f"a Medusa tree is a list of paths, each a list of int ranks (one "
+                             f"per head, 0 = the head's top token); got {str(tree)[:200]}")
         tree = [list(p) for p in (tree or [q for q in DEFAULT_MEDUSA_TREE
                                            if len(q) <= num_heads])]
         if any(len(p) > num_heads or len(p) == 0 for p in tree):
             raise ValueError(f"every Medusa tree path needs 1..{num_heads} ranks (one per head)")
+        bad = [r for p in tree for r in p if not 0 <= r < vocab]
+        if bad:
+            raise ValueError(f"Medusa tree rank {bad[0]} is out of range: a rank picks one of a "
+                             f"head's top tokens, 0..{vocab - 1} for this {vocab}-token target")
         self.paths = sorted(tree, key=lambda p: (len(p), p))
         TokenTree.from_paths(self.paths)  # validates closure
         self.num_heads = num_heads
@@ -567,7 +581,10 @@ def load_heads(path: str, target_runner: ModelRunner, **overrides) -> Drafter:
             raise ValueError("width/depth/nodes options apply to EAGLE drafters; a Medusa tree "
                              "comes from its choice list")
         mc = cfg.get("medusa") or {}
-        d = MedusaDrafter(target_runner, tensors, int(mc.get("num_heads", 0)),
+        if not isinstance(mc, dict) or not is_int(mc.get("num_heads")):
+            raise ValueError(f"{os.path.join(path, 'drafter.json')}: 'medusa' must be an object "
+                             f"with an int 'num_heads' (1..16); got {str(mc)[:200]}")
+        d = MedusaDrafter(target_runner, tensors, int(mc["num_heads"]),
                           overrides.pop("tree", None) or mc.get("tree"))
     else:
         defaults.update({k: v for k, v in overrides.items() if v is not None})

@@ -239,13 +239,24 @@ def read_corpus(path: str, vocab_size: int, cfg: Optional[dict] = None):
     f = os.path.join(path, CORPUS_NAME)
     if not os.path.isfile(f):
         raise ValueError(f"{path!r}: {CORPUS_NAME} is missing")
-    with np.load(f) as z:
-        if "tokens" not in z or "offsets" not in z:
-            raise ValueError(f"{f}: needs arrays 'tokens' and 'offsets'")
-        tokens, offsets = z["tokens"].astype(np.int32), z["offsets"].astype(np.int64)
-    if tokens.size and int(tokens.max()) >= vocab_size:
-        raise ValueError(f"{f}: token {int(tokens.max())} is outside the target's vocabulary "
-                         f"({vocab_size})")
+    try:
+        with np.load(f) as z:
+            if "tokens" not in z or "offsets" not in z:
+                raise ValueError(f"{f}: needs arrays 'tokens' and 'offsets'")
+            tokens, offsets = z["tokens"], z["offsets"]
+    except ValueError as e:
+        raise ValueError(str(e) if str(e).startswith(f) else f"{f}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - zipfile / numpy errors of a damaged file
+        raise ValueError(f"{f}: not a readable .npz file ({type(e).__name__}: {e})") from None
+    if tokens.dtype.kind not in "iu" or offsets.dtype.kind not in "iu":
+        raise ValueError(f"{f}: 'tokens' and 'offsets' must be integer arrays; got "
+                         f"{tokens.dtype} and {offsets.dtype}")
+    if tokens.ndim != 1:
+        raise ValueError(f"{f}: 'tokens' must be one-dimensional; got shape {list(tokens.shape)}")
+    if tokens.size and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab_size:
+        raise ValueError(f"{f}: tokens must lie in [0, {vocab_size}) (the target's vocabulary); "
+                         f"got {int(tokens.min())}..{int(tokens.max())}")
+    tokens, offsets = tokens.astype(np.int32), offsets.astype(np.int64)
     if (offsets.ndim != 1 or offsets.size < 1 or offsets[0] != 0
             or offsets[-1] != tokens.size or bool((np.diff(offsets) < 0).any())):
         raise ValueError(f"{f}: offsets must rise from 0 to the token count ({tokens.size})")

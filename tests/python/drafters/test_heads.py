@@ -75,6 +75,40 @@ def test_heads_files_and_errors(model, tmp_path):
         load_heads(f, runner)
 
 
+def test_malformed_heads_folders_name_the_file_and_what_is_allowed(model, tmp_path):
+    """drafter.json that is not a JSON object, not UTF-8, or has a 'defaults' that is not an
+    object; a damaged weights file; a Medusa tree that is not a list of int paths or picks a rank
+    past the vocabulary; a num_heads that is not an int: each a ValueError naming the file and
+    what is allowed, at load (not a failure on every request later)."""
+    runner = ModelRunner(model, num_blocks=16, block_size=8)
+    m = _heads_dir(str(tmp_path), model, "medusa")
+    cfg_path = os.path.join(m, "drafter.json")
+    good = open(cfg_path, "rb").read()
+    conf = json.loads(good)
+
+    def load_with(text, match):
+        open(cfg_path, "wb").write(text if isinstance(text, bytes) else text.encode())
+        with pytest.raises(ValueError, match=match):
+            load_heads(m, runner)
+        open(cfg_path, "wb").write(good)
+
+    load_with("[1, 2]", "drafter.json: must hold a JSON object; got list")
+    load_with(b"\xff\xfe{}", "drafter.json: not valid UTF-8 JSON")
+    load_with(json.dumps({**conf, "defaults": [1, 2]}), "'defaults' must be an object")
+    vocab = model.cfg.vocab_size
+    for tree, match in (([[vocab]], f"rank {vocab} is out of range.*0..{vocab - 1}"),
+                        ([[-1]], "rank -1 is out of range"), ("abc", "list of paths"),
+                        ([[0], ["x"]], "list of int ranks")):
+        load_with(json.dumps({**conf, "medusa": {**conf["medusa"], "tree": tree}}), match)
+    load_with(json.dumps({**conf, "medusa": {**conf["medusa"], "num_heads": "x"}}),
+              "int 'num_heads'")
+    assert isinstance(load_heads(m, runner), MedusaDrafter)
+    weights = os.path.join(m, "drafter.safetensors")
+    open(weights, "wb").write(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(ValueError, match="drafter.safetensors: not a readable safetensors file"):
+        load_heads(m, runner)
+
+
 def test_eagle_reduced_vocab(model, plain, tmp_path):
     cfg = model.cfg
     dv = torch.arange(0, cfg.vocab_size, 2)

@@ -148,6 +148,24 @@ def test_corpus_files_options_and_errors(tiny, tmp_path):
     json.dump(conf, open(os.path.join(bad, "drafter.json"), "w"))
     with pytest.raises(ValueError, match="vocab_size"):
         pyspec.LLM(tiny, draft=bad, kv_cache_tokens=1024)
+    # corpus.npz arrays that would change in a cast are refused, not wrapped or truncated.
+    npz = os.path.join(path, "corpus.npz")
+    saved = open(npz, "rb").read()
+    conf = json.load(open(os.path.join(path, "drafter.json")))
+    offsets = np.array([0, 2], dtype=np.int64)
+    for tokens, match in ((np.array([2**32 + 6, 5], dtype=np.int64), r"must lie in \[0, "),
+                          (np.array([-1, 5]), r"must lie in \[0, "),
+                          (np.array([5.7, 1.0]), "integer arrays"),
+                          (np.array(["a", "b"]), "integer arrays"),
+                          (np.array([[1, 2]]), "one-dimensional")):
+        np.savez(npz, tokens=tokens, offsets=offsets)
+        with pytest.raises(ValueError, match=match):
+            load_corpus(path, conf, vocab)
+    open(npz, "wb").write(b"PK\x03\x04 damaged")
+    with pytest.raises(ValueError, match="corpus.npz: not a readable .npz file"):
+        load_corpus(path, conf, vocab)
+    open(npz, "wb").write(saved)
+    assert load_corpus(path, conf, vocab).num_tokens == sum(map(len, docs))
     os.remove(os.path.join(path, "corpus.npz"))
     with pytest.raises(ValueError, match="corpus.npz is missing"):
         pyspec.LLM(tiny, draft=path, kv_cache_tokens=1024)
