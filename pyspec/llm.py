@@ -543,8 +543,10 @@ def generate(prompt: Prompt, *, model: Optional[str] = None, draft="default",
                          "batch, keep an LLM and call its generate() with a list of prompts); got "
                          f"{type(prompt).__name__}" + (" of strings" if isinstance(prompt, (
                              list, tuple)) and prompt and isinstance(prompt[0], str) else ""))
+    params = as_params(sampling) if sampling else None
+    if params is not None:  # checked before the model loads (stop_token_ids need its vocabulary)
+        validate_params(replace(params, stop_token_ids=[]), vocab=1)
     llm = LLM(model, draft, spec, dtype=dtype)
-    params = SamplingParams(**sampling) if sampling else None
     if chat:
         return llm.chat([{"role": "user", "content": prompt}], params)
     return llm.generate(prompt, params)[0]

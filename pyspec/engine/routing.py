@@ -6,7 +6,7 @@ average stays below ``switch_below``, or it started plain on its drafter's losin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 __all__ = ["Router", "RouteFeatures", "switch_drafters"]
 
@@ -29,9 +29,26 @@ class Router:
     """
 
     def __init__(self, rules=(), default: Optional[str] = None, switch_order: Sequence[str] = ()):
+        if isinstance(rules, (str, bytes)) or not isinstance(rules, Iterable):
+            raise ValueError(f"Router rules must be a list of (predicate, drafter name) pairs; "
+                             f"got {type(rules).__name__}")
         self.rules = list(rules)
-        self.default = default
+        for k, rule in enumerate(self.rules):
+            if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and callable(rule[0])
+                    and isinstance(rule[1], str)):
+                raise ValueError(f"Router rule {k} must be a (predicate, drafter name) pair: a "
+                                 f"callable taking RouteFeatures and a str; got {rule!r:.120}")
+        if default is not None and not isinstance(default, str):
+            raise ValueError(f"Router default must be a drafter name (str) or None; got "
+                             f"{default!r:.120}")
+        if isinstance(switch_order, (str, bytes)) or not isinstance(switch_order, Iterable):
+            raise ValueError(f"Router switch_order must be a list of drafter names; got "
+                             f"{switch_order!r:.120}")
         self.switch_order = list(switch_order)
+        if not all(isinstance(n, str) for n in self.switch_order):
+            raise ValueError(f"Router switch_order must hold drafter names (str); got "
+                             f"{self.switch_order!r:.120}")
+        self.default = default
 
     def route(self, f: RouteFeatures) -> Optional[str]:
         for pred, name in self.rules:

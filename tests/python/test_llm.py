@@ -211,6 +211,12 @@ def test_draft_model_folder(model_dir, tmp_path):
 def test_generate_shortcut(model_dir):
     out = pyspec.generate("abc abc abc", model=model_dir, draft="ngram", max_tokens=6)
     assert isinstance(out, pyspec.GenerationOutput) and len(out.token_ids) <= 6
+    # Sampling arguments are checked before the model loads (here: a folder that is not one).
+    for kw, match in (({"max_token": 3}, "unknown sampling parameters.*max_tokens"),
+                      ({"max_tokens": 0}, "max_tokens must be an int >= 1"),
+                      ({"top_p": 2.0}, "top_p must be in")):
+        with pytest.raises(ValueError, match=match):
+            pyspec.generate("abc", model="/nonexistent", **kw)
 
 
 def test_cli_generate_compare(model_dir, capsys):

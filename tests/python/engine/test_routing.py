@@ -42,6 +42,14 @@ def test_router_and_switching(model, plain):
         assert r.stats.drafters_used[-1] == "self"
     with pytest.raises(ValueError, match="router names drafter"):
         Engine(runner, router=Router(default="nope"))
+    # A malformed router is refused where it is made, naming the part.
+    for kw, match in (({"rules": [5]}, "rule 0 must be a .predicate, drafter name. pair"),
+                      ({"rules": [(5, "a")]}, "rule 0"), ({"rules": "ngram"}, "list of"),
+                      ({"default": ["a"]}, "default must be a drafter name"),
+                      ({"switch_order": "ngram"}, "switch_order must be a list"),
+                      ({"switch_order": [1]}, "switch_order must hold drafter names")):
+        with pytest.raises(ValueError, match=match):
+            Router(**kw)
 
 
 def test_a_request_that_starts_plain_switches_to_an_untried_drafter(model, plain):
