@@ -7,7 +7,20 @@ validation, defaults, the model layer, the drafters, the engine and the API.
     print(llm.generate("Hello!", pyspec.SamplingParams(max_tokens=32))[0].text)
 """
 
-from pyspec import _C
+try:
+    from pyspec import _C
+except ImportError as _e:  # the source tree, not the installed package, is on the path
+    import os as _os
+
+    _here = _os.path.dirname(_os.path.abspath(__file__))
+    if any(f.startswith("_C.") for f in _os.listdir(_here)) or \
+            not _os.path.isfile(_os.path.join(_os.path.dirname(_here), "pyproject.toml")):
+        raise  # a core that is there but does not load: its own error says why
+    raise ImportError(
+        f"pyspec's compiled core (pyspec._C) is not in {_here}: Python is importing the source "
+        f"checkout instead of the installed package (it is on the path because the current "
+        f"directory or PYTHONPATH is the repository). Run from another directory, or install it "
+        f"editable for development (docs/cpp.md, 'development')") from _e
 from pyspec._C import TokenTree
 from pyspec import ops
 from pyspec.ops import cuda_available

@@ -70,6 +70,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1; got {args.max_tokens}")
+    if not args.prompt.strip():
+        raise ValueError("the prompt is empty; give the text to answer or continue (or leave it "
+                         "out for the default prompt)")
     if args.gamma is not None and not 1 <= args.gamma <= 255:
         raise ValueError(f"--gamma must be in [1, 255]; got {args.gamma}")
     from pyspec.drafters.foreign import settings_from_args
@@ -162,8 +165,24 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (`pyspec: error: ...`, exit status 2), like every other bad
+    input, instead of the whole usage block first. Subcommands' parsers are this class too."""
+
+    def error(self, message):
+        self.exit(2, f"pyspec: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
+# The package extra that brings each optional module a command may import.
+_EXTRAS = {"fastapi": "serve", "uvicorn": "serve", "prometheus_client": "serve", "yaml": "serve",
+           "opentelemetry": "serve", "ray": "ray", "triton": "triton"}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pyspec", description="Speculative-decoding inference.")
+    import pyspec
+
+    parser = _Parser(prog="pyspec", description="Speculative-decoding inference.")
+    parser.add_argument("--version", action="version", version=f"pyspec {pyspec.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", help="print the build and device configuration")
     p.set_defaults(func=_cmd_info)
@@ -172,20 +191,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the user message (default: a code-rewriting request)")
     p.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft", default=None,
-                   help="drafter: default (the shipped drafter, else ngram), ngram[:N], "
-                        "lookahead, none, layer-skip[:L], or a drafter / draft-model folder "
-                        "(default: default)")
+                   help="drafter: default (the shipped drafter, else ngram), ngram[:N], suffix, "
+                        "eagle, lookahead, none, layer-skip[:L], a drafter / draft-model folder, "
+                        "A|B or A+B; grammar in docs/drafters.md (default: default)")
     p.add_argument("--gamma", type=int, default=None,
                    help="most draft tokens per step (default: the drafter's)")
     p.add_argument("--no-adaptive", action="store_true",
                    help="fixed draft length, no fallback to plain decoding")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=128,
+                   help="most tokens to generate (default: 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: the most likely tokens up to this probability mass "
+                        "(default: 1 = off)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample among the K most likely tokens (default: 0 = off)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below this share of the top token's probability "
+                        "(default: 0 = off)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     add_model_flags(p, tensor_parallel=True)
     p.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
     p.add_argument("--compare", action="store_true",
@@ -223,7 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, ImportError, OSError) as e:  # bad input or setup: one clear line, exit 2
-        print(f"pyspec: error: {e}", file=sys.stderr)
+        extra = _EXTRAS.get((getattr(e, "name", None) or "").split(".")[0])
+        hint = (f"; `pyspec {args.command}` needs pyspec's optional '{extra}' packages: pip "
+                f"install 'pyspec-decode[{extra}]' (from a checkout: pip install '.[{extra}]')"
+                if isinstance(e, ModuleNotFoundError) and extra else "")
+        print(f"pyspec: error: {e}{hint}", file=sys.stderr)
         return 2
 
 

@@ -238,3 +238,18 @@ def test_package_has_no_import_cycles():
             f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
         lines.append(f"{len(comp)} modules import each other: {', '.join(comp)}; e.g. {steps}")
     assert not cycles, "import cycles in pyspec:\n" + "\n".join(lines)
+
+
+def test_importing_the_source_checkout_says_so(tmp_path):
+    """`import pyspec` from a repository root (the package's sources there, no compiled core)
+    names the cause and the way out, not a circular import."""
+    import shutil
+
+    src = os.path.dirname(pyspec.__file__)
+    shutil.copytree(src, tmp_path / "pyspec", ignore=shutil.ignore_patterns("_C.*", "__pycache__"))
+    (tmp_path / "pyproject.toml").write_text("")
+    res = subprocess.run([sys.executable, "-c", "import pyspec"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert "importing the source checkout instead of the installed package" in res.stderr, \
+        res.stderr[-2000:]

@@ -231,6 +231,31 @@ def test_cli_generate_compare(model_dir, capsys):
     assert "unknown drafter" in capsys.readouterr().err
 
 
+def test_cli_usage_errors_are_one_line(model_dir, capsys, monkeypatch):
+    """Usage errors (argparse's too), an empty prompt and a missing optional package each give
+    one `pyspec: error:` line and exit status 2; --version prints the version."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"pyspec {pyspec.__version__}"
+    for argv, match in ((["generate", "x", "--temperature", "abc"], "invalid float value: 'abc'"),
+                        ([], "required: command")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and match in err and err.count("\n") == 1, err
+        assert err.startswith("pyspec: error:") and "usage:" not in err
+    assert cli.main(["generate", "", "--model", model_dir]) == 2
+    assert "the prompt is empty" in capsys.readouterr().err
+
+    def no_fastapi(args):
+        raise ModuleNotFoundError("No module named 'fastapi'", name="fastapi")
+
+    monkeypatch.setattr(cli, "_cmd_info", no_fastapi)
+    assert cli.main(["info"]) == 2
+    err = capsys.readouterr().err
+    assert "No module named 'fastapi'" in err and "pip install 'pyspec-decode[serve]'" in err, err
+
+
 def test_cli_generate_compare_one_token(model_dir, capsys):
     """One token is all prefill: no decode speed to print, nor a decode speedup (not NaN)."""
     rc = cli.main(["generate", "abc abc abc abc", "--model", model_dir, "--draft", "ngram",
