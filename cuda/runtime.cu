@@ -29,6 +29,12 @@ int DeviceCount() {
 std::string UnavailableReason() {
   int count = 0;
   cudaError_t err = QueryCount(&count);
+  if (err == cudaErrorInsufficientDriver) {
+    // What the runtime says on a machine without an NVIDIA GPU too, not only an old driver.
+    return detail::StrCat(cudaGetErrorName(err), ": no NVIDIA driver is loaded, or it is older "
+                          "than the CUDA runtime this build uses (",
+                          cudaGetErrorString(err), "); a machine without an NVIDIA GPU says this");
+  }
   if (err != cudaSuccess) {
     return detail::StrCat(cudaGetErrorName(err), ": ", cudaGetErrorString(err));
   }

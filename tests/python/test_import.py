@@ -26,7 +26,10 @@ def test_cuda_op_without_gpu_is_a_clear_error():
     with pytest.raises(RuntimeError, match="CUDA"):
         _C.cuda_require_device("materialize_kv")
     assert _C.cuda_device_count() == 0
-    assert _C.cuda_unavailable_reason() != ""
+    reason = _C.cuda_unavailable_reason()
+    assert reason != ""
+    if "InsufficientDriver" in reason:  # what a CUDA build says on a machine with no GPU driver
+        assert "no NVIDIA driver is loaded" in reason, reason
 
 
 def test_cli_info_runs():
