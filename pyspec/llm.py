@@ -114,6 +114,10 @@ class SpecConfig:
                 isinstance(k, str) and k for k in self.drafters):
             raise ValueError(f"drafters must be a dict of name -> drafter spec; got "
                              f"{type(self.drafters).__name__}")
+        if LONG_DRAFTER in self.drafters and self.long_prompt_draft is not None:
+            raise ValueError(f"drafters: the name {LONG_DRAFTER!r} is the long-prompt channel's "
+                             f"drafter; set that with long_prompt_draft (or long_prompt_draft=None "
+                             f"for no channel, which frees the name)")
         if not is_int(self.long_prompt_tokens) or not 1 <= self.long_prompt_tokens <= 1 << 30:
             raise ValueError(f"long_prompt_tokens must be an int >= 1; got "
                              f"{self.long_prompt_tokens!r}")

@@ -33,9 +33,11 @@ class NgramDrafter(Drafter):
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not isinstance(max_ngram, int) or not 1 <= max_ngram <= 16:
-            raise ValueError(f"max_ngram must be an int in [1, 16]; got {max_ngram!r}")
+            raise ValueError(f"max_ngram (N of the spec ngram:N) must be an int in [1, 16]; "
+                             f"got {max_ngram!r}")
         if not isinstance(min_ngram, int) or not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"min_ngram must be an int in [1, max_ngram={max_ngram}]; got "
+            raise ValueError(f"min_ngram (M of ngram:N@min=M) must be an int in [1, "
+                             f"max_ngram={max_ngram}]; got "
                              f"{min_ngram!r}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.num_draft_sources = max_ngram  # source k: a match of max_ngram - k tokens

@@ -358,7 +358,7 @@ def test_generate_shortcut_refuses_a_batch():
     ("num_speculative_tokens", 1.5), ("adaptive", "no"), ("fallback_on_alpha_below", "0.5"),
     ("fallback_on_alpha_below", None), ("ewma_window", True), ("warmup_steps", 1.5),
     ("probe_interval", -1), ("drafters", "ngram"), ("router", "ngram"),
-    ("switch_below", float("nan")),
+    ("switch_below", float("nan")), ("drafters", {"long": "lookahead"}),
 ])
 def test_bad_spec_config_names_the_field(model_dir, field, value):
     with pytest.raises(ValueError, match=field):

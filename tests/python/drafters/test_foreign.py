@@ -122,7 +122,7 @@ def test_mapped_specs_load(model, folders):
     assert isinstance(m, MedusaDrafter)
     with pytest.raises(ValueError, match="unknown ngram option 'max'"):
         make_drafter("ngram:3@max=2", runner)
-    with pytest.raises(ValueError, match=r"min_ngram must be an int in \[1, max_ngram=3\]"):
+    with pytest.raises(ValueError, match=r"min_ngram .M of ngram:N@min=M. must be an int in \[1, max_ngram=3\]"):
         make_drafter("ngram:3@min=4", runner)
     # A draft-model folder's depth option (what vLLM's num_speculative_tokens maps to).
     from pyspec.models.llama import LlamaForCausalLM
