@@ -297,6 +297,9 @@ def add_serve_flags(p) -> None:
                         "ask); past it: 504")
     g.add_argument("--queue-timeout", type=float, default=None,
                    help="seconds a request may wait for its first token; past it: 503")
+    g.add_argument("--no-access-log", action="store_true",
+                   help="no log line per request (default: method, path and status of each, at "
+                        "INFO on the uvicorn.access logger; with --ray, Ray Serve logs requests)")
     g.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a connection has to send a request's headers")
     g.add_argument("--body-timeout", type=float, default=30.0,

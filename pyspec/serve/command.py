@@ -33,6 +33,7 @@ def cmd_serve(args) -> int:
     # model loads is applied once it has.
     watcher = (serve_cli.ConfigWatcher(args.config, args.watch_config, reload)
                if args.config and args.watch_config else None)
+    print(f"loading {args.model or 'the embedded default model'} ...", flush=True)
     llm, app = serve_cli.build(args)
     served["app"] = app
     if args.config:
@@ -45,7 +46,7 @@ def cmd_serve(args) -> int:
     return run_server(app, host=args.host, port=args.port, header_timeout=args.header_timeout,
                       keep_alive_timeout=args.keep_alive_timeout,
                       drain_timeout=args.drain_timeout, ssl_keyfile=args.ssl_keyfile,
-                      ssl_certfile=args.ssl_certfile)
+                      ssl_certfile=args.ssl_certfile, access_log=not args.no_access_log)
 
 
 def add_parser(sub):

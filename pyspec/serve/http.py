@@ -89,19 +89,22 @@ def check_server_settings(*, header_timeout: float, keep_alive_timeout: float,
 def make_server(app, *, host: str, port: int, header_timeout: float = 10.0,
                 keep_alive_timeout: float = 5.0, drain_timeout: float = 30.0,
                 ssl_keyfile: Optional[str] = None, ssl_certfile: Optional[str] = None,
-                log_level: str = "warning"):
+                log_level: str = "warning", access_log: bool = False):
     """A uvicorn server for ``app`` (from :func:`pyspec.serve.app.create_app`) with the header
-    and drain deadlines above."""
+    and drain deadlines above; ``access_log``: one line per request (method, path, status) on
+    the ``uvicorn.access`` logger at INFO."""
     import uvicorn
 
     check_server_settings(header_timeout=header_timeout, keep_alive_timeout=keep_alive_timeout,
                           drain_timeout=drain_timeout, ssl_keyfile=ssl_keyfile,
                           ssl_certfile=ssl_certfile)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                             http=make_protocol(header_timeout),
                             timeout_keep_alive=keep_alive_timeout,
                             timeout_graceful_shutdown=max(1, int(drain_timeout) + 2),
                             ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile)
+    if access_log:  # its lines at INFO, whatever the server's own log level
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
 
     class Server(uvicorn.Server):
         timer = None

@@ -654,3 +654,28 @@ def test_tls(serve, tmp_path):
     assert r.status_code == 200, r.text
     with pytest.raises(httpx.HTTPError):  # plain HTTP to a TLS port gets no answer
         httpx.get(base + "/health", timeout=5)
+
+
+def test_access_log_has_a_line_per_request(serve):
+    """`pyspec serve` logs each request (its default; --no-access-log turns it off): method,
+    path and status, a refused request's 4xx too."""
+    import logging
+
+    app, base = serve(server_kwargs={"access_log": True})
+    lines = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    keep = Keep()
+    logger = logging.getLogger("uvicorn.access")
+    logger.addHandler(keep)
+    try:
+        assert httpx.get(base + "/health").status_code == 200
+        r = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": -5})
+        assert r.status_code == 400
+    finally:
+        logger.removeHandler(keep)
+    assert any('"GET /health HTTP/1.1" 200' in line for line in lines), lines
+    assert any('"POST /v1/completions HTTP/1.1" 400' in line for line in lines), lines
