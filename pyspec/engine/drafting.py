@@ -81,6 +81,10 @@ class DraftStage:
         # sources beyond share the last.
         self.sourced = {}
         for name, d in self.drafters.items():
+            depth = d.max_draft_depth
+            if not isinstance(depth, int) or isinstance(depth, bool) or not 0 <= depth <= 255:
+                raise ValueError(f"drafter {name!r} has max_draft_depth {depth!r}; allowed: an "
+                                 f"int in [0, 255] (draft tree levels per step)")
             n = d.num_draft_sources
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 raise ValueError(f"drafter {name!r} has {n!r} draft sources; allowed: an int >= 1")

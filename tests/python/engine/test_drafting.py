@@ -124,3 +124,12 @@ def test_a_failing_draft_source_fails_over_to_plain_decoding(model, caplog):
     broken.num_draft_sources = 0
     with pytest.raises(ValueError, match="draft sources"):
         Engine(ModelRunner(model, num_blocks=16, block_size=8), drafter=broken)
+
+
+@pytest.mark.parametrize("depth", [10**6, -1, 2.5, True])
+def test_a_drafter_depth_outside_what_the_scheduler_takes_is_refused(model, depth):
+    class Deep(Exploding):
+        max_draft_depth = depth
+
+    with pytest.raises(ValueError, match="'exploding' has max_draft_depth .*allowed: an int in"):
+        Engine(ModelRunner(model, num_blocks=16, block_size=8), drafter=Deep(set(), "raise"))
