@@ -262,6 +262,7 @@ class LLM:
         self.tokenizer = Tokenizer.from_pretrained(path)
         # config.json's and generation_config.json's ids were checked as the config was read.
         eos, vocab = self.tokenizer.eos_token_id, self.model.cfg.vocab_size
+        self.tokenizer.check_fits(vocab, path)
         if eos is not None and not 0 <= eos < vocab:
             raise ValueError(f"{path}: the tokenizer's eos_token {self.tokenizer.eos_token!r} is "
                              f"token id {eos}, outside the model's vocabulary [0, {vocab}) "

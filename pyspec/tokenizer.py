@@ -166,6 +166,21 @@ class Tokenizer:
         """Number of token ids, added tokens included."""
         return self._tk.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def base_vocab_size(self) -> int:
+        """Number of token ids without the added (special) tokens: what ordinary text encodes
+        to."""
+        return self._tk.get_vocab_size(with_added_tokens=False)
+
+    def check_fits(self, vocab_size: int, path: str) -> None:
+        """ValueError when this tokenizer's ordinary tokens outnumber the model's vocabulary
+        (``vocab_size`` of ``path``'s config.json): text would encode to ids the model has no
+        embedding for. Added tokens past it are allowed (often unused padding entries)."""
+        if self.base_vocab_size > vocab_size:
+            raise ValueError(f"{path}: tokenizer.json has {self.base_vocab_size} tokens, more than "
+                             f"the model's vocabulary (vocab_size {vocab_size} in config.json): "
+                             f"they belong to different models")
+
     @functools.cached_property
     def max_token_chars(self) -> int:
         """The longest token's length in characters of its vocabulary entry (a byte-level

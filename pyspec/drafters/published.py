@@ -63,8 +63,16 @@ def _tensor_names(file: str) -> Tuple[str, ...]:
     from pyspec.models.loader import check_safetensors_header
 
     check_safetensors_header(file)
-    with safe_open(file, "pt") as f:
-        return tuple(f.keys())
+    try:
+        with safe_open(file, "pt") as f:
+            return tuple(f.keys())
+    except Exception as e:  # noqa: BLE001 - safetensors' own error types
+        raise _unreadable(file, e) from None
+
+
+def _unreadable(file: str, e: Exception) -> ValueError:
+    return ValueError(f"{file} is not a readable safetensors file (truncated or corrupt?): "
+                      f"{type(e).__name__}: {e}")
 
 
 def published_kind(path: str) -> Optional[str]:
@@ -79,7 +87,8 @@ def published_kind(path: str) -> Optional[str]:
         return None
     if "medusa_num_heads" in cfg:
         return "medusa"
-    arch = " ".join(map(str, cfg.get("architectures") or ()))
+    archs = cfg.get("architectures") or ()
+    arch = " ".join(map(str, archs if isinstance(archs, (list, tuple)) else [archs]))
     if "eagle3" in arch.lower() or "draft_vocab_size" in cfg:
         return "eagle3"
     file = _first(path, _EAGLE_FILES)
@@ -102,7 +111,10 @@ def _load(file: str) -> Dict[str, torch.Tensor]:
         from safetensors.torch import load_file
 
         _tensor_names(file)  # header checks
-        return load_file(file)
+        try:
+            return load_file(file)
+        except Exception as e:  # noqa: BLE001
+            raise _unreadable(file, e) from None
     from pyspec.models.loader import load_weights_only
 
     obj = load_weights_only(
@@ -192,9 +204,14 @@ def _head_shape(cfg: dict, cfg_path: str, target_cfg, what: str):
             raise ValueError(f"{cfg_path}: {key} {cfg[key]} differs from the target's {want} "
                              "(the head shares the target's)")
     nh = _positive(cfg, cfg_path, "num_attention_heads", target_cfg.num_attention_heads)
-    return (nh, _positive(cfg, cfg_path, "num_key_value_heads", nh),
-            _positive(cfg, cfg_path, "head_dim", h // nh),
-            _positive(cfg, cfg_path, "intermediate_size", target_cfg.intermediate_size))
+    kv = _positive(cfg, cfg_path, "num_key_value_heads", nh)
+    hd = _positive(cfg, cfg_path, "head_dim", h // nh)
+    if nh % kv:  # the checks a target's config gets (ModelConfig), at load, not at a step
+        raise ValueError(f"{cfg_path}: num_attention_heads {nh} is not a multiple of "
+                         f"num_key_value_heads {kv}")
+    if hd % 2:
+        raise ValueError(f"{cfg_path}: head_dim {hd} must be even (rotary embeddings)")
+    return nh, kv, hd, _positive(cfg, cfg_path, "intermediate_size", target_cfg.intermediate_size)
 
 
 def _eagle_files(path: str, what: str):

@@ -182,12 +182,13 @@ def _cross_tokenizers(path: str, target_model):
     mine = os.path.isfile(os.path.join(path, "tokenizer.json"))
     source = getattr(target_model, "source_path", None)
     theirs = source is not None and os.path.isfile(os.path.join(source, "tokenizer.json"))
-    if mine and theirs:
-        dt, tt = Tokenizer.from_pretrained(path), Tokenizer.from_pretrained(source)
-        return None if same_vocabulary(dt, tt) else (dt, tt)
     from pyspec.models.config import ModelConfig
 
     vocab = ModelConfig.from_file(path).vocab_size
+    if mine and theirs:
+        dt, tt = Tokenizer.from_pretrained(path), Tokenizer.from_pretrained(source)
+        dt.check_fits(vocab, path)
+        return None if same_vocabulary(dt, tt) else (dt, tt)
     if vocab != target_model.cfg.vocab_size:
         raise ValueError(f"{path!r}: the draft model's vocabulary ({vocab} tokens) differs from the "
                          f"target's ({target_model.cfg.vocab_size}); drafting through text needs "

@@ -90,7 +90,12 @@ def _checkpoint_files(path: str) -> List[str]:
         return [os.path.join(path, f) for f in files]
     if os.path.isfile(single):
         return [single]
-    found = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if os.path.lexists(single):  # e.g. a cache snapshot's link whose blob was never downloaded
+        what = "a link to nothing" if os.path.islink(single) and not os.path.exists(single) \
+            else "not a regular file"
+        raise ValueError(f"{single} is {what}: the weights are missing")
+    found = sorted(f for f in os.listdir(path)
+                   if f.endswith(".safetensors") and os.path.isfile(os.path.join(path, f)))
     if found:
         return [os.path.join(path, f) for f in found]
     raise ValueError(f"no safetensors weights in {path} (expected model.safetensors or "
@@ -165,12 +170,18 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
               "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
+def _offsets_ok(offs) -> bool:
+    """A safetensors entry's ``data_offsets``: two ints, 0 <= begin <= end."""
+    return (isinstance(offs, list) and len(offs) == 2 and all(
+        isinstance(o, int) and not isinstance(o, bool) for o in offs) and 0 <= offs[0] <= offs[1])
+
+
 def iter_tensors(path: str) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yields (name, tensor) for every tensor of every shard, one at a time, each read into its
     own memory with ordinary file reads (no memory map: a tensor the caller drops, e.g. a matrix
     kept as codes, is gone at once, and the file never counts toward the process's memory).
     Header entries are checked against the file: known dtype, integer shape, offsets inside
-    the data and matching the shape's size."""
+    the data and matching the shape's size, no two tensors' bytes overlapping."""
     for file in _checkpoint_files(path):
         header = check_safetensors_header(file)
         start = header.pop("__data_start__")
@@ -181,6 +192,13 @@ def iter_tensors(path: str) -> Iterator[Tuple[str, torch.Tensor]]:
             return ValueError(f"{file} is not a readable safetensors file (truncated or "
                               f"corrupt?): tensor {name!r} {why}")
 
+        spans = sorted((info["data_offsets"][0], info["data_offsets"][1], name)
+                       for name, info in header.items()
+                       if isinstance(info, dict) and _offsets_ok(info.get("data_offsets")))
+        for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+            if b1 < e0:  # two tensors would share bytes: one of them is not what it claims
+                raise bad(n1, f"has data_offsets {[b1, e1]}, overlapping tensor {n0!r}'s "
+                          f"{[b0, e0]}")
         try:
             with open(file, "rb", buffering=0) as f:
                 for name, info in header.items():
@@ -195,9 +213,7 @@ def iter_tensors(path: str) -> Iterator[Tuple[str, torch.Tensor]]:
                             isinstance(d, int) and not isinstance(d, bool) and d >= 0
                             for d in shape):
                         raise bad(name, f"has shape {shape!r}")
-                    if not (isinstance(offs, list) and len(offs) == 2 and all(
-                            isinstance(o, int) and not isinstance(o, bool) for o in offs)
-                            and 0 <= offs[0] <= offs[1]):
+                    if not _offsets_ok(offs):
                         raise bad(name, f"has data_offsets {offs!r}")
                     numel = 1
                     for d in shape:
@@ -294,7 +310,7 @@ def load_weights(path: str, cfg: ModelConfig, dtype: torch.dtype,
     tensors = iter_tensors(path)
     qc = quantization_config(path)
     if qc is not None:
-        tensors = quantized_tensors(tensors, qc)
+        tensors = _in_checkpoint(quantized_tensors(tensors, qc), path)
         # Codes stay codes for a float32 CPU model (the core's packed kernel) and on a CUDA
         # device with Triton (pyspec.triton_linear: any dtype); elsewhere the float matrices.
         from pyspec.triton_attention import available as triton_available
@@ -316,8 +332,8 @@ def load_weights(path: str, cfg: ModelConfig, dtype: torch.dtype,
             continue
         if tuple(t.shape) != want[0]:
             what = "quantized matrix" if packed else "tensor"
-            raise ValueError(f"{what} '{name}' has shape {tuple(t.shape)}; the config implies "
-                             f"{want[0]}")
+            raise ValueError(f"checkpoint {path}: {what} '{name}' has shape {tuple(t.shape)}; "
+                             f"its config.json implies {want[0]}")
         if packed:
             # Codes only for the decoder layers' matrices (a quantized lm_head is read, like the
             # embedding, as a float matrix: drafters and other devices take it as one).
@@ -325,7 +341,8 @@ def load_weights(path: str, cfg: ModelConfig, dtype: torch.dtype,
             out[name] = (t if dev.type == "cpu" else t.to(dev)) if keep else \
                 t.natural().to(device=device, dtype=dtype)
         elif not t.is_floating_point():
-            raise ValueError(f"tensor '{name}' has dtype {t.dtype}; expected a floating type "
+            raise ValueError(f"checkpoint {path}: tensor '{name}' has dtype {t.dtype}; expected "
+                             "a floating type "
                              "(of quantized checkpoints, 4-bit AWQ and GPTQ load: see "
                              "docs/coming-from.md)")
         else:
@@ -352,6 +369,17 @@ def load_weights(path: str, cfg: ModelConfig, dtype: torch.dtype,
         more = f" (+{n - len(missing)} more)" if n > len(missing) else ""
         raise ValueError(f"checkpoint {path} is missing tensors: {missing}{more}")
     return out
+
+
+def _in_checkpoint(tensors, path: str):
+    """``tensors`` with each ValueError naming the checkpoint ``path`` (the quantized layers'
+    checks name the tensor only)."""
+    try:
+        yield from tensors
+    except ValueError as e:
+        if path in str(e):
+            raise
+        raise ValueError(f"checkpoint {path}: {e}") from None
 
 
 def default_dtype(cfg: ModelConfig, dtype: Optional[object]) -> torch.dtype:
@@ -434,7 +462,9 @@ def write_truncated_checkpoint(src: str, dst: str, num_layers: int) -> str:
 def pickled_global(e: Exception) -> Optional[str]:
     """The Python object a pickle refused by ``torch.load(weights_only=True)`` names (to build or
     call it), or None when the load failed for another reason (bytes that are no pickle)."""
-    m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+    # "Unsupported global: GLOBAL x.y", or for a module torch blocks outright (os, sys, ...)
+    # "Trying to load unsupported GLOBAL posix.system whose module posix is blocked".
+    m = re.search(r"unsupported(?: global:)? GLOBAL ([\w.]+)", str(e), flags=re.IGNORECASE)
     return m.group(1) if m else None
 
 
@@ -455,6 +485,6 @@ def load_weights_only(path: str, pickled: Callable[[str], str],
 def load_failure(e: Exception) -> str:
     """A torch.load error in one line: its type and the line of its message that says what."""
     lines = [x.strip() for x in str(e).splitlines() if x.strip()]
-    why = next((x for x in lines if "Unsupported" in x), lines[0] if lines else "")
+    why = next((x for x in lines if "unsupported" in x.lower()), lines[0] if lines else "")
     why = why.split(" was not an allowed global")[0]
     return f"{type(e).__name__}: {why}" if why else type(e).__name__

@@ -92,6 +92,8 @@ def quantization_config(path: str) -> Optional[dict]:
             raise ValueError(f"{where}: GPTQ checkpoint_format {fmt!r} is not supported (gptq, "
                              "gptq_v2)")
         out["zero_plus_one"] = fmt == "gptq"
+        # Act-order: each input's group is in g_idx, not k // G; a file without it is refused.
+        out["act_order"] = qc.get("desc_act") is True
     return out
 
 
@@ -135,6 +137,12 @@ def _codes(name: str, parts: Dict[str, torch.Tensor], qc: dict):
                              f"[groups, {n // 8}] for qweight {list(qw.shape)}")
         zeros = _nibbles(qz).view(qz.shape[0], n)
         g_idx = parts.get("g_idx")
+        if g_idx is None and qc.get("act_order"):
+            raise ValueError(f"quantized layer {name!r} lacks {name}.g_idx, which its "
+                             f"quantization config's desc_act (act-order) requires: each input's "
+                             f"group is read from it")
+    if k == 0 or n == 0:
+        raise ValueError(f"{name}.qweight has shape {list(qw.shape)}: no inputs or outputs")
     g = qc["group_size"] if qc["group_size"] != -1 else k
     groups = k // g
     if k % g or k % 32:

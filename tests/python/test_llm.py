@@ -439,3 +439,17 @@ def test_describe_names_the_model_kernels_and_drafter(model_dir):
     assert len(a.generate("abc", p)[0].token_ids) == len(b.generate("abc", p)[0].token_ids) == 8
     with pytest.raises(ValueError, match="unknown linear kernel ISA 'avx9'"):
         pyspec.LLM(model_dir, draft="none", kv_cache_tokens=256, kernels="avx9")
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused_at_load(tmp_path):
+    """A tokenizer.json whose ordinary tokens outnumber the model's vocabulary (another model's)
+    fails at load, naming both files, not at the first prompt that encodes past the table."""
+    from models_support import _byte_alphabet, write_byte_bpe
+
+    d = write_tiny_model(tmp_path / "m")
+    alpha = _byte_alphabet()
+    merges = [(alpha[ord("a")], alpha[ord(c)]) for c in "bcdefghijk"]
+    write_byte_bpe(str(d), merges=merges)
+    with pytest.raises(ValueError, match=rf"tokenizer.json has {VOCAB + 10} tokens, more than the "
+                                         rf"model's vocabulary \(vocab_size {VOCAB} in config.json"):
+        pyspec.LLM(d, draft="none", kv_cache_tokens=256)

@@ -103,6 +103,14 @@ def test_same_tokenizer_is_a_plain_draft_model_and_errors_are_clear(folders, tmp
     assert isinstance(llm.engine.drafters[llm.engine.default_drafter], ModelDrafter)
     with pytest.raises(ValueError, match="tree= does not apply"):
         pyspec.LLM(target, draft=draft + "@tree=2", kv_cache_tokens=1024)
+    conf = json.load(open(os.path.join(draft, "config.json")))
+    json.dump(dict(conf, vocab_size=conf["vocab_size"] - 2),  # its tokenizer no longer fits
+              open(os.path.join(draft, "config.json"), "w"))
+    try:
+        with pytest.raises(ValueError, match="tokenizer.json has .* tokens, more than the model's"):
+            pyspec.LLM(target, draft=draft, kv_cache_tokens=1024)
+    finally:
+        json.dump(conf, open(os.path.join(draft, "config.json"), "w"))
     os.remove(os.path.join(draft, "tokenizer.json"))
     try:
         with pytest.raises(ValueError, match="needs\\s+both tokenizers|both tokenizers"):

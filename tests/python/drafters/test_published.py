@@ -284,6 +284,24 @@ def test_published_layouts_fail_clearly(model, tmp_path):
     with pytest.raises(ValueError, match=r"model.safetensors: tensor 'fc.weight' has shape "
                                          r"\[256, 256\]; expected \[256, 512\]"):
         make_drafter(path, runner)
+    # A damaged weights file (an interrupted download), architectures that are not a list.
+    weights = os.path.join(path, "model.safetensors")
+    save_file(t, weights)
+    data = open(weights, "rb").read()
+    open(weights, "wb").write(data[:len(data) // 2])
+    with pytest.raises(ValueError, match=r"model.safetensors is not a readable safetensors file"):
+        make_drafter(path, runner)
+    save_file(t, weights)
+    json.dump(dict(conf, architectures=5), open(os.path.join(path, "config.json"), "w"))
+    assert published_kind(path) == "eagle"
+    json.dump(conf, open(os.path.join(path, "config.json"), "w"))
+    for bad, match in (({"num_key_value_heads": 3, "num_attention_heads": 4},
+                        "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+                       ({"head_dim": 33}, "head_dim 33 must be even")):
+        json.dump(dict(conf, **bad), open(os.path.join(path, "config.json"), "w"))
+        with pytest.raises(ValueError, match=r"config.json: " + match):
+            make_drafter(path, runner)
+    json.dump(conf, open(os.path.join(path, "config.json"), "w"))
     # EAGLE-3: a target too shallow for the default fused layers (2, L//2, L-3) is named.
     e3 = tmp_path / "e3"
     e3.mkdir()

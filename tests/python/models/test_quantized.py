@@ -293,5 +293,15 @@ def test_bad_quantized_checkpoints(float_dir, tmp_path):
     w = load_file(os.path.join(d, "model.safetensors"))
     w["model.layers.0.mlp.up_proj.scales"] = w["model.layers.0.mlp.up_proj.scales"][:1]
     save_file(w, os.path.join(d, "model.safetensors"))
-    with pytest.raises(ValueError, match="up_proj.scales holds"):
+    with pytest.raises(ValueError, match=r"checkpoint .*shape: model.layers.0.mlp.up_proj.scales "
+                                         r"holds"):
+        LlamaForCausalLM.from_pretrained(d)
+    # Act-order GPTQ whose g_idx tensors are gone: refused (groups from k // G would be wrong).
+    d = str(tmp_path / "no-g-idx")
+    _write_quantized(float_dir, d, "gptq", 64, act_order=True)
+    w = load_file(os.path.join(d, "model.safetensors"))
+    save_file({k: v for k, v in w.items() if not k.endswith(".g_idx")},
+              os.path.join(d, "model.safetensors"))
+    with pytest.raises(ValueError, match=r"lacks model\.layers\.\d+\..*\.g_idx, which its "
+                                         "quantization config's desc_act"):
         LlamaForCausalLM.from_pretrained(d)

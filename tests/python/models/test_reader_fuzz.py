@@ -13,6 +13,7 @@ process's peak memory is checked).
 
 import contextlib
 import json
+import os
 import random
 import resource
 import signal
@@ -271,6 +272,13 @@ def test_safetensors_duplicate_names_and_claimed_layers(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(_join_st(dup, body))
     with pytest.raises(ValueError, match="its header names 'model.norm.weight' more than once"):
         list(iter_tensors(str(tmp_path)))
+    # Two tensors sharing bytes (each entry in range, of the right size): refused, naming both.
+    moved = json.loads(json.dumps(header))
+    size = moved["model.norm.weight"]["data_offsets"]
+    moved["model.norm.weight"]["data_offsets"] = [0, size[1] - size[0]]
+    (tmp_path / "model.safetensors").write_bytes(_join_st(json.dumps(moved), body))
+    with pytest.raises(ValueError, match=r"data_offsets \[.*\], overlapping tensor '"):
+        list(iter_tensors(str(tmp_path)))
     (tmp_path / "model.safetensors").write_bytes(good)
     cfg = ModelConfig.from_dict(dict(ST_CONFIG, num_hidden_layers=2**31 - 1))
     peak, t0 = _peak_mb(), time.perf_counter()
@@ -292,6 +300,19 @@ def test_safetensors_index_is_checked(tmp_path, index):
     (tmp_path / "model.safetensors.index.json").write_bytes(index)
     with pytest.raises(ValueError, match="model.safetensors.index.json"):
         _st_check(tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["dangling link", "directory"])
+def test_weights_that_are_not_a_file(tmp_path, kind):
+    """model.safetensors as a link to a blob never downloaded, or a folder: a ValueError naming
+    it, not an OSError from deep in the reader."""
+    if kind == "directory":
+        (tmp_path / "model.safetensors").mkdir()
+    else:
+        os.symlink(tmp_path / "blobs" / "missing", tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model.safetensors is (a link to nothing|not a regular "
+                                         r"file): the weights are missing"):
+        list(iter_tensors(str(tmp_path)))
 
 
 # ---- GGUF ---------------------------------------------------------------------------------------

@@ -155,3 +155,21 @@ def test_train_draft_refuses_pickles_on_every_path(tiny, trained, tmp_path, caps
                           "Python objects (it names exec)") and "delete it to train from the " \
         "first epoch" in err, err
     assert not (ckpt / "drafter.json").exists()
+
+
+def test_a_payload_from_a_module_torch_blocks_is_named(tmp_path, marker):
+    """torch words the refusal of os / sys / posix globals differently ("unsupported GLOBAL
+    posix.system whose module posix is blocked"): still a pickled object named, never torch's
+    hint to load with weights_only=False."""
+    from pyspec.models.loader import load_weights_only
+
+    class SystemPayload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    path = tmp_path / "system.bin"
+    torch.save({"fc.weight": SystemPayload()}, path)
+    with pytest.raises(ValueError) as e:
+        load_weights_only(str(path), lambda name: f"pickled object {name}",
+                          lambda why: f"unreadable: {why}")
+    assert str(e.value) in ("pickled object posix.system", "pickled object nt.system"), str(e.value)
