@@ -31,17 +31,24 @@ class ModelDrafter(Drafter):
         width: 1 = chain (sampled requests draw it from the draft distribution); > 1 = a dynamic
             top-``width`` tree (deterministic children).
         max_depth: deepest draft level (the request's budget caps it too).
+        same_tokenizer: the two models' tokenizer.json files are the same, so their vocabulary
+            tables may differ in size (a family's sizes pad the embedding table differently, as
+            Qwen2.5-0.5B's 151,936 rows against Qwen2.5-7B's 152,064): drafts come from the ids
+            the target has (the draft's rows past them are never proposed; a smaller draft table
+            reads as probability 0 past its end). Without it the sizes must be equal.
     """
 
     name = "draft-model"
 
     def __init__(self, model, target_runner: ModelRunner, *, share_target_kv: bool = False,
-                 width: int = 1, max_depth: int = 8, name: str = "draft-model"):
+                 width: int = 1, max_depth: int = 8, name: str = "draft-model",
+                 same_tokenizer: bool = False):
         tcfg = target_runner.model.cfg
-        if model.cfg.vocab_size != tcfg.vocab_size:
+        if model.cfg.vocab_size != tcfg.vocab_size and not same_tokenizer:
             raise ValueError(f"the draft model's vocabulary ({model.cfg.vocab_size} tokens) differs "
                              f"from the target's ({tcfg.vocab_size}); a draft model must share the "
-                             "target's tokenizer")
+                             "target's tokenizer (with both folders' tokenizer.json the same, the "
+                             "table sizes may differ)")
         if not isinstance(width, int) or not 1 <= width <= 16:
             raise ValueError(f"width must be an int in [1, 16]; got {width!r}")
         if not isinstance(max_depth, int) or not 1 <= max_depth <= 64:
@@ -160,7 +167,8 @@ class ModelDrafter(Drafter):
                 row_req.extend([reqs[i]] * len(fr))
                 keys.extend(draft_key(reqs[i], n) for n in b.frontier)
                 counts.append(len(fr))
-            probs = batch_probs(out.logits.index_select(0, torch.tensor(rows)), row_req)
+            probs = batch_probs(self._target_vocab(out.logits.index_select(0, torch.tensor(rows))),
+                                row_req)
             if not bool(torch.isfinite(probs).all()):
                 raise FloatingPointError("the draft model produced non-finite probabilities")
             sample = [builders[i].sample for i, c in zip(active, counts) for _ in range(c)]
@@ -171,6 +179,16 @@ class ModelDrafter(Drafter):
                 pos += c
             first = False
         return [b.draft(self.vocab_size) for b in builders]
+
+    def _target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits over the target's vocabulary: cut past it, or -inf past a smaller
+        draft table's end."""
+        extra = self.vocab_size - logits.shape[1]
+        if extra < 0:
+            return logits[:, :self.vocab_size]
+        if extra > 0:
+            return torch.nn.functional.pad(logits, (0, extra), value=float("-inf"))
+        return logits
 
     def describe(self) -> str:
         kind = "layer skip" if self.share else "draft model"

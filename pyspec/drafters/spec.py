@@ -161,7 +161,8 @@ def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Dra
 
                 return CrossTokenizerDrafter(model, *cross, target_vocab=tm.cfg.vocab_size,
                                              max_depth=over.get("max_depth", 5))
-            return ModelDrafter(model, target_runner, **{"width": 1, "max_depth": 5, **over})
+            return ModelDrafter(model, target_runner, same_tokenizer=_both_tokenizers(path, tm),
+                                **{"width": 1, "max_depth": 5, **over})
         raise ValueError(f"{path!r} holds neither drafter.json (EAGLE/Medusa heads) nor "
                          "config.json (a draft model)")
     if os.path.exists(path):
@@ -172,10 +173,19 @@ def make_drafter(spec: Union[None, str, Drafter], target_runner) -> Optional[Dra
     raise ValueError(f"unknown drafter {spec!r}; use {DRAFT_CHOICES}")
 
 
+def _both_tokenizers(path: str, target_model) -> bool:
+    """The draft-model folder ``path`` and the folder the target was loaded from both hold a
+    tokenizer.json."""
+    source = getattr(target_model, "source_path", None)
+    return os.path.isfile(os.path.join(path, "tokenizer.json")) and source is not None and \
+        os.path.isfile(os.path.join(source, "tokenizer.json"))
+
+
 def _cross_tokenizers(path: str, target_model):
     """(draft tokenizer, target tokenizer) when the draft-model folder ``path`` has a tokenizer
-    other than the target's (drafts then go through text), else None (the same vocabulary: ids
-    are shared). A draft model of another vocabulary size needs both tokenizers."""
+    other than the target's (drafts then go through text), else None (the same tokenizer, or the
+    same vocabulary size without tokenizers: ids are shared). A draft model of another vocabulary
+    size needs both tokenizers."""
     from pyspec.drafters.cross import same_vocabulary
     from pyspec.tokenizer import Tokenizer
 

@@ -15,14 +15,15 @@ from pyspec.drafters.cross import CrossTokenizerDrafter, same_vocabulary
 from pyspec.tokenizer import Tokenizer
 
 
-def _write_model(path, merges, seed=1, layers=1):
-    """A tiny random Llama whose byte-level tokenizer has these merges (its own vocabulary)."""
+def _write_model(path, merges, seed=1, layers=1, padding=0):
+    """A tiny random Llama whose byte-level tokenizer has these merges (its own vocabulary),
+    its embedding table ``padding`` rows longer than the tokenizer."""
     from safetensors.torch import save_file
 
     from pyspec.models.config import ModelConfig
     from pyspec.models.loader import expected_shapes
 
-    vocab = 259 + len(merges)
+    vocab = 259 + len(merges) + padding
     conf = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab,
                 hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                 num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
@@ -167,3 +168,26 @@ def test_requests_draft_together(folders):
     together = d.propose([DraftRequest(i, c, len(c) - 1, [], 4) for i, c in enumerate(ctxs)])
     assert [p.tokens for p in together] == alone
     assert calls[0] == 3 and len(calls) <= 4 + 2  # one step per position for all three
+
+
+def test_same_tokenizer_with_padded_tables_of_other_sizes(tmp_path):
+    """One tokenizer, embedding tables padded to different sizes (a model family's small and
+    large members): the draft model drafts over the ids the target has, in both directions,
+    greedy and sampled output equal to plain decoding's."""
+    from pyspec.drafters.model import ModelDrafter
+
+    for target_pad, draft_pad in ((0, 61), (61, 0)):
+        target = _write_model(tmp_path / f"t{target_pad}", [], seed=0, layers=2,
+                              padding=target_pad)
+        draft = _write_model(tmp_path / f"d{draft_pad}", [], seed=3, padding=draft_pad)
+        llm = pyspec.LLM(target, draft=draft, kv_cache_tokens=2048)
+        assert isinstance(llm.engine.drafters[llm.engine.default_drafter], ModelDrafter)
+        plain = pyspec.LLM(target, draft="none", kv_cache_tokens=2048)
+        # Token ids in and out (a padded target may emit ids its tokenizer cannot spell).
+        prompts = [llm.encode(p) for p in ("the theme in the thing", "abc abc abc abc")]
+        for params in ({"max_tokens": 20, "temperature": 0},
+                       {"max_tokens": 20, "temperature": 0.9, "seed": 5}):
+            got = llm.engine.generate(prompts, params)
+            assert [g.token_ids for g in got] == \
+                [w.token_ids for w in plain.engine.generate(prompts, params)]
+        assert llm.engine.stats.draft_tokens > 0
