@@ -147,8 +147,11 @@ class Tokenizer:
         template: Any = cfg.get("chat_template")
         jinja_file = os.path.join(path, "chat_template.jinja")
         if os.path.isfile(jinja_file):
-            with open(jinja_file, encoding="utf-8") as f:
-                template = f.read()
+            try:
+                with open(jinja_file, encoding="utf-8") as f:
+                    template = f.read()
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{jinja_file}: not UTF-8 text ({e})") from None
         if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")

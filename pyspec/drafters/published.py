@@ -282,6 +282,8 @@ def _eagle3(path: str, target_cfg) -> Tuple[dict, Dict[str, torch.Tensor]]:
                          f"not match the target's hidden size {h}")
     nh, nkv, hd, inter = _head_shape(cfg, cfg_path, target_cfg, "EAGLE-3")
     ec = cfg.get("eagle_config") or {}
+    if not isinstance(ec, dict):
+        raise ValueError(f"{cfg_path}: eagle_config must be an object; got {type(ec).__name__}")
     if "eagle_aux_hidden_state_layer_ids" in cfg:
         raise ValueError(f"{cfg_path}: a top-level eagle_aux_hidden_state_layer_ids is read "
                          "differently by different engines; give the layers as "

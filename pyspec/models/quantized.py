@@ -43,20 +43,20 @@ def quantization_config(path: str) -> Optional[dict]:
     cfg_file = os.path.join(path, "config.json")
     qc, where = None, cfg_file
     if os.path.isfile(cfg_file):
-        with open(cfg_file) as f:
+        with open(cfg_file, "rb") as f:
             try:
-                qc = json.load(f).get("quantization_config")
-            except (json.JSONDecodeError, AttributeError):
+                qc = json.loads(f.read().decode("utf-8")).get("quantization_config")
+            except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
                 qc = None  # the config's own loader reports a bad config.json
     # Older side files: AutoGPTQ's quantize_config.json, AutoAWQ's quant_config.json.
     for side, default in (("quantize_config.json", "gptq"), ("quant_config.json", "awq")):
         file = os.path.join(path, side)
         if qc is None and os.path.isfile(file):
-            with open(file) as f:
+            with open(file, "rb") as f:
                 try:
-                    qc = json.load(f)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{file}: not valid JSON ({e})") from None
+                    qc = json.loads(f.read().decode("utf-8"))
+                except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                    raise ValueError(f"{file}: not valid UTF-8 JSON ({e})") from None
             if not isinstance(qc, dict):
                 raise ValueError(f"{file}: must hold a JSON object")
             where = file

@@ -305,3 +305,13 @@ def test_bad_quantized_checkpoints(float_dir, tmp_path):
     with pytest.raises(ValueError, match=r"lacks model\.layers\.\d+\..*\.g_idx, which its "
                                          "quantization config's desc_act"):
         LlamaForCausalLM.from_pretrained(d)
+    # A side file that is not UTF-8 JSON is named.
+    d = str(tmp_path / "side")
+    _write_quantized(float_dir, d, "awq", 64)
+    cfg_path = os.path.join(d, "config.json")
+    conf = json.load(open(cfg_path))
+    conf.pop("quantization_config")
+    json.dump(conf, open(cfg_path, "w"))
+    open(os.path.join(d, "quant_config.json"), "wb").write(b"\xff\xfe{}")
+    with pytest.raises(ValueError, match="quant_config.json: not valid UTF-8 JSON"):
+        LlamaForCausalLM.from_pretrained(d)

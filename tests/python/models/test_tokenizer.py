@@ -151,6 +151,10 @@ def test_chat_template_globals_and_sources(tmp_path):
     # a chat_template.jinja file wins over the config's template
     t = Tokenizer(write_byte_bpe(str(tmp_path / "b"), jinja="J{{ messages | length }}"))
     assert t.apply_chat_template([{"role": "user", "content": "x"}]) == "J1"
+    bad = write_byte_bpe(str(tmp_path / "b2"), jinja="x")
+    open(os.path.join(bad, "chat_template.jinja"), "wb").write(b"\xff\xfe{{ x }}")
+    with pytest.raises(ValueError, match="chat_template.jinja: not UTF-8 text"):
+        Tokenizer(bad)
     # the list form of chat_template: the 'default' entry
     t = Tokenizer(write_byte_bpe(str(tmp_path / "c"), config={"chat_template": [
         {"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}))
