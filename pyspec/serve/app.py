@@ -9,6 +9,7 @@ an OpenAI-style error body; they never reach the engine loop.
 
 import asyncio
 import json
+import logging
 import math
 import random
 import threading
@@ -30,6 +31,8 @@ from pyspec.serve.protocol import (RequestError, RequestReader, disconnected, er
 from pyspec.serve.rollback import Rollbacks
 
 __all__ = ["create_app"]
+
+_log = logging.getLogger("pyspec.serve")
 
 
 class _Responder:
@@ -214,8 +217,13 @@ class _PromptLog:
             isinstance(payload[-1], dict) else None)
         if not isinstance(text, str):
             return
-        with self.lock, open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"category": kind, "prompt": text, "time": time.time()}) + "\n")
+        line = json.dumps({"category": kind, "prompt": text, "time": time.time()}) + "\n"
+        with self.lock:
+            try:
+                with open(self.path, "a", encoding="utf-8") as f:
+                    f.write(line)
+            except OSError as e:  # the log is a side channel: the request goes on regardless
+                _log.warning("prompt log %s: %s; the prompt was not logged", self.path, e)
 
 
 def create_app(llm, config: Optional[ServerConfig] = None, *, model_name: str = "pyspec",

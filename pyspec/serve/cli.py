@@ -196,6 +196,12 @@ def check_prompt_log(args) -> None:
     elif not (math.isfinite(r) and 0 < r <= 1):
         raise ValueError(f"--prompt-log-ratio must be in (0, 1] (the share of prompts logged); "
                          f"got {r}")
+    path = args.prompt_log
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK) or (
+            os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"--prompt-log {path}: must be a file this process can append to, in a "
+                         f"folder that exists ({folder})")
 
 
 def check_server_flags(args) -> None:

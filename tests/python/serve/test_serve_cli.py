@@ -131,22 +131,52 @@ def test_serve_options_from_flags(monkeypatch):
     assert o.access.api_keys == ("flag-key-123",)
 
 
-def test_serve_cli_prompt_log_ratio_defaults():
+def test_serve_cli_prompt_log_ratio_defaults(tmp_path):
     """--prompt-log alone logs 1% of prompts (a ratio of 0 would open the file and never write);
     without it nothing is logged."""
     from types import SimpleNamespace
 
     from pyspec.serve.cli import check_prompt_log
 
-    a = SimpleNamespace(prompt_log="p.jsonl", prompt_log_ratio=None)
+    a = SimpleNamespace(prompt_log=str(tmp_path / "p.jsonl"), prompt_log_ratio=None)
     check_prompt_log(a)
     assert a.prompt_log_ratio == 0.01
-    a = SimpleNamespace(prompt_log="p.jsonl", prompt_log_ratio=1.0)
+    a = SimpleNamespace(prompt_log=str(tmp_path / "p.jsonl"), prompt_log_ratio=1.0)
     check_prompt_log(a)
     assert a.prompt_log_ratio == 1.0
     a = SimpleNamespace(prompt_log=None, prompt_log_ratio=None)
     check_prompt_log(a)
     assert a.prompt_log_ratio == 0.0
+    # A log it could not write is refused at the start, not found out by the sampled requests.
+    for bad in (tmp_path / "nodir" / "p.jsonl", tmp_path):
+        with pytest.raises(ValueError, match="must be a file this process can append to"):
+            check_prompt_log(SimpleNamespace(prompt_log=str(bad), prompt_log_ratio=1.0))
+
+
+def test_a_prompt_log_that_fails_does_not_fail_the_request(tmp_path, caplog):
+    """The prompt log is a side channel: a write that fails (its folder gone while serving) is a
+    warning; the request is answered."""
+    import shutil
+
+    import httpx
+
+    import pyspec
+    from pyspec.serve.app import create_app
+    from serve_support import served
+
+    folder = tmp_path / "logs"
+    folder.mkdir()
+    llm = pyspec.LLM(write_tiny_model(str(tmp_path / "m")), draft="ngram", kv_cache_tokens=1024)
+    app = create_app(llm, prompt_log=str(folder / "p.jsonl"), prompt_log_ratio=1.0)
+    with served(app) as base:
+        body = {"model": "pyspec", "prompt": "abc", "max_tokens": 2}
+        assert httpx.post(base + "/v1/completions", json=body).status_code == 200
+        assert (folder / "p.jsonl").read_text().count("\n") == 1
+        shutil.rmtree(folder)
+        with caplog.at_level("WARNING", logger="pyspec.serve"):
+            r = httpx.post(base + "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+    assert any("the prompt was not logged" in m for m in caplog.messages), caplog.messages
 
 
 def test_tree_width_applies_to_draft_model_folders_only(tmp_path, monkeypatch):
