@@ -199,13 +199,20 @@ def synthesize_prompts(llm, n: int, *, out: Optional[str] = None, seed: int = 0,
     dedup = NearDuplicates(near_duplicate)
     tries = 0
     counts = Counter()
-    if out is not None and os.path.isfile(out):
+    if out is not None and os.path.exists(out):
         from pyspec.train.evaluate import read_prompts
 
+        if not os.path.isfile(out) or not os.path.isfile(_state_path(out)):
+            # Only a run of this command (its state file beside) is resumed: any other file is
+            # left as it is.
+            raise ValueError(f"--out {out} exists and is not a synth-prompts run to resume (no "
+                             f"{os.path.basename(_state_path(out))} beside it); choose another "
+                             f"--out or delete it")
         _drop_partial_line(out)  # a run killed mid-write
-        for _, text in read_prompts(out):
-            if dedup.add(text):
-                kept.append(text)
+        if os.path.getsize(out):  # a run that has kept none yet leaves it empty
+            for _, text in read_prompts(out):
+                if dedup.add(text):
+                    kept.append(text)
         if os.path.isfile(_state_path(out)):
             with open(_state_path(out)) as f:
                 state = json.load(f)

@@ -104,6 +104,17 @@ def test_synth_prompts_resumes_and_reports(tiny, tmp_path, monkeypatch, capsys):
     assert [json.loads(x)["prompt"] for x in open(out)] == again["prompts"]
     with pytest.raises(ValueError, match="same"):
         synthesize_prompts(llm, 8, out=out, seed=4, **kw)
+    # A file that is not a run of this command is refused and left as it was.
+    other = tmp_path / "config.json"
+    other.write_text('{"vocab_size": 259}')  # no newline at its end, no state file
+    with pytest.raises(ValueError, match="is not a synth-prompts run to resume"):
+        synthesize_prompts(llm, 2, out=str(other), seed=3, **kw)
+    assert other.read_text() == '{"vocab_size": 259}'
+    # A run that kept nothing yet (an empty file beside its state) resumes.
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("")
+    (tmp_path / "e.jsonl.state.json").write_text(json.dumps({"seed": 3, "batch": 8, "tries": 0}))
+    assert synthesize_prompts(llm, 2, out=str(empty), seed=3, **kw)["kept"] == 2
     ref = tmp_path / "ref.jsonl"
     ref.write_text(json.dumps({"prompt": "an unrelated reference question about tea"}) + "\n")
     cout = str(tmp_path / "c.jsonl")
