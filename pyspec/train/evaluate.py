@@ -310,6 +310,26 @@ def _heads_folder(spec: str) -> Optional[str]:
     return None
 
 
+def _check_manifest_target(draft_dir: str, target: Optional[str]) -> None:
+    """--record-in-manifest writes a measurement into the drafter's manifest: refused, before
+    anything runs, when the manifest names other target weights than the ones evaluated."""
+    from pyspec.models.loader import weights_sha256
+
+    with open(os.path.join(draft_dir, "drafter.json"), encoding="utf-8") as f:
+        want = ((json.load(f).get("manifest") or {}).get("target") or {}).get("sha256")
+    if want is None:
+        return
+    if target is None or target == "default":
+        from pyspec.models.default import default_model_path
+
+        target = default_model_path()
+    have = weights_sha256(os.path.expanduser(target))
+    if have != want:
+        raise ValueError(f"--record-in-manifest: {draft_dir} was made for target weights "
+                         f"{want[:12]}..., --target {target} has {have[:12]}...: a measurement on "
+                         f"this target does not belong in that drafter's manifest")
+
+
 def record_in_manifest(draft_dir: str, report: dict, args) -> None:
     """Write the candidate's summary into ``draft_dir``'s drafter.json ("evaluation"), with the
     spec and settings that reproduce it (folders by their base name)."""
@@ -403,6 +423,8 @@ def _cmd(args) -> int:
         raise ValueError(f"--record-in-manifest needs a drafter that uses a drafter folder "
                          f"(drafter.json: EAGLE/Medusa heads or a corpus, alone or in A+B / A|B, "
                          f"or 'default'); {args.draft!r} has none")
+    if args.record_in_manifest:
+        _check_manifest_target(heads, args.target)
     rows = read_prompt_lines(args.prompts, args.limit, args.per_category)
     prompts = [(c, t) for _, c, t in rows]
     drafts = {"candidate": args.draft}

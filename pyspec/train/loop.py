@@ -99,8 +99,14 @@ def resume(path: str, key: str, module: torch.nn.Module, opt: torch.optim.Optimi
         raise ValueError(f"{path}: this checkpoint was trained on other data or options (the "
                          "corpus, --train-tokens, --seed, --batch-tokens or the draft vocabulary "
                          f"differ); {restart}, or give another --out")
-    module.load_state_dict(state[key])
-    opt.load_state_dict(state["opt"])
+    try:
+        module.load_state_dict(state[key])
+        opt.load_state_dict(state["opt"])
+    except (RuntimeError, ValueError, KeyError) as e:  # another head shape or layer list
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{path}: this checkpoint was trained with other head options (the "
+                         f"intermediate size, feature layers, heads or draft layers differ: "
+                         f"{first}); {restart}, or give another --out") from None
     log(f"resumed from {path} after epoch {state['epoch']}")
     return int(state["epoch"])
 

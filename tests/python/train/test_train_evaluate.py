@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 
+from models_support import write_tiny_model
 from pyspec import cli
 
 
@@ -106,6 +107,14 @@ def test_eval_records_into_manifest(tiny, trained, tmp_path):
     ev = json.load(open(os.path.join(d, "drafter.json")))["manifest"]["evaluation"]
     assert ev["draft"] == "ngram|copy" and ev["max_tokens"] == 6
     assert ev["command"].startswith("pyspec eval-draft --draft 'ngram|copy' ")
+    # Measured on another target, the result is not recorded (refused before it runs).
+    other = write_tiny_model(tmp_path / "other", seed=5)
+    before = open(os.path.join(d, "drafter.json")).read()
+    assert cli.main(["eval-draft", "--target", other, "--draft", d, "--prompts", str(prompts),
+                     "--max-tokens", "6", "--out", str(tmp_path / "r3"),
+                     "--record-in-manifest"]) == 2
+    assert open(os.path.join(d, "drafter.json")).read() == before
+    assert not list((tmp_path / "r3").glob("*"))  # nothing was evaluated or reported
 
 
 def test_eval_draft_reports_the_predictors_accuracy(tiny, tmp_path, capsys):
