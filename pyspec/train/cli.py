@@ -105,11 +105,20 @@ def _prompt_lists(gen, args):
     from pyspec.train import data as D
 
     if args.prompt_file is not None:
-        from pyspec.train.evaluate import read_prompts
+        from pyspec.train.evaluate import read_prompt_lines
 
-        prompts = [text for _, text in read_prompts(args.prompt_file)]
-        print(f"{len(prompts)} requests from {args.prompt_file}")
-        return [prompts]
+        rows = read_prompt_lines(args.prompt_file)
+        # Every request is checked against the context before any is generated: one too long
+        # would otherwise end the run after the others' generation.
+        limit = gen.model.cfg.context_limit
+        for line, _, text in rows:
+            n = len(gen.chat_prompt([{"role": "user", "content": text}]))
+            if n + args.max_tokens > limit:
+                raise ValueError(f"--prompt-file {args.prompt_file}:{line}: the request ({n} "
+                                 f"tokens in the chat template) + --max-tokens {args.max_tokens} "
+                                 f"exceeds the target's context of {limit} tokens")
+        print(f"{len(rows)} requests from {args.prompt_file}")
+        return [[text for _, _, text in rows]]
     return [_self_prompts(gen, args) if name == "self" else
             D.seed_prompts(args.prompts, seed=args.seed, prompt_set=name)
             for name in args.prompt_set.split(",")]

@@ -96,6 +96,14 @@ def test_prompt_file_and_init_from(tiny, trained, tmp_path):
         assert cli.main(["train-draft", "--target", tiny, "--out", str(tmp_path / "bad")]
                         + extra) == 2, extra
     assert not os.path.exists(tmp_path / "bad")  # refused before anything was written
+    # A request past the target's context is named by its line before any generation.
+    long_reqs = tmp_path / "long.jsonl"
+    long_reqs.write_text(json.dumps({"prompt": "short one"}) + "\n"
+                         + json.dumps({"prompt": "x " * 2000}) + "\n")
+    out = tmp_path / "long"
+    assert cli.main(["train-draft", "--target", tiny, "--out", str(out), "--prompt-file",
+                     str(long_reqs), "--max-tokens", "4"]) == 2
+    assert not (out / "data.pt").exists()
 
 
 def test_target_mismatch_warns_vocab_mismatch_fails(trained, tmp_path):
