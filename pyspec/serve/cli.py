@@ -224,6 +224,25 @@ def check_server_flags(args) -> None:
         raise ValueError(f"--max-body-mb must be a number > 0; got {args.max_body_mb}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535]; got {args.port}")
+    shadow = getattr(args, "shadow_draft", None)
+    ratio = getattr(args, "shadow_ratio", None)
+    if ratio is not None and shadow is None:
+        raise ValueError("--shadow-ratio needs --shadow-draft SPEC (the drafter it mirrors "
+                         "traffic to)")
+    if shadow is not None:
+        args.shadow_ratio = 0.1 if ratio is None else ratio
+        if not (math.isfinite(args.shadow_ratio) and 0 < args.shadow_ratio <= 1):
+            raise ValueError(f"--shadow-ratio must be in (0, 1] (the share of traffic "
+                             f"mirrored); got {args.shadow_ratio}")
+    else:
+        args.shadow_ratio = 0.0
+    if getattr(args, "region", None) is not None and not args.config:
+        raise ValueError("--region needs --config FILE (its regions.<REGION> overrides)")
+    if not getattr(args, "served_model_name", "pyspec"):
+        raise ValueError("--served-model-name must not be empty (clients send it as 'model')")
+    profile_dir = getattr(args, "profile_dir", None)
+    if profile_dir is not None and os.path.exists(profile_dir) and not os.path.isdir(profile_dir):
+        raise ValueError(f"--profile-dir {profile_dir}: exists and is not a folder")
     w = getattr(args, "watch_config", None)
     if w is not None:
         if not args.config:
@@ -269,7 +288,8 @@ def add_serve_flags(p) -> None:
     p.add_argument("--shadow-draft", default=None,
                    help="shadow mode: a candidate drafter run on mirrored traffic (responses "
                         "untouched); metrics labelled drafter=\"candidate\"")
-    p.add_argument("--shadow-ratio", type=float, default=0.1, help="share of traffic mirrored")
+    p.add_argument("--shadow-ratio", type=float, default=None,
+                   help="share of traffic mirrored (with --shadow-draft; default 0.1)")
     p.add_argument("--otlp-endpoint", default=None,
                    help="export OpenTelemetry traces here (default: OTEL_EXPORTER_OTLP_ENDPOINT; "
                         "unset = no tracing)")

@@ -45,6 +45,11 @@ from models_support import write_tiny_model  # noqa: E402
      "target_ongoing_requests must be a number > 0"),
     (["--ray", "--ray-autoscaling", '{"max_replicas": 2.5}'],
      "max_replicas must be a whole number"),
+    (["--shadow-ratio", "0.5"], "--shadow-ratio needs --shadow-draft"),
+    (["--shadow-draft", "ngram", "--shadow-ratio", "2"], r"--shadow-ratio must be in \(0, 1\]"),
+    (["--region", "eu"], "--region needs --config"),
+    (["--served-model-name="], "--served-model-name must not be empty"),
+    (["--prompt-log", "NODIR"], "must be a file this process can append to"),
 ])
 def test_serve_cli_refuses_bad_options_before_loading(argv, message, tmp_path, capsys,
                                                       monkeypatch):
@@ -58,7 +63,8 @@ def test_serve_cli_refuses_bad_options_before_loading(argv, message, tmp_path, c
         raise AssertionError("the model was loaded before the options were checked")
 
     monkeypatch.setattr(serve_cli, "build", no_load)
-    argv = [str(tmp_path / "p.jsonl") if a == "P" else a for a in argv]
+    argv = [str(tmp_path / "p.jsonl") if a == "P" else
+            str(tmp_path / "nodir" / "p.jsonl") if a == "NODIR" else a for a in argv]
     assert cli.main(["serve", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("pyspec: error:") and re.search(message, err), err
