@@ -254,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
                 if isinstance(e, ModuleNotFoundError) and extra else "")
         print(f"pyspec: error: {e}{hint}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback (resumable commands say so)
+        print(f"pyspec {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -107,7 +107,7 @@ def _prompt_lists(gen, args):
     if args.prompt_file is not None:
         from pyspec.train.evaluate import read_prompt_lines
 
-        rows = read_prompt_lines(args.prompt_file)
+        rows = read_prompt_lines(args.prompt_file, flag="--prompt-file")
         # Every request is checked against the context before any is generated: one too long
         # would otherwise end the run after the others' generation.
         limit = gen.model.cfg.context_limit
@@ -580,7 +580,11 @@ def synth_prompts(args) -> dict:
     check_synthesis(args.n, batch=args.batch, max_tokens=args.max_tokens,
                     temperature=args.temperature, min_words=args.min_words, max_words=args.max_words,
                     min_latin=args.min_latin, near_duplicate=args.near_duplicate, flags=True)
-    reference = [text for _, text in read_prompts(args.reference)] if args.reference else []
+    reference = ([text for _, text in read_prompts(args.reference, flag="--reference")]
+                 if args.reference else [])
+    folder = os.path.dirname(os.path.abspath(args.out))
+    if os.path.isdir(args.out) or not os.path.isdir(folder):  # before the model loads
+        raise ValueError(f"--out {args.out}: must be a file in a folder that exists ({folder})")
     llm = pyspec.LLM(args.target, draft="none", dtype=args.dtype, progress=True)
     run = synthesize_prompts(llm, args.n, out=args.out, seed=args.seed, batch=args.batch,
                              max_tokens=args.max_tokens, temperature=args.temperature,

@@ -28,17 +28,19 @@ from typing import Dict, List, Optional
 TRACKED = ("tokens_per_target_step",)
 
 
-def read_prompts(path: str, limit: Optional[int] = None, per_category: Optional[int] = None):
+def read_prompts(path: str, limit: Optional[int] = None, per_category: Optional[int] = None,
+                 flag: str = "--prompts"):
     """JSONL rows: MT-bench style ``{"category", "turns": [...]}`` or ``{"prompt", "category"?}``
-    (also what ``pyspec serve``'s prompt sampling writes), as ``(category, text)`` pairs."""
-    return [(c, t) for _, c, t in read_prompt_lines(path, limit, per_category)]
+    (also what ``pyspec serve``'s prompt sampling writes), as ``(category, text)`` pairs.
+    ``flag``: the option that named the file, for the error of a missing one."""
+    return [(c, t) for _, c, t in read_prompt_lines(path, limit, per_category, flag)]
 
 
 def read_prompt_lines(path: str, limit: Optional[int] = None,
-                      per_category: Optional[int] = None):
+                      per_category: Optional[int] = None, flag: str = "--prompts"):
     """:func:`read_prompts` with each prompt's line number: ``(line, category, text)``."""
     if not os.path.isfile(path):
-        raise ValueError(f"--prompts: {path!r} is not a file")
+        raise ValueError(f"{flag}: {path!r} is not a file")
     out = []
     # Read as bytes and decoded per line: an encoding error then names the file and its line (a
     # text-mode read decodes in chunks and fails with neither).

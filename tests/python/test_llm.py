@@ -256,6 +256,14 @@ def test_cli_usage_errors_are_one_line(model_dir, capsys, monkeypatch):
     assert "No module named 'fastapi'" in err and "pip install 'pyspec-decode[serve]'" in err, err
 
 
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_cmd_info", interrupted)
+    assert cli.main(["info"]) == 130
+    assert capsys.readouterr().err == "pyspec info: interrupted\n"
+
+
 def test_cli_generate_compare_one_token(model_dir, capsys):
     """One token is all prefill: no decode speed to print, nor a decode speedup (not NaN)."""
     rc = cli.main(["generate", "abc abc abc abc", "--model", model_dir, "--draft", "ngram",

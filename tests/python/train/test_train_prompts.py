@@ -126,3 +126,11 @@ def test_synth_prompts_resumes_and_reports(tiny, tmp_path, monkeypatch, capsys):
     assert "--min-latin 0.0" in rep["command"]
     assert cli.main(["synth-prompts", "--target", tiny, "--n", "0", "--out", cout]) == 2
     assert "--n must be >= 1" in capsys.readouterr().err
+    # Named by their own flag, before the model loads (here it does not even exist).
+    missing = str(tmp_path / "no-model")
+    assert cli.main(["synth-prompts", "--target", missing, "--n", "2", "--out", cout,
+                     "--reference", str(tmp_path / "nope.jsonl")]) == 2
+    assert "--reference: " in capsys.readouterr().err
+    assert cli.main(["synth-prompts", "--target", missing, "--n", "2", "--out",
+                     str(tmp_path / "nodir" / "x.jsonl")]) == 2
+    assert "must be a file in a folder that exists" in capsys.readouterr().err
