@@ -12,11 +12,13 @@ from pyspec.serve.ray_app import check_ray_flags
 
 
 def cmd_serve(args) -> int:
-    from pyspec.serve.http import run_server
+    from pyspec.serve.http import check_listen, run_server
 
     serve_cli.check_prompt_log(args)
     serve_cli.check_server_flags(args)
     check_ray_flags(args)
+    if not args.ray:
+        check_listen(args.host, args.port)
     logging.basicConfig(level=logging.INFO)
     if args.ray:
         from pyspec.serve.ray_app import run

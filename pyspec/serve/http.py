@@ -65,6 +65,25 @@ def make_protocol(header_timeout: float):
     return Protocol
 
 
+def check_listen(host: str, port: int) -> None:
+    """ValueError naming --host / --port when this process cannot listen there (an unknown host,
+    a port in use or not allowed): found before the model loads, not after the server starts."""
+    import socket
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"--host {host}: not an address this machine can listen on ({e})") \
+            from None
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise ValueError(f"--host {host} --port {port}: cannot listen there "
+                             f"({e.strerror or e}; another server on the port?)") from None
+
+
 def check_server_settings(*, header_timeout: float, keep_alive_timeout: float,
                           drain_timeout: float, ssl_keyfile: Optional[str],
                           ssl_certfile: Optional[str]) -> None:

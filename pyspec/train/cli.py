@@ -41,10 +41,13 @@ def _feature_layers(text):
     if text is None:
         return None
     try:
-        return [int(x) for x in str(text).split(",") if x.strip()] or None
+        layers = [int(x) for x in str(text).split(",") if x.strip()]
     except ValueError:
+        layers = []
+    if not layers:
         raise ValueError(f"--feature-layers must be comma-separated layer numbers (e.g. "
-                         f"3,15,27,30); got {text!r}") from None
+                         f"3,15,27,30); got {text!r}")
+    return layers
 
 
 def _self_prompts(gen, args):
@@ -328,7 +331,12 @@ def train_draft(args) -> str:
     # The input files are checked before anything is loaded or written.
     if args.prompt_file is not None and not os.path.isfile(args.prompt_file):
         raise ValueError(f"--prompt-file {args.prompt_file!r}: no such file")
-    data_paths = [os.path.expanduser(p) for p in (args.data or "").split(",") if p]
+    data_paths = [os.path.expanduser(p) for p in (args.data or "").split(",") if p.strip()]
+    if args.data is not None and not data_paths:
+        raise ValueError(f"--data names no file or folder; got {args.data!r}")
+    if data_paths and args.prompt_file is not None:
+        raise ValueError("--data and --prompt-file both say where the corpus comes from; give "
+                         "one (--prompt-file generates a new corpus, --data reuses one)")
     for p in data_paths:
         if not (os.path.isfile(p) or os.path.isdir(p)):
             raise ValueError(f"--data: {p!r} is neither a file nor a folder (give data.pt files "

@@ -202,3 +202,26 @@ def test_tree_width_applies_to_draft_model_folders_only(tmp_path, monkeypatch):
                  f"{model}@tree=2"):
         with pytest.raises(ValueError, match="tree_width=3 applies to a draft-model folder"):
             with_tree_width(spec, 3)
+
+
+def test_serve_refuses_an_address_it_cannot_listen_on_before_loading(capsys, monkeypatch):
+    """A port another server holds, or a host name that does not resolve: one line, status 2,
+    before the model loads (not uvicorn's error after the start line)."""
+    import socket
+
+    from pyspec import cli
+    from pyspec.serve import cli as serve_cli
+
+    def no_load(args):
+        raise AssertionError("the model was loaded before the address was checked")
+
+    monkeypatch.setattr(serve_cli, "build", no_load)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert cli.main(["serve", "--port", str(port)]) == 2
+        err = capsys.readouterr().err
+        assert f"--port {port}: cannot listen there" in err, err
+    assert cli.main(["serve", "--host", "no.such.host.invalid", "--port", "0"]) == 2
+    assert "--host no.such.host.invalid: not an address" in capsys.readouterr().err
