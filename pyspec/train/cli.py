@@ -235,13 +235,16 @@ def _generation_options(args) -> dict:
 
     opts = {"prompts": args.prompts, "prompt_set": args.prompt_set, "max_tokens": args.max_tokens,
             "batch": args.batch, "seed": args.seed, "gen_dtype": args.gen_dtype,
-            "hidden": args.method != "suffix"}
+            "hidden": args.method != "suffix", "prompt_file": args.prompt_file}
     if args.prompt_file is not None:
         with open(args.prompt_file, "rb") as f:
             opts["prompt_file_sha256"] = hashlib.sha256(f.read()).hexdigest()
-        opts.pop("prompts")
-        opts.pop("prompt_set")
     return opts
+
+
+# Generation options a rerun that reuses --out/data.pt takes from it (so that its recipe says how
+# that corpus was made); the seed also orders training, so a different one is refused instead.
+_ADOPTED = ("prompts", "prompt_set", "max_tokens", "batch", "gen_dtype", "prompt_file")
 
 
 def _recorded_target(folder: str) -> Optional[str]:
@@ -284,12 +287,22 @@ def _claim_out(args, target_sha: str, data_paths, reused_data: bool) -> None:
     if method is not None and method != args.method:
         raise ValueError(f"--out {args.out} holds a {method} drafter; this run trains "
                          f"--method {args.method}: {restart}")
-    if reused_data and prev is not None and prev.get("generation") not in (None, gen_opts):
-        diff = sorted(k for k in set(gen_opts) | set(prev["generation"])
-                      if gen_opts.get(k) != prev["generation"].get(k))
-        raise ValueError(f"--out {args.out}/data.pt was generated with other options ("
-                         f"{', '.join(diff)} differ): {restart}, or delete data.pt to generate "
-                         f"the corpus again")
+    recorded_gen = (prev or {}).get("generation") if reused_data else None
+    if recorded_gen is not None and recorded_gen != gen_opts:
+        diff = sorted(k for k in set(gen_opts) | set(recorded_gen)
+                      if gen_opts.get(k) != recorded_gen.get(k))
+        fixed = [k for k in diff if k not in _ADOPTED and not (
+            k == "prompt_file_sha256" and args.prompt_file is None)]  # (the file is adopted)
+        if fixed:
+            raise ValueError(f"--out {args.out}/data.pt was generated with other options ("
+                             f"{', '.join(fixed)} differ): {restart}, or delete data.pt to "
+                             f"generate the corpus again")
+        adopted = [k for k in diff if k in _ADOPTED]
+        for k in adopted:  # the corpus is reused: the recipe records how it was made
+            setattr(args, k, recorded_gen.get(k))
+        print(f"reusing {args.out}/data.pt, generated with "
+              + ", ".join(f"--{k.replace('_', '-')} {recorded_gen.get(k)}" for k in adopted)
+              + " (the recipe records those); delete data.pt to generate with these options")
     for p in data_paths:  # another run's corpus: its hidden states are its target's
         folder = p if os.path.isdir(p) else os.path.dirname(os.path.abspath(p))
         other = _recorded_target(folder)
