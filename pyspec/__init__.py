@@ -10,12 +10,13 @@ validation, defaults, the model layer, the drafters, the engine and the API.
 try:
     from pyspec import _C
 except ImportError as _e:  # the source tree, not the installed package, is on the path
+    import importlib.util as _util
     import os as _os
 
     _here = _os.path.dirname(_os.path.abspath(__file__))
-    if any(f.startswith("_C.") for f in _os.listdir(_here)) or \
+    if _util.find_spec("pyspec._C") is not None or \
             not _os.path.isfile(_os.path.join(_os.path.dirname(_here), "pyproject.toml")):
-        raise  # a core that is there but does not load: its own error says why
+        raise  # a core that is there (an editable install's too) but does not load: its error
     raise ImportError(
         f"pyspec's compiled core (pyspec._C) is not in {_here}: Python is importing the source "
         f"checkout instead of the installed package (it is on the path because the current "

@@ -315,8 +315,9 @@ def draft_probs_problem(tokens: Sequence[int], parents: Sequence[int],
         return None
     rows = sorted({int(parents[c]) for c in kids})
     q = draft_probs[rows].to(torch.float32)
-    if not bool(torch.isfinite(q).all()) or bool((q < 0).any()):
-        return "a draft_probs row of a node with children has a NaN, infinite or negative entry"
+    # One pass for NaN, infinities and negatives (NaN compares false; probabilities are <= 1).
+    if not bool(((q >= 0) & (q <= 1 + row_sum_tolerance)).all()):
+        return "a draft_probs row of a node with children has a NaN, infinite, negative or > 1 entry"
     sums = q.sum(dim=1, dtype=torch.float64)
     if bool(((sums - 1.0).abs() > row_sum_tolerance).any()):
         return (f"draft_probs rows of nodes with children must sum to 1 within "

@@ -254,13 +254,16 @@ class DraftStage:
                 return None
             if dr.draft_probs is not None:
                 p = dr.draft_probs
-                if tuple(p.shape) != (n, self.vocab_size) or not bool(torch.isfinite(p).all()):
+                if tuple(p.shape) != (n, self.vocab_size):
                     return None
-                # A sampled request's rows go to the batch's acceptance, which refuses the whole
-                # call for one bad row: checked here (at half its tolerance, so that the walk's
-                # float32 sums cannot disagree), failing only this request.
-                if q.temperature > 0.0 and draft_probs_problem(
-                        dr.tokens, parents, p, row_sum_tolerance=0.5e-3) is not None:
+                if q.temperature > 0.0:
+                    # The rows the batch's acceptance reads, which refuses the whole call for one
+                    # bad row: checked here (at half its tolerance, so that the walk's float32
+                    # sums cannot disagree), failing only this request.
+                    if draft_probs_problem(dr.tokens, parents, p,
+                                           row_sum_tolerance=0.5e-3) is not None:
+                        return None
+                elif not bool(torch.isfinite(p).all()):
                     return None
             return tree
         except Exception:  # noqa: BLE001

@@ -35,9 +35,10 @@ class Router:
         self.rules = list(rules)
         for k, rule in enumerate(self.rules):
             if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and callable(rule[0])
-                    and isinstance(rule[1], str)):
+                    and (rule[1] is None or isinstance(rule[1], str))):
                 raise ValueError(f"Router rule {k} must be a (predicate, drafter name) pair: a "
-                                 f"callable taking RouteFeatures and a str; got {rule!r:.120}")
+                                 f"callable taking RouteFeatures and a str (None: decode "
+                                 f"plainly); got {rule!r:.120}")
         if default is not None and not isinstance(default, str):
             raise ValueError(f"Router default must be a drafter name (str) or None; got "
                              f"{default!r:.120}")

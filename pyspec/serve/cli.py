@@ -198,8 +198,9 @@ def check_prompt_log(args) -> None:
                          f"got {r}")
     path = args.prompt_log
     folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK) or (
-            os.path.exists(path) and not os.access(path, os.W_OK)):
+    exists = os.path.exists(path)  # appending to it needs the file writable, not the folder
+    if os.path.isdir(path) or not os.path.isdir(folder) or (
+            not os.access(path, os.W_OK) if exists else not os.access(folder, os.W_OK)):
         raise ValueError(f"--prompt-log {path}: must be a file this process can append to, in a "
                          f"folder that exists ({folder})")
 

@@ -70,8 +70,9 @@ def check_listen(host: str, port: int) -> None:
     a port in use or not allowed): found before the model loads, not after the server starts."""
     import socket
 
-    try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    try:  # "" (as for the server) is every interface
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     except (socket.gaierror, UnicodeError) as e:
         raise ValueError(f"--host {host}: not an address this machine can listen on ({e})") \
             from None

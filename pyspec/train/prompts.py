@@ -202,9 +202,10 @@ def synthesize_prompts(llm, n: int, *, out: Optional[str] = None, seed: int = 0,
     if out is not None and os.path.exists(out):
         from pyspec.train.evaluate import read_prompts
 
-        if not os.path.isfile(out) or not os.path.isfile(_state_path(out)):
-            # Only a run of this command (its state file beside) is resumed: any other file is
-            # left as it is.
+        if not os.path.isfile(out) or (os.path.getsize(out) and
+                                       not os.path.isfile(_state_path(out))):
+            # Only a run of this command (its state file beside, or an empty file: a run
+            # stopped in its first batch) is resumed: any other file is left as it is.
             raise ValueError(f"--out {out} exists and is not a synth-prompts run to resume (no "
                              f"{os.path.basename(_state_path(out))} beside it); choose another "
                              f"--out or delete it")

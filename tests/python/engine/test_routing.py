@@ -50,6 +50,7 @@ def test_router_and_switching(model, plain):
                       ({"switch_order": [1]}, "switch_order must hold drafter names")):
         with pytest.raises(ValueError, match=match):
             Router(**kw)
+    assert Router([(lambda f: f.prompt_len > 99, None)], default="ngram").rules  # None: plain
 
 
 def test_a_request_that_starts_plain_switches_to_an_untried_drafter(model, plain):

@@ -225,3 +225,5 @@ def test_serve_refuses_an_address_it_cannot_listen_on_before_loading(capsys, mon
         assert f"--port {port}: cannot listen there" in err, err
     assert cli.main(["serve", "--host", "no.such.host.invalid", "--port", "0"]) == 2
     assert "--host no.such.host.invalid: not an address" in capsys.readouterr().err
+    with pytest.raises(AssertionError, match="loaded before"):  # "": every interface, fine
+        cli.main(["serve", "--host", "", "--port", "0"])

@@ -110,11 +110,15 @@ def test_synth_prompts_resumes_and_reports(tiny, tmp_path, monkeypatch, capsys):
     with pytest.raises(ValueError, match="is not a synth-prompts run to resume"):
         synthesize_prompts(llm, 2, out=str(other), seed=3, **kw)
     assert other.read_text() == '{"vocab_size": 259}'
-    # A run that kept nothing yet (an empty file beside its state) resumes.
+    # A run that kept nothing yet resumes: an empty file beside its state, or an empty file
+    # alone (stopped during its first batch, before the state was first written).
     empty = tmp_path / "e.jsonl"
     empty.write_text("")
     (tmp_path / "e.jsonl.state.json").write_text(json.dumps({"seed": 3, "batch": 8, "tries": 0}))
     assert synthesize_prompts(llm, 2, out=str(empty), seed=3, **kw)["kept"] == 2
+    alone = tmp_path / "alone.jsonl"
+    alone.write_text("")
+    assert synthesize_prompts(llm, 2, out=str(alone), seed=3, **kw)["kept"] == 2
     ref = tmp_path / "ref.jsonl"
     ref.write_text(json.dumps({"prompt": "an unrelated reference question about tea"}) + "\n")
     cout = str(tmp_path / "c.jsonl")
