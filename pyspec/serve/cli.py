@@ -181,21 +181,30 @@ class ConfigWatcher:
         self._thread.join()
 
 
+def _share_option(args, name: str, needs: str, default: float, needs_what: str,
+                  share_what: str) -> None:
+    """A share option (--NAME, in (0, 1]) that goes with the option --NEEDS: refused without it,
+    ``default`` when --NEEDS comes alone, 0.0 when neither is given."""
+    attr = name.replace("-", "_")
+    r = getattr(args, attr, None)
+    if getattr(args, needs.replace("-", "_"), None) is None:
+        if r is not None:
+            raise ValueError(f"--{name} needs --{needs} {needs_what}")
+        setattr(args, attr, 0.0)
+        return
+    r = default if r is None else r
+    if not (math.isfinite(r) and 0 < r <= 1):
+        raise ValueError(f"--{name} must be in (0, 1] ({share_what}); got {r}")
+    setattr(args, attr, r)
+
+
 def check_prompt_log(args) -> None:
     """--prompt-log-ratio only with --prompt-log, in (0, 1]; 0.01 when --prompt-log comes alone
     (a ratio of 0 would open the file and never write it)."""
-    r = args.prompt_log_ratio
+    _share_option(args, "prompt-log-ratio", "prompt-log", 0.01,
+                  "FILE.jsonl (where the sampled prompts go)", "the share of prompts logged")
     if args.prompt_log is None:
-        if r is not None:
-            raise ValueError("--prompt-log-ratio needs --prompt-log FILE.jsonl (where the sampled "
-                             "prompts go)")
-        args.prompt_log_ratio = 0.0
         return
-    if r is None:
-        args.prompt_log_ratio = 0.01
-    elif not (math.isfinite(r) and 0 < r <= 1):
-        raise ValueError(f"--prompt-log-ratio must be in (0, 1] (the share of prompts logged); "
-                         f"got {r}")
     path = args.prompt_log
     folder = os.path.dirname(os.path.abspath(path))
     exists = os.path.exists(path)  # appending to it needs the file writable, not the folder
@@ -225,18 +234,8 @@ def check_server_flags(args) -> None:
         raise ValueError(f"--max-body-mb must be a number > 0; got {args.max_body_mb}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535]; got {args.port}")
-    shadow = getattr(args, "shadow_draft", None)
-    ratio = getattr(args, "shadow_ratio", None)
-    if ratio is not None and shadow is None:
-        raise ValueError("--shadow-ratio needs --shadow-draft SPEC (the drafter it mirrors "
-                         "traffic to)")
-    if shadow is not None:
-        args.shadow_ratio = 0.1 if ratio is None else ratio
-        if not (math.isfinite(args.shadow_ratio) and 0 < args.shadow_ratio <= 1):
-            raise ValueError(f"--shadow-ratio must be in (0, 1] (the share of traffic "
-                             f"mirrored); got {args.shadow_ratio}")
-    else:
-        args.shadow_ratio = 0.0
+    _share_option(args, "shadow-ratio", "shadow-draft", 0.1,
+                  "SPEC (the drafter it mirrors traffic to)", "the share of traffic mirrored")
     if getattr(args, "region", None) is not None and not args.config:
         raise ValueError("--region needs --config FILE (its regions.<REGION> overrides)")
     if not getattr(args, "served_model_name", "pyspec"):
